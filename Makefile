@@ -1,0 +1,36 @@
+# `make test` / `make demo` set everything up on a fresh machine (Python 3.11, CPU):
+# they create .venv from requirements-cpu.txt when it is missing, then run.
+# On a machine that already has the frameworks (e.g. the GPU box, python 3.12 with its own
+# torch/triton/jax and no package index), skip the venv:  make test PY=python3
+VENV ?= .venv
+PY ?= $(VENV)/bin/python
+BASE_PY ?= python3.11
+PYTEST_ARGS ?=
+
+.PHONY: test demo bench env clean
+
+ifeq ($(PY),$(VENV)/bin/python)
+ENV_DEP := $(VENV)/.installed
+else
+ENV_DEP :=
+endif
+
+$(VENV)/.installed: requirements-cpu.txt
+	@command -v $(BASE_PY) >/dev/null || { echo "need $(BASE_PY) (or run with PY=python3 on a prepared machine)"; exit 1; }
+	test -x $(PY) || $(BASE_PY) -m venv $(VENV)
+	$(PY) -m pip install -q --no-cache-dir --disable-pip-version-check -r requirements-cpu.txt
+	touch $@
+
+env: $(ENV_DEP)
+
+test: $(ENV_DEP)
+	PYTHONPATH=$(CURDIR) $(PY) -m pytest -q $(PYTEST_ARGS)
+
+demo: $(ENV_DEP)
+	PYTHONPATH=$(CURDIR) $(PY) benchmarks/demo.py
+
+bench: $(ENV_DEP)
+	PYTHONPATH=$(CURDIR) $(PY) benchmarks/linear_cross_entropy.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache

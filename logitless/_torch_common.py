@@ -1,0 +1,163 @@
+"""PyTorch-side pieces shared by the front door and every torch backend: argument checks,
+flattening, the no-sync target check, the loss math on one chunk of logits, and the
+in-place fp32 weight-gradient accumulation."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+from .specs import linear_cross_entropy as spec
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+@dataclasses.dataclass
+class Prepared:
+    x: torch.Tensor               # (N, H)
+    w: torch.Tensor               # (V, H), possibly non-contiguous (e.g. a transposed tied embedding)
+    y: torch.Tensor               # (N,) integer
+    bias: Optional[torch.Tensor]  # (V,)
+    class_weight: Optional[torch.Tensor]  # (V,) float32/float64
+    problem: spec.Problem
+
+
+def _require_tensor(name, t, optional=False):
+    if t is None and optional:
+        return
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+
+
+def prepare(input, linear_weight, target, linear_bias, weight, *, weight_layout="vh") -> Prepared:
+    """Check types, dtypes, devices and shapes (errors name the argument); flatten to 2-D."""
+    _require_tensor("input", input)
+    _require_tensor("linear_weight", linear_weight)
+    _require_tensor("target", target)
+    _require_tensor("linear_bias", linear_bias, optional=True)
+    _require_tensor("weight", weight, optional=True)
+    if input.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"input must be a floating tensor (float32/bfloat16/float16/float64), got {input.dtype}")
+    if linear_weight.dtype != input.dtype:
+        raise TypeError(f"linear_weight dtype {linear_weight.dtype} does not match input dtype {input.dtype}")
+    if linear_bias is not None and linear_bias.dtype != input.dtype:
+        raise TypeError(f"linear_bias dtype {linear_bias.dtype} does not match input dtype {input.dtype}")
+    if target.dtype == torch.bool or target.is_floating_point() or target.is_complex():
+        raise TypeError(
+            f"target must hold integer class indices (e.g. torch.long), got {target.dtype}; "
+            "class-probability targets are not supported")
+    if weight is not None and not weight.is_floating_point():
+        raise TypeError(f"weight (class weights) must be a floating tensor, got {weight.dtype}")
+    dev = input.device
+    for name, t in (("linear_weight", linear_weight), ("target", target),
+                    ("linear_bias", linear_bias), ("weight", weight)):
+        if t is not None and t.device != dev:
+            raise ValueError(f"{name} is on {t.device} but input is on {dev}; move them to one device")
+    problem = spec.check_shapes(input.shape, linear_weight.shape, target.shape,
+                                None if linear_bias is None else linear_bias.shape,
+                                None if weight is None else weight.shape, weight_layout=weight_layout)
+    w = linear_weight if weight_layout == "vh" else linear_weight.t()
+    acc = torch.float64 if input.dtype == torch.float64 else torch.float32
+    return Prepared(
+        x=input.reshape(problem.n, problem.h), w=w, y=target.reshape(problem.n),
+        bias=linear_bias,
+        class_weight=None if weight is None else weight.detach().to(acc).contiguous(),
+        problem=problem)
+
+
+def check_targets(y: torch.Tensor, v: int, ignore_index: int) -> None:
+    """Target range check without a host sync: an async device assert on CUDA, an
+    immediate RuntimeError on CPU. Backends also never read out of bounds for bad targets."""
+    if y.numel() == 0:
+        return
+    ok = ((y >= 0) & (y < v)) | (y == ignore_index)
+    torch._assert_async(ok.all(), spec.target_range_message(v, ignore_index))
+
+
+def accumulate_mm_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b`` with fp32 ``acc`` and no ``acc``-sized temporary.
+
+    CUDA: cuBLAS with a float32 C (``out_dtype``) straight from bf16/fp16 operands. Elsewhere:
+    the operands (chunk-sized) are upcast and ``addmm_`` works in place.
+    """
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+    elif acc.is_cuda and acc.dtype == torch.float32:
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    else:
+        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
+
+
+@dataclasses.dataclass
+class TokenTerms:
+    """Per-token quantities of one chunk (see the spec's docstring for the symbols)."""
+
+    lse: torch.Tensor      # lse_i
+    loss: torch.Tensor     # l_i
+    mask: torch.Tensor     # m_i (float)
+    omega: torch.Tensor    # ω_i
+    y_safe: torch.Tensor   # y_i, ignored tokens mapped to class 0
+
+
+def capped(z: torch.Tensor, softcap: Optional[float]) -> torch.Tensor:
+    return z if softcap is None else softcap * torch.tanh(z / softcap)
+
+
+def token_terms(c: torch.Tensor, y: torch.Tensor, class_weight, opts: spec.LinearCrossEntropyOptions,
+                weight_sum) -> TokenTerms:
+    """Loss terms from a chunk of capped logits ``c`` (fp32 or fp64, [C, V])."""
+    v = c.shape[1]
+    lse = torch.logsumexp(c, dim=1)
+    mask_b = y != opts.ignore_index
+    y_safe = torch.where(mask_b, y, torch.zeros_like(y)).long()
+    mask = mask_b.to(c.dtype)
+    w_y = mask if class_weight is None else mask * class_weight[y_safe]
+    c_y = c.gather(1, y_safe[:, None])[:, 0]
+    loss = (1 - opts.label_smoothing) * w_y * (lse - c_y)
+    if opts.uses_smoothing:
+        wc = c.sum(1) if class_weight is None else c @ class_weight
+        loss = loss + mask * (opts.label_smoothing / v) * (weight_sum * lse - wc)
+    if opts.z_loss:
+        loss = loss + opts.z_loss * w_y * lse * lse
+    return TokenTerms(lse=lse, loss=loss, mask=mask, omega=w_y, y_safe=y_safe)
+
+
+def grad_capped_logits(c, t: TokenTerms, g_tok, h_tok, class_weight, opts, weight_sum):
+    """dc = g·(A·p − B·onehot(y) − m·(ε/V)·w) + h·p for one chunk (fp32/fp64, [C, V])."""
+    v = c.shape[1]
+    eps = opts.label_smoothing
+    p = torch.exp(c - t.lse[:, None])
+    a = (1 - eps) * t.omega + 2 * opts.z_loss * t.omega * t.lse
+    if opts.uses_smoothing:
+        a = a + t.mask * (eps / v) * weight_sum
+    coef = g_tok * a if h_tok is None else g_tok * a + h_tok
+    dc = p.mul_(coef[:, None])
+    dc.scatter_add_(1, t.y_safe[:, None], (-g_tok * (1 - eps) * t.omega)[:, None])
+    if opts.uses_smoothing:
+        cw = torch.ones(v, dtype=c.dtype, device=c.device) if class_weight is None else class_weight
+        dc.sub_((g_tok * t.mask * (eps / v))[:, None] * cw[None, :])
+    if opts.softcap is not None:
+        dc.mul_(1 - (c / opts.softcap) ** 2)
+    return dc
+
+
+def class_weight_sum(class_weight, v: int, like: torch.Tensor):
+    """Ω = Σ_v w_v as a 0-d tensor (V without class weights), kept on device: no sync."""
+    if class_weight is None:
+        return torch.tensor(float(v), dtype=like.dtype, device=like.device)
+    return class_weight.sum().to(like.dtype)
+
+
+def token_weight_total(y, class_weight, ignore_index: int, dtype):
+    """Σ_i ω_i over all tokens (the "mean" divisor), on device."""
+    mask = y != ignore_index
+    if class_weight is None:
+        return mask.sum(dtype=dtype)
+    y_safe = torch.where(mask, y, torch.zeros_like(y)).long()
+    return (class_weight[y_safe].to(dtype) * mask).sum()
+
+
+def mean_denominator(total):
+    """Σω, or 1 where Σω = 0 so that an all-ignored batch gives loss 0 and zero grads."""
+    return torch.where(total > 0, total, torch.ones_like(total))

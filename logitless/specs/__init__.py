@@ -1,0 +1,1 @@
+"""Framework-free definitions: options, semantics, float64 references, chunk plans."""

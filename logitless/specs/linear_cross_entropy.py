@@ -1,0 +1,211 @@
+r"""Linear cross-entropy: the one definition every backend implements.
+
+Inputs (after flattening the leading dims of ``input``/``target``):
+``x (N, H)``, ``W (V, H)``, optional bias ``b (V,)``, targets ``y (N,)``, optional
+class weights ``w (V,)`` (``w = 1`` without them), options ``ε`` (label_smoothing),
+``ζ`` (z_loss), ``s`` (softcap), ``ignore_index``.
+
+Forward, per token i (all arithmetic in fp32 or wider)::
+
+    z_iv  = x_i · W_v + b_v                                 raw logits
+    c_iv  = s·tanh(z_iv / s)       (c = z without softcap)  the logits the loss sees
+    lse_i = log Σ_v exp(c_iv)
+    m_i   = 0 if y_i == ignore_index else 1                 token mask
+    ω_i   = m_i · w[y_i]                                    token weight
+    Ω     = Σ_v w_v                                         (= V without class weights)
+    ce_i  = (1-ε)·ω_i·(lse_i − c_{i,y_i}) + m_i·(ε/V)·Σ_v w_v·(lse_i − c_iv)
+    l_i   = ce_i + ζ·ω_i·lse_i²
+
+This is ``F.cross_entropy(c, y, weight=w, label_smoothing=ε, reduction="none")`` plus
+the PaLM z-loss weighted like the token. Reductions::
+
+    "none": l_i          "sum": Σ_i l_i          "mean": Σ_i l_i / Σ_i ω_i
+
+and ``mean`` of a batch whose tokens are all ignored (Σ ω = 0) is 0, never NaN. ``lse``
+(returned with ``return_lse``) is lse_i of the capped logits, also for ignored tokens.
+
+Backward. Let g_i be the upstream gradient of token i's loss — ``g`` for "sum", ``g/Σω`` for
+"mean" (0 when Σω = 0), ``g_i`` for "none" — and h_i the upstream gradient of lse_i
+(0 unless ``return_lse`` is used in the graph). With p_iv = exp(c_iv − lse_i)::
+
+    ∂l_i/∂c_iv = A_i·p_iv − B_i·[v = y_i] − m_i·(ε/V)·w_v
+        A_i = (1-ε)·ω_i + m_i·(ε/V)·Ω + 2ζ·ω_i·lse_i
+        B_i = (1-ε)·ω_i
+    dc_iv = g_i·∂l_i/∂c_iv + h_i·p_iv
+    dz_iv = dc_iv · (1 − (c_iv/s)²)        softcap chain rule (tanh' = 1 − tanh²); dz = dc without
+    dX = dz · W        dW = dzᵀ · X        db = Σ_i dz_i
+
+Ignored tokens have m = ω = 0, hence zero loss and zero gradient (unless lse is used).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from typing import Optional, Sequence, Tuple
+
+import numpy as np
+
+REDUCTIONS = ("mean", "sum", "none")
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearCrossEntropyOptions:
+    """The loss options, validated once here; backends read them, never re-check them."""
+
+    reduction: str = "mean"
+    ignore_index: int = -100
+    label_smoothing: float = 0.0
+    z_loss: float = 0.0
+    softcap: Optional[float] = None
+    return_lse: bool = False
+
+    def __post_init__(self):
+        if self.reduction not in REDUCTIONS:
+            raise ValueError(
+                f"reduction must be one of {REDUCTIONS}, got {self.reduction!r}")
+        if isinstance(self.ignore_index, bool) or not isinstance(self.ignore_index, numbers.Integral):
+            raise TypeError(f"ignore_index must be an int, got {self.ignore_index!r}")
+        object.__setattr__(self, "ignore_index", int(self.ignore_index))
+        _check_real("label_smoothing", self.label_smoothing, lo=0.0, hi=1.0)
+        _check_real("z_loss", self.z_loss, lo=0.0)
+        if self.softcap is not None:
+            _check_real("softcap", self.softcap, lo=0.0, lo_open=True)
+        if not isinstance(self.return_lse, bool):
+            raise TypeError(f"return_lse must be a bool, got {self.return_lse!r}")
+
+    @property
+    def uses_smoothing(self) -> bool:
+        return self.label_smoothing > 0.0
+
+
+def _check_real(name, value, *, lo=None, hi=None, lo_open=False):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise TypeError(f"{name} must be a finite real number, got {value!r}")
+    if lo is not None and (value < lo or (lo_open and value == lo)):
+        bound = f"> {lo}" if lo_open else f">= {lo}"
+        raise ValueError(f"{name} must be {bound}, got {value!r}")
+    if hi is not None and value > hi:
+        raise ValueError(f"{name} must be <= {hi}, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """Sizes of one call after flattening: ``batch_shape`` is the shape of the targets."""
+
+    n: int
+    h: int
+    v: int
+    batch_shape: Tuple[int, ...]
+
+
+def check_shapes(input_shape: Sequence[int], weight_shape: Sequence[int],
+                 target_shape: Sequence[int], bias_shape: Optional[Sequence[int]] = None,
+                 class_weight_shape: Optional[Sequence[int]] = None, *,
+                 weight_layout: str = "vh") -> Problem:
+    """Shape rules shared by every front door; errors name the offending argument.
+
+    ``input (..., H)``, ``linear_weight (V, H)`` (or ``(H, V)`` with ``weight_layout="hv"``),
+    ``target (...)`` with the leading dims of ``input``, ``linear_bias (V,)``, ``weight (V,)``.
+    """
+    input_shape, weight_shape, target_shape = tuple(input_shape), tuple(weight_shape), tuple(target_shape)
+    if weight_layout not in ("vh", "hv"):
+        raise ValueError(f"weight_layout must be 'vh' (V, H) or 'hv' (H, V), got {weight_layout!r}")
+    if len(input_shape) < 1:
+        raise ValueError(f"input must have at least 1 dimension (..., H), got shape {input_shape}")
+    if len(weight_shape) != 2:
+        raise ValueError(f"linear_weight must be 2-D, got shape {weight_shape}")
+    v, h = weight_shape if weight_layout == "vh" else weight_shape[::-1]
+    if input_shape[-1] != h:
+        layout = "(V, H)" if weight_layout == "vh" else "(H, V)"
+        raise ValueError(
+            f"hidden size mismatch: input has H={input_shape[-1]} but linear_weight {layout} "
+            f"has shape {weight_shape}")
+    if v < 1 or h < 1:
+        raise ValueError(f"linear_weight must have V >= 1 and H >= 1, got shape {weight_shape}")
+    if target_shape != input_shape[:-1]:
+        raise ValueError(
+            f"target must have shape input.shape[:-1] = {input_shape[:-1]}, got {target_shape}")
+    if bias_shape is not None and tuple(bias_shape) != (v,):
+        raise ValueError(f"linear_bias must have shape (V,) = ({v},), got {tuple(bias_shape)}")
+    if class_weight_shape is not None and tuple(class_weight_shape) != (v,):
+        raise ValueError(
+            f"weight (class weights) must have shape (V,) = ({v},), got {tuple(class_weight_shape)}")
+    n = int(np.prod(target_shape, dtype=np.int64))
+    return Problem(n=n, h=int(h), v=int(v), batch_shape=target_shape)
+
+
+def reduction_denominator(token_weight_sum, reduction: str):
+    """The divisor of the summed loss: Σω for "mean" (1 when it is 0, so the loss is 0), else 1."""
+    if reduction != "mean":
+        return 1.0
+    return np.where(token_weight_sum > 0, token_weight_sum, 1.0)
+
+
+def reference(x, W, y, *, bias=None, weight=None, options: LinearCrossEntropyOptions = None,
+              grad_output=None, grad_lse=None):
+    """Float64 forward and *analytic* backward (the formulas above, not autodiff).
+
+    ``grad_output`` is the upstream gradient of the loss (a scalar for "mean"/"sum", ``(N,)``
+    for "none"; default ones), ``grad_lse`` that of lse (default 0). Returns a dict with
+    ``loss`` (reduced), ``token_loss (N,)``, ``lse (N,)``, ``grad_logits (N, V)`` (= dz),
+    ``dx (N, H)``, ``dw (V, H)``, ``db (V,)``.
+    """
+    opts = options or LinearCrossEntropyOptions()
+    x = np.asarray(x, np.float64)
+    W = np.asarray(W, np.float64)
+    y = np.asarray(y).astype(np.int64)
+    n, v = x.shape[0], W.shape[0]
+    check_shapes(x.shape, W.shape, y.shape, None if bias is None else np.shape(bias),
+                 None if weight is None else np.shape(weight))
+    check_targets(y, v, opts.ignore_index)
+    w = np.ones(v) if weight is None else np.asarray(weight, np.float64)
+    eps, zeta, s = opts.label_smoothing, opts.z_loss, opts.softcap
+
+    z = x @ W.T + (0.0 if bias is None else np.asarray(bias, np.float64))
+    c = z if s is None else s * np.tanh(z / s)
+    cmax = c.max(axis=1, keepdims=True)
+    lse = (cmax + np.log(np.exp(c - cmax).sum(axis=1, keepdims=True)))[:, 0]
+    p = np.exp(c - lse[:, None])
+
+    m = (y != opts.ignore_index).astype(np.float64)
+    y_safe = np.where(m > 0, y, 0)
+    omega = m * w[y_safe]
+    c_y = c[np.arange(n), y_safe]
+    smooth = (w[None, :] * (lse[:, None] - c)).sum(axis=1)
+    ce = (1 - eps) * omega * (lse - c_y) + m * (eps / v) * smooth
+    token_loss = ce + zeta * omega * lse ** 2
+
+    denom = reduction_denominator(omega.sum(), opts.reduction)
+    loss = token_loss if opts.reduction == "none" else token_loss.sum() / denom
+
+    if grad_output is None:
+        grad_output = np.ones(n) if opts.reduction == "none" else 1.0
+    g = np.asarray(grad_output, np.float64)
+    g_tok = g if opts.reduction == "none" else np.full(n, g / denom)
+    h_tok = np.zeros(n) if grad_lse is None else np.asarray(grad_lse, np.float64)
+
+    A = (1 - eps) * omega + m * (eps / v) * w.sum() + 2 * zeta * omega * lse
+    B = (1 - eps) * omega
+    dl_dc = A[:, None] * p - m[:, None] * (eps / v) * w[None, :]
+    dl_dc[np.arange(n), y_safe] -= B
+    dc = g_tok[:, None] * dl_dc + h_tok[:, None] * p
+    dz = dc if s is None else dc * (1 - (c / s) ** 2)
+    return dict(loss=loss, token_loss=token_loss, lse=lse, grad_logits=dz,
+                dx=dz @ W, dw=dz.T @ x, db=dz.sum(axis=0))
+
+
+def check_targets(y, v: int, ignore_index: int) -> None:
+    """Eager target check for host arrays (the reference, and NumPy-backed callers)."""
+    y = np.asarray(y)
+    if not np.issubdtype(y.dtype, np.integer):
+        raise TypeError(f"target must hold integers (class indices), got dtype {y.dtype}")
+    bad = (y != ignore_index) & ((y < 0) | (y >= v))
+    if bad.any():
+        raise ValueError(target_range_message(v, ignore_index, int(y[bad].flat[0])))
+
+
+def target_range_message(v: int, ignore_index: int, example=None) -> str:
+    got = "" if example is None else f" (found {example})"
+    return (f"target out of range: every target must be in [0, {v}) or equal ignore_index="
+            f"{ignore_index}{got}")

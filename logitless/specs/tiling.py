@@ -1,0 +1,64 @@
+"""Chunk planning from a memory budget: a pure function, so every backend chunks alike.
+
+A fused linear loss walks the tokens in chunks; each chunk materializes at most a
+``[chunk, V]`` block of logits (or of logit gradients). The plan picks the largest chunk whose
+block fits ``budget_bytes``, rounded down to a multiple of ``multiple`` (GEMM-friendly), and
+never below ``min_chunk`` (one chunk must exist even when the budget is tiny).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+# Default budget for the one [chunk, V] logits block a fused loss may hold at a time.
+# 1 GiB keeps the Llama-3 shape (V = 128256) at 4096 bf16 tokens per chunk: big enough that
+# the chunked GEMMs run at the unchunked rate (TARGETS.md), small next to the fp32 dW.
+DEFAULT_BUDGET_BYTES = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkPlan:
+    n: int
+    chunk: int
+
+    @property
+    def num_chunks(self) -> int:
+        return max(1, -(-self.n // self.chunk))
+
+    def bounds(self):
+        """(start, stop) of each chunk, the last one possibly short."""
+        return [(s, min(s + self.chunk, self.n)) for s in range(0, max(self.n, 1), self.chunk)]
+
+
+def plan_token_chunks(n: int, v: int, *, bytes_per_element: int,
+                      budget_bytes: Optional[int] = None, chunk_size: Optional[int] = None,
+                      multiple: int = 128, min_chunk: int = 16) -> ChunkPlan:
+    """Tokens per chunk so that one ``[chunk, V]`` block of ``bytes_per_element`` fits the budget.
+
+    ``chunk_size`` (a user's explicit choice) wins over the budget. The result never exceeds
+    ``n`` (a single chunk covers small problems exactly).
+    """
+    for name, val in (("n", n), ("v", v), ("bytes_per_element", bytes_per_element)):
+        if not isinstance(val, int) or val < (0 if name == "n" else 1):
+            raise ValueError(f"{name} must be a positive int, got {val!r}")
+    if chunk_size is not None:
+        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+            raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+        return ChunkPlan(n=n, chunk=max(1, min(chunk_size, max(n, 1))))
+    budget = DEFAULT_BUDGET_BYTES if budget_bytes is None else budget_bytes
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+        raise ValueError(f"memory_budget must be a positive number of bytes, got {budget_bytes!r}")
+    chunk = budget // (v * bytes_per_element)
+    if chunk >= multiple:
+        chunk = (chunk // multiple) * multiple
+    chunk = max(min_chunk, chunk)
+    return ChunkPlan(n=n, chunk=max(1, min(chunk, max(n, 1))))
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def next_power_of_2(x: int) -> int:
+    return 1 if x <= 1 else 1 << math.ceil(math.log2(x))

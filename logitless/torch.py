@@ -1,0 +1,126 @@
+"""PyTorch front door.
+
+``linear_cross_entropy`` is a drop-in for ``torch.nn.functional.linear_cross_entropy``
+(same positional order and keyword names) that never materializes the ``[N, V]`` logits, plus
+z-loss, softcap, ``return_lse`` and a choice of backend. Every backend implements
+:mod:`logitless.specs.linear_cross_entropy`; see there for the exact math.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Optional
+
+import torch
+
+from . import _torch_common as common
+from .specs.linear_cross_entropy import LinearCrossEntropyOptions
+
+__all__ = ["linear_cross_entropy", "LinearCrossEntropyLoss", "available_backends"]
+
+# backend name -> module implementing ``linear_cross_entropy(prepared, opts, **tuning)``
+# and listing its tuning keywords in ``TUNING``. Imported lazily: "pallas" pulls in JAX.
+_BACKENDS = {
+    "torch": "logitless.torch_chunked",
+    "triton": "logitless.triton_kernels.linear_cross_entropy",
+    "pallas": "logitless.bridge.linear_cross_entropy",
+}
+
+
+def _triton_usable(device: torch.device) -> bool:
+    if device.type != "cuda":
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def available_backends(device="cpu"):
+    """Backends that can run on ``device`` (``None`` picks the first of these)."""
+    device = torch.device(device)
+    names = ["triton"] if _triton_usable(device) else []
+    return names + ["torch", "pallas"]
+
+
+def _resolve(backend: Optional[str], device: torch.device):
+    if backend is None:
+        backend = "triton" if _triton_usable(device) else "torch"
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be None or one of {sorted(_BACKENDS)}, got {backend!r}")
+    return backend, importlib.import_module(_BACKENDS[backend])
+
+
+def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weight=None,
+                         reduction="mean", ignore_index=-100, label_smoothing=0.0, z_loss=0.0,
+                         softcap=None, return_lse=False, backend=None, **tuning):
+    """``cross_entropy(input @ linear_weight.T + linear_bias, target)`` without the logits.
+
+    Args:
+        input: ``(..., H)`` hidden states (float32, bfloat16 or float16; float64 on
+            ``backend="torch"``).
+        linear_weight: ``(V, H)`` classifier / LM-head weight, same dtype as ``input``. May be
+            non-contiguous (e.g. the transpose of a tied embedding).
+        target: ``(...)`` integer class indices in ``[0, V)`` or ``ignore_index``.
+        linear_bias: optional ``(V,)`` bias.
+        weight: optional ``(V,)`` per-class weights, as in ``F.cross_entropy``.
+        reduction: ``"mean"`` (Σ w·loss / Σ w over non-ignored tokens; 0 when all are
+            ignored), ``"sum"`` or ``"none"`` (per-token losses shaped like ``target``).
+        ignore_index: target value that contributes neither loss nor gradient (``None`` means
+            -100, as in PyTorch).
+        label_smoothing: in ``[0, 1]``, exactly as ``F.cross_entropy``.
+        z_loss: coefficient of ``lse²`` added per token (PaLM), weighted and reduced like it.
+        softcap: if set, logits become ``softcap * tanh(logits / softcap)`` first (Gemma 2).
+        return_lse: also return the per-token log-sum-exp (of the capped logits), shaped like
+            ``target``; it is differentiable.
+        backend: ``None`` (Triton on CUDA, else ``"torch"``), ``"triton"``, ``"torch"``
+            (chunked plain PyTorch) or ``"pallas"`` (the JAX/Pallas port through DLPack).
+        **tuning: chunk and block sizes of the chosen backend as plain keywords (e.g.
+            ``chunk_size``, ``memory_budget``); unknown keywords are an error.
+
+    Returns:
+        The loss (float32; float64 for float64 inputs), or ``(loss, lse)`` with
+        ``return_lse=True``.
+    """
+    opts = LinearCrossEntropyOptions(
+        reduction=reduction, ignore_index=-100 if ignore_index is None else ignore_index,
+        label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap, return_lse=return_lse)
+    prepared = common.prepare(input, linear_weight, target, linear_bias, weight)
+    name, impl = _resolve(backend, prepared.x.device)
+    unknown = sorted(set(tuning) - set(impl.TUNING))
+    if unknown:
+        raise TypeError(f"unknown tuning keyword(s) {unknown} for backend={name!r}; "
+                        f"it accepts {list(impl.TUNING)}")
+    common.check_targets(prepared.y, prepared.problem.v, opts.ignore_index)
+    loss, lse = impl.linear_cross_entropy(prepared, opts, **tuning)
+    shape = prepared.problem.batch_shape
+    if opts.reduction == "none":
+        loss = loss.reshape(shape)
+    return (loss, lse.reshape(shape)) if return_lse else loss
+
+
+class LinearCrossEntropyLoss(torch.nn.Module):
+    """Module form of :func:`linear_cross_entropy`: options at construction,
+    ``forward(input, linear_weight, target, linear_bias=None)``."""
+
+    def __init__(self, *, weight=None, reduction="mean", ignore_index=-100, label_smoothing=0.0,
+                 z_loss=0.0, softcap=None, return_lse=False, backend=None, **tuning):
+        super().__init__()
+        self.register_buffer("weight", weight)
+        self.options = LinearCrossEntropyOptions(
+            reduction=reduction, ignore_index=-100 if ignore_index is None else ignore_index,
+            label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
+            return_lse=return_lse)
+        self.backend = backend
+        self.tuning = dict(tuning)
+
+    def forward(self, input, linear_weight, target, linear_bias=None):
+        o = self.options
+        return linear_cross_entropy(
+            input, linear_weight, target, linear_bias=linear_bias, weight=self.weight,
+            reduction=o.reduction, ignore_index=o.ignore_index,
+            label_smoothing=o.label_smoothing, z_loss=o.z_loss, softcap=o.softcap,
+            return_lse=o.return_lse, backend=self.backend, **self.tuning)
+
+    def extra_repr(self):
+        return f"{self.options}, backend={self.backend!r}"

@@ -1,0 +1,31 @@
+"""Test set-up shared by every suite.
+
+Triton reads TRITON_INTERPRET when a kernel is decorated, so it must be set before any kernel
+module is imported: here, before the tests import anything of ours. On a CUDA machine the
+kernels run for real.
+"""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+try:
+    import torch
+    _CUDA = torch.cuda.is_available()
+except ImportError:  # a JAX-only environment
+    _CUDA = False
+if not _CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+# torch and JAX share the GPU in one process: JAX must not grab 75% of it at start.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import harness  # noqa: E402
+
+
+def pytest_report_header(config):
+    return [f"logitless test seed: {harness.SEED} (set LOGITLESS_TEST_SEED to replay)",
+            f"CUDA: {_CUDA}, TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')}"]
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one)")

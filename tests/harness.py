@@ -1,0 +1,182 @@
+"""The shared reference harness: every backend of every op joins by registering one callable.
+
+A backend is ``run(case, inputs) -> dict`` of float64 NumPy arrays (``loss``, ``dx``, ``dw``,
+and ``lse`` / ``db`` when the case asks for them). The harness draws fresh random inputs,
+rounds them to the case's dtype (so every backend sees the very same values), runs the
+float64 spec reference and the backend's *naive* framework path, and requires each output's
+relative error to stay within ``FACTOR`` × the naive path's error in that dtype (with a small
+per-dtype floor, since a naive fp32 error can be ~0 by luck). NaN never passes, and a
+reference that is exactly zero (all tokens ignored) must be matched exactly.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Callable, Dict, Optional, Tuple
+
+import ml_dtypes
+import numpy as np
+
+from logitless.specs import linear_cross_entropy as spec
+
+NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+FACTOR = 2.0
+# Relative-error floors: about 1/4 of the format's unit roundoff (fp32: allows the
+# reassociation of a blocked reduction; half types: one rounding of the output).
+FLOOR = {"float32": 1e-5, "bfloat16": 1e-3, "float16": 2e-4}
+
+SEED = int(os.environ.get("LOGITLESS_TEST_SEED", np.random.SeedSequence().entropy % (2**31)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    n: int
+    h: int
+    v: int
+    dtype: str = "float32"
+    reduction: str = "mean"
+    label_smoothing: float = 0.0
+    z_loss: float = 0.0
+    softcap: Optional[float] = None
+    bias: bool = False
+    class_weight: bool = False
+    ignore: str = "some"          # "none" | "some" | "all"
+    lse_grad: bool = False        # return_lse, with a random upstream gradient on lse
+    chunk_size: Optional[int] = None  # small chunks exercise the multi-chunk paths
+
+    @property
+    def id(self) -> str:
+        parts = [f"{self.n}x{self.h}x{self.v}", self.dtype, self.reduction]
+        for f, short in (("label_smoothing", "ls"), ("z_loss", "z"), ("softcap", "cap")):
+            val = getattr(self, f)
+            if val:
+                parts.append(f"{short}{val}")
+        parts += [f for f in ("bias", "class_weight", "lse_grad") if getattr(self, f)]
+        if self.ignore != "some":
+            parts.append(f"ignore-{self.ignore}")
+        if self.chunk_size:
+            parts.append(f"chunk{self.chunk_size}")
+        return "-".join(parts)
+
+    def options(self) -> spec.LinearCrossEntropyOptions:
+        return spec.LinearCrossEntropyOptions(
+            reduction=self.reduction, label_smoothing=self.label_smoothing, z_loss=self.z_loss,
+            softcap=self.softcap, return_lse=self.lse_grad)
+
+
+@dataclasses.dataclass
+class Inputs:
+    x: np.ndarray                  # (N, H) in the case dtype
+    w: np.ndarray                  # (V, H) in the case dtype
+    y: np.ndarray                  # (N,) int64
+    bias: Optional[np.ndarray]     # (V,) in the case dtype
+    class_weight: Optional[np.ndarray]  # (V,) float32
+    grad_output: np.ndarray        # () or (N,) float32
+    grad_lse: Optional[np.ndarray]  # (N,) float32
+    ignore_index: int = -100
+
+
+def make_inputs(case: Case, salt: int = 0) -> Inputs:
+    rng = np.random.default_rng([SEED, salt, abs(hash(case.id)) % (2**31)])
+    dt = NP_DTYPES[case.dtype]
+    x = rng.standard_normal((case.n, case.h))
+    # logits of std ~3: peaked enough that softmax tails matter, as in trained LMs
+    w = rng.standard_normal((case.v, case.h)) * (3.0 / np.sqrt(case.h))
+    y = rng.integers(0, case.v, case.n)
+    if case.ignore == "some":
+        y[rng.random(case.n) < 0.2] = -100
+    elif case.ignore == "all":
+        y[:] = -100
+    bias = (rng.standard_normal(case.v) * 0.5).astype(dt) if case.bias else None
+    cw = rng.uniform(0.25, 2.0, case.v).astype(np.float32) if case.class_weight else None
+    g = rng.uniform(0.5, 2.0, case.n if case.reduction == "none" else ()).astype(np.float32)
+    if case.reduction == "none":
+        g *= rng.choice([-1.0, 1.0], case.n).astype(np.float32)
+    gl = rng.standard_normal(case.n).astype(np.float32) if case.lse_grad else None
+    return Inputs(x=x.astype(dt), w=w.astype(dt), y=y, bias=bias, class_weight=cw,
+                  grad_output=np.asarray(g), grad_lse=gl)
+
+
+def reference(case: Case, inp: Inputs) -> Dict[str, np.ndarray]:
+    f64 = lambda a: None if a is None else np.asarray(a, np.float64)
+    r = spec.reference(f64(inp.x), f64(inp.w), inp.y, bias=f64(inp.bias),
+                       weight=f64(inp.class_weight), options=case.options(),
+                       grad_output=f64(inp.grad_output), grad_lse=f64(inp.grad_lse))
+    out = dict(loss=np.asarray(r["loss"]), dx=r["dx"], dw=r["dw"])
+    if case.lse_grad:
+        out["lse"] = r["lse"]
+    if case.bias:
+        out["db"] = r["db"]
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    name: str
+    run: Callable[[Case, Inputs], Dict[str, np.ndarray]]
+    naive: str                      # the backend whose error scales the tolerance
+    dtypes: Tuple[str, ...] = ("float32", "bfloat16", "float16")
+    requires: Tuple[str, ...] = ()  # importable modules needed (skip reason otherwise)
+
+
+BACKENDS: Dict[str, Backend] = {}
+
+
+def register(backend: Backend) -> Backend:
+    BACKENDS[backend.name] = backend
+    return backend
+
+
+def rel_err(a, r) -> float:
+    a = np.asarray(a, np.float64)
+    r = np.asarray(r, np.float64)
+    return float(np.linalg.norm((a - r).ravel()) / np.linalg.norm(r.ravel()))
+
+
+def compare(case: Case, out, ref, naive) -> Dict[str, Tuple[float, float]]:
+    """Assert ``out`` matches ``ref``; returns {key: (err, tol)} for reporting."""
+    assert set(out) >= set(ref), f"backend returned {sorted(out)}, expected {sorted(ref)}"
+    report = {}
+    for key, r in ref.items():
+        a = np.asarray(out[key], np.float64)
+        assert a.shape == np.shape(r), f"{key}: shape {a.shape} != reference {np.shape(r)}"
+        assert np.isfinite(a).all(), f"{key}: non-finite values"
+        if not np.any(r):
+            assert not np.any(a), f"{key}: reference is exactly 0 but max |out| = {np.abs(a).max()}"
+            report[key] = (0.0, 0.0)
+            continue
+        err = rel_err(a, r)
+        tol = max(FACTOR * rel_err(naive[key], r), FLOOR[case.dtype])
+        report[key] = (err, tol)
+        assert err <= tol, f"{key}: rel err {err:.3g} > tol {tol:.3g} (naive {tol / FACTOR:.3g})"
+    return report
+
+
+def cases_linear_cross_entropy():
+    """The curated matrix every linear-CE backend must pass (small: CI runs it interpreted)."""
+    base = dict(n=37, h=33, v=97)  # N, H odd; V prime
+    out = []
+    for dtype in ("float32", "bfloat16", "float16"):
+        for red in ("mean", "sum", "none"):
+            out.append(Case(**base, dtype=dtype, reduction=red))
+    singles = [dict(bias=True), dict(class_weight=True), dict(label_smoothing=0.1),
+               dict(z_loss=1e-3), dict(softcap=4.0), dict(lse_grad=True)]
+    for dtype in ("float32", "bfloat16"):
+        for opt in singles:
+            out.append(Case(**base, dtype=dtype, **opt))
+    everything = dict(bias=True, class_weight=True, label_smoothing=0.2, z_loss=1e-2,
+                      softcap=5.0, lse_grad=True)
+    for dtype in ("float32", "bfloat16", "float16"):
+        for red in ("mean", "sum", "none"):
+            out.append(Case(**base, dtype=dtype, reduction=red, **everything))
+    out += [
+        Case(n=1, h=16, v=61, ignore="none"),                         # N = 1
+        Case(n=1, h=16, v=61, dtype="bfloat16", reduction="none", **everything),
+        Case(n=130, h=48, v=509, dtype="bfloat16", chunk_size=48, **everything),  # many chunks
+        Case(n=130, h=48, v=509, reduction="none", chunk_size=48, class_weight=True),
+        Case(n=64, h=64, v=1031, dtype="bfloat16", label_smoothing=0.1),  # wider V, prime
+    ]
+    for red in ("mean", "sum", "none"):  # every token ignored: loss 0, zero grads, no NaN
+        out.append(Case(**base, reduction=red, ignore="all", **{**everything, "lse_grad": False}))
+    out.append(Case(**base, dtype="bfloat16", ignore="all", **everything))  # only lse has grad
+    return out
