@@ -1,0 +1,91 @@
+"""PyTorch backends of linear cross-entropy joining the shared harness (and the naive torch path)."""
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+
+from harness import Backend, register
+
+
+def _have(mod):
+    return importlib.util.find_spec(mod) is not None
+
+
+# ----------------------------------------------------------------------------- PyTorch
+def torch_device():
+    import torch
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _torch_inputs(case, inp):
+    import torch
+    dev, dt = torch_device(), getattr(torch, case.dtype)
+    t = lambda a, dtype=dt: None if a is None else torch.tensor(
+        np.asarray(a, np.float32), dtype=dtype, device=dev)
+    x, w, b = t(inp.x).requires_grad_(), t(inp.w).requires_grad_(), t(inp.bias)
+    if b is not None:
+        b.requires_grad_()
+    y = torch.tensor(inp.y, device=dev)
+    return x, w, b, y, t(inp.class_weight, torch.float32), t(inp.grad_output, torch.float32), \
+        t(inp.grad_lse, torch.float32)
+
+
+def _torch_collect(case, loss, lse, x, w, b, g, gl):
+    import torch
+    outs, grads = [loss], [g]
+    if case.lse_grad:
+        outs.append(lse)
+        grads.append(gl)
+    torch.autograd.backward(outs, grads)
+    f = lambda a: a.detach().double().cpu().numpy()
+    r = dict(loss=f(loss), dx=f(x.grad), dw=f(w.grad))
+    if case.lse_grad:
+        r["lse"] = f(lse)
+    if case.bias:
+        r["db"] = f(b.grad)
+    return r
+
+
+def torch_backend_runner(backend, **fixed_tuning):
+    def run(case, inp):
+        import logitless.torch as lt
+        x, w, b, y, cw, g, gl = _torch_inputs(case, inp)
+        tuning = dict(fixed_tuning)
+        if case.chunk_size:
+            tuning["chunk_size"] = case.chunk_size
+        loss, lse = lt.linear_cross_entropy(
+            x, w, y, linear_bias=b, weight=cw, reduction=case.reduction,
+            label_smoothing=case.label_smoothing, z_loss=case.z_loss, softcap=case.softcap,
+            return_lse=True, backend=backend, **tuning)
+        return _torch_collect(case, loss, lse, x, w, b, g, gl)
+    return run
+
+
+def naive_torch(case, inp):
+    """What a user writes without this library: materialized logits, F.cross_entropy."""
+    import torch
+    import torch.nn.functional as F
+    x, w, b, y, cw, g, gl = _torch_inputs(case, inp)
+    c = F.linear(x, w, b).float()
+    if case.softcap:
+        c = case.softcap * torch.tanh(c / case.softcap)
+    tok = F.cross_entropy(c, y, weight=cw, reduction="none", label_smoothing=case.label_smoothing)
+    lse = torch.logsumexp(c, dim=-1)
+    mask = y != -100
+    ys = torch.where(mask, y, 0)
+    omega = mask.float() if cw is None else cw[ys] * mask
+    tok = tok + case.z_loss * omega * lse ** 2
+    if case.reduction == "none":
+        loss = tok
+    elif case.reduction == "sum":
+        loss = tok.sum()
+    else:
+        loss = tok.sum() / omega.sum().clamp_min(1e-30)
+    return _torch_collect(case, loss, lse, x, w, b, g, gl)
+
+
+register(Backend("naive-torch", naive_torch, naive="naive-torch", requires=("torch",)))
+register(Backend("torch", torch_backend_runner("torch"), naive="naive-torch", requires=("torch",)))
+register(Backend("triton", torch_backend_runner("triton"), naive="naive-torch",
+                 requires=("torch", "triton")))
