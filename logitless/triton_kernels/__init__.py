@@ -1,0 +1,1 @@
+"""Triton kernels and their PyTorch glue (autograd, torch.library ops), one module per op."""

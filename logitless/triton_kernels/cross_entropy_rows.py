@@ -1,0 +1,144 @@
+"""The fused softmax/cross-entropy work on a block of logits, as one Triton kernel.
+
+The GEMMs around it run through cuBLAS; this kernel is everything between them. For each row
+of a ``[rows, cols]`` logits buffer (a token chunk with all V columns, or all tokens with a
+slice of V starting at ``col_offset``) it can
+
+* pass 1 (``COMPUTE_LSE``): stream the row once for max / Σexp (one exp per element, block-wise
+  online rescaling), the smoothing sum Σ_v w_v c_v and the target logit; store lse and the
+  per-token loss of the spec;
+* pass 2 (``WRITE_GRAD``): stream it again and overwrite it in place with the logit gradient
+  dz = (g·A + h)·p − g·B·[v = y] − g·m·(ε/V)·w_v, times the softcap derivative.
+
+A persistent grid keeps only ~#SMs rows in flight, so pass 2 re-reads the row from L2.
+All math is fp32; loads are upcast at once (the Triton interpreter mis-computes bf16 math).
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _tanh(u):
+    # tanh through exp2 of a non-positive argument: no overflow, works in the interpreter.
+    e = tl.exp2(-2.0 * LOG2E * tl.abs(u))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(u < 0, -t, t)
+
+
+@triton.jit
+def _cap(z, softcap, HAS_SOFTCAP: tl.constexpr):
+    if HAS_SOFTCAP:
+        z = softcap * _tanh(z / softcap)
+    return z
+
+
+@triton.jit
+def cross_entropy_rows_kernel(
+    logits_ptr, stride_row,
+    y_ptr, cw_ptr, omega_sum_ptr,
+    lse_ptr, loss_ptr,
+    g_ptr, g_stride, h_ptr,
+    n_rows, n_cols, col_offset, V, ignore_index,
+    eps, z_loss, softcap,
+    COMPUTE_LSE: tl.constexpr, WRITE_GRAD: tl.constexpr,
+    HAS_CW: tl.constexpr, SMOOTH: tl.constexpr, HAS_Z: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_H: tl.constexpr,
+    BLOCK_V: tl.constexpr, ROUND_BF16: tl.constexpr = False,
+):
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    offs = tl.arange(0, BLOCK_V)
+    if HAS_CW:
+        omega_sum = tl.load(omega_sum_ptr).to(tl.float32)
+    else:
+        omega_sum = V * 1.0
+    for row in range(pid, n_rows, nprog):
+        row64 = tl.cast(row, tl.int64)
+        base = logits_ptr + row64 * stride_row
+        y = tl.load(y_ptr + row64).to(tl.int64)
+        valid = y != ignore_index
+        in_range = (y >= 0) & (y < V)
+        mask_f = tl.where(valid, 1.0, 0.0)
+        y_safe = tl.where(valid & in_range, y, 0)
+        if HAS_CW:
+            omega = mask_f * tl.load(cw_ptr + y_safe).to(tl.float32)
+        else:
+            omega = mask_f
+        y_local = y_safe - col_offset  # the target's column inside this buffer, if it is here
+
+        if COMPUTE_LSE:
+            # scalar fp32 tensors (not Python floats) so the loop-carried types are stable
+            zero = tl.sum(tl.zeros([BLOCK_V], dtype=tl.float32), 0)
+            m = zero - float("inf")
+            s = zero
+            wc = zero
+            for start in range(0, n_cols, BLOCK_V):
+                cols = start + offs
+                cmask = cols < n_cols
+                z = tl.load(base + cols, mask=cmask, other=0.0).to(tl.float32)
+                c = _cap(z, softcap, HAS_SOFTCAP)  # finite everywhere (masked lanes: z = 0)
+                if SMOOTH:
+                    if HAS_CW:
+                        wv = tl.load(cw_ptr + col_offset + cols, mask=cmask, other=0.0).to(tl.float32)
+                        wc += tl.sum(wv * c, 0)
+                    else:
+                        wc += tl.sum(tl.where(cmask, c, 0.0), 0)
+                c = tl.where(cmask, c, -float("inf"))
+                m_new = tl.maximum(m, tl.max(c, 0))
+                s = s * tl.exp2((m - m_new) * LOG2E) + tl.sum(tl.exp2((c - m_new) * LOG2E), 0)
+                m = m_new
+            lse = m + tl.log(s)
+            here = (y_local >= 0) & (y_local < n_cols) & valid
+            z_y = tl.load(base + tl.where(here, y_local, 0), mask=here, other=0.0).to(tl.float32)
+            c_y = _cap(z_y, softcap, HAS_SOFTCAP)
+            loss = (1.0 - eps) * omega * (lse - c_y)
+            if SMOOTH:
+                loss += mask_f * (eps / V) * (omega_sum * lse - wc)
+            if HAS_Z:
+                loss += z_loss * omega * lse * lse
+            # an out-of-range target poisons its loss: an error, never silent garbage
+            loss = tl.where(valid & (~in_range), float("nan"), loss)
+            tl.store(lse_ptr + row64, lse)
+            tl.store(loss_ptr + row64, loss)
+        else:
+            lse = tl.load(lse_ptr + row64).to(tl.float32)
+
+        if WRITE_GRAD:
+            g = tl.load(g_ptr + row64 * g_stride).to(tl.float32)
+            a = (1.0 - eps) * omega
+            if HAS_Z:
+                a += 2.0 * z_loss * omega * lse
+            if SMOOTH:
+                a += mask_f * (eps / V) * omega_sum
+            coef_p = g * a
+            if HAS_H:
+                coef_p += tl.load(h_ptr + row64).to(tl.float32)
+            coef_y = g * (1.0 - eps) * omega
+            coef_w = g * mask_f * (eps / V)
+            for start in range(0, n_cols, BLOCK_V):
+                cols = start + offs
+                cmask = cols < n_cols
+                z = tl.load(base + cols, mask=cmask, other=0.0).to(tl.float32)
+                c = _cap(z, softcap, HAS_SOFTCAP)
+                d = coef_p * tl.exp2((c - lse) * LOG2E)
+                d -= tl.where(cols == y_local, coef_y, 0.0)
+                if SMOOTH:
+                    if HAS_CW:
+                        wv = tl.load(cw_ptr + col_offset + cols, mask=cmask, other=0.0).to(tl.float32)
+                        d -= coef_w * wv
+                    else:
+                        d -= coef_w
+                if HAS_SOFTCAP:
+                    r = c / softcap
+                    d *= 1.0 - r * r
+                if ROUND_BF16:
+                    # The interpreter's fp32->bf16 cast truncates (the GPU rounds to nearest
+                    # even); pre-round the bits so interpreted tests see the GPU's numbers.
+                    bits = d.to(tl.uint32, bitcast=True)
+                    bits += 0x7FFF + ((bits >> 16) & 1)
+                    d = bits.to(tl.float32, bitcast=True)
+                tl.store(base + cols, d.to(logits_ptr.dtype.element_ty), mask=cmask)

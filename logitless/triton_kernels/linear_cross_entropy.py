@@ -1,0 +1,382 @@
+"""``backend="triton"``: fused linear cross-entropy for PyTorch on CUDA.
+
+The three GEMMs of the op (logits, dX, dW) run through cuBLAS on token chunks; everything in
+between — log-sum-exp, the loss, the logit gradient — is one Triton kernel
+(:mod:`.cross_entropy_rows`) that rewrites each chunk of logits into its gradient in place.
+Two operating points, one keyword:
+
+* ``low_memory=False`` (default, *fast*): for ``mean``/``sum`` the forward also produces the
+  gradients (for a unit upstream gradient), so the logits GEMM runs once; backward only scales
+  them by the upstream scalar (exact: the gradient is linear in it). dW accumulates in place in
+  an fp32 ``[V, H]`` buffer (``grad_accum_dtype`` to trade accuracy for memory). Three GEMMs.
+* ``low_memory=True``: the forward produces the loss, lse and dX from small token chunks;
+  backward recomputes the logits in *vocabulary* chunks and writes each dW slice with one
+  GEMM over all tokens (fp32 inside cuBLAS, one rounding), so no ``[V, H]`` accumulator exists.
+  Four GEMMs, and only a ``memory_budget``-sized block of logits at a time.
+
+``reduction="none"`` or a gradient flowing into ``lse`` needs per-token upstream gradients, so
+backward recomputes (token sweep for dX, and dW accumulated in fp32 or via the vocabulary
+sweep). Nothing here synchronizes with the host: sizes are static, scalars stay on device.
+The ops are registered with ``torch.library`` so ``torch.compile`` traces them without breaks.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Tuple
+
+import torch
+import triton
+
+from .. import _torch_common as common
+from ..specs import linear_cross_entropy as spec
+from ..specs.tiling import next_power_of_2, plan_token_chunks
+from .cross_entropy_rows import cross_entropy_rows_kernel
+
+TUNING = ("low_memory", "chunk_size", "vocab_chunk_size", "memory_budget", "grad_accum_dtype",
+          "block_v", "num_warps")
+
+FAST_BUDGET = 1 << 30      # one [chunk, V] block of logits: 4096 tokens at V=128256 in bf16
+LOW_MEMORY_BUDGET = 1 << 27  # 128 MiB: 512 tokens, or 4096 vocabulary rows for 16k tokens
+REDUCTIONS = {"none": 0, "sum": 1, "mean": 2}
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+# grad_mode of the forward op
+NO_GRAD, FULL_GRAD, DX_ONLY = 0, 1, 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    chunk: int          # tokens per chunk (token sweeps)
+    vocab_chunk: int    # vocabulary rows per chunk (the low-memory dW sweep)
+    block_v: int        # 0 = pick from the row length
+    num_warps: int
+
+
+def _interpret() -> bool:
+    return bool(triton.knobs.runtime.interpret) if hasattr(triton, "knobs") else False
+
+
+# ----------------------------------------------------------------------------- launching
+def _rows(buf, n_rows, n_cols, col_offset, y, cw, omega_sum, lse, loss, g, h, opts_t, v, cfg,
+          compute_lse, write_grad):
+    """Run the row kernel over ``buf[:n_rows, :n_cols]`` (see cross_entropy_rows)."""
+    ignore_index, eps, z_loss, softcap = opts_t
+    if n_rows == 0:
+        return
+    block = cfg.block_v or min(4096, next_power_of_2(n_cols))
+    if buf.is_cuda:
+        sms = torch.cuda.get_device_properties(buf.device).multi_processor_count
+        grid = (min(n_rows, sms * 4),)
+    else:
+        grid = (n_rows,)
+        block = cfg.block_v or min(1024, next_power_of_2(n_cols))
+    dummy = lse  # any fp32 tensor stands in for absent optional pointers
+    cross_entropy_rows_kernel[grid](
+        buf, buf.stride(0),
+        y, dummy if cw is None else cw, dummy if omega_sum is None else omega_sum,
+        lse, dummy if loss is None else loss,
+        dummy if g is None else g, 0 if g is None or g.numel() == 1 else 1,
+        dummy if h is None else h,
+        n_rows, n_cols, col_offset, v, ignore_index,
+        eps, z_loss, 1.0 if softcap is None else softcap,
+        COMPUTE_LSE=compute_lse, WRITE_GRAD=write_grad,
+        HAS_CW=cw is not None, SMOOTH=eps > 0, HAS_Z=z_loss > 0,
+        HAS_SOFTCAP=softcap is not None, HAS_H=h is not None,
+        BLOCK_V=block, ROUND_BF16=_interpret() and buf.dtype == torch.bfloat16,
+        num_warps=cfg.num_warps)
+
+
+def _logits(x_c, w, bias, out):
+    """out = x_c @ wᵀ (+ bias) through cuBLAS, in the input dtype (fp32 accumulation)."""
+    if bias is None:
+        return torch.mm(x_c, w.t(), out=out)
+    return torch.addmm(bias, x_c, w.t(), out=out)
+
+
+def _mm_f32(a, b):
+    """a @ b with an fp32 result straight from half-precision operands (no upcast copies on CUDA)."""
+    if a.dtype == torch.float32:
+        return torch.mm(a, b)
+    if a.is_cuda:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return torch.mm(a.float(), b.float())
+
+
+def _ones(like):
+    return torch.ones(1, dtype=torch.float32, device=like.device)
+
+
+# ----------------------------------------------------------------------------- sweeps
+def _forward(x, w, bias, y, cw, omega_sum, opts_t, cfg, grad_mode, accum_dtype):
+    """Token sweep: per-token loss and lse; with ``grad_mode`` also dX (and dW, db) for g = 1."""
+    n, hdim = x.shape
+    v = w.shape[0]
+    dev = x.device
+    token_loss = torch.empty(n, dtype=torch.float32, device=dev)
+    lse = torch.empty(n, dtype=torch.float32, device=dev)
+    dx = torch.empty(n, hdim, dtype=x.dtype, device=dev) if grad_mode else x.new_empty(0)
+    full = grad_mode == FULL_GRAD
+    dw = torch.zeros(v, hdim, dtype=accum_dtype, device=dev) if full else x.new_empty(0)
+    db = torch.zeros(v, dtype=torch.float32, device=dev) if (full and bias is not None) else x.new_empty(0)
+    ones = _ones(x)
+    buf = torch.empty(min(cfg.chunk, n), v, dtype=x.dtype, device=dev)
+    for s in range(0, n, cfg.chunk):
+        e = min(s + cfg.chunk, n)
+        blk = _logits(x[s:e], w, bias, buf[: e - s])
+        _rows(blk, e - s, v, 0, y[s:e], cw, omega_sum, lse[s:e], token_loss[s:e],
+              ones, None, opts_t, v, cfg, compute_lse=True, write_grad=bool(grad_mode))
+        if grad_mode:
+            torch.mm(blk, w, out=dx[s:e])
+        if full:
+            common.accumulate_mm_(dw, blk.t(), x[s:e])
+            if bias is not None:
+                db += blk.sum(0, dtype=torch.float32)
+    return token_loss, lse, dx, dw, db
+
+
+def _token_sweep(x, w, bias, y, cw, omega_sum, lse, g, h, opts_t, cfg, need_dx, dw_acc, db_acc):
+    """Recompute per token chunk with per-token upstream g (and h on lse): dX, and dW/db
+    accumulated into the given fp32 buffers when they are not None."""
+    n, hdim = x.shape
+    v = w.shape[0]
+    dx = torch.empty(n, hdim, dtype=x.dtype, device=x.device) if need_dx else x.new_empty(0)
+    buf = torch.empty(min(cfg.chunk, n), v, dtype=x.dtype, device=x.device)
+    for s in range(0, n, cfg.chunk):
+        e = min(s + cfg.chunk, n)
+        blk = _logits(x[s:e], w, bias, buf[: e - s])
+        _rows(blk, e - s, v, 0, y[s:e], cw, omega_sum, lse[s:e], None,
+              g if g.numel() == 1 else g[s:e], None if h is None else h[s:e],
+              opts_t, v, cfg, compute_lse=False, write_grad=True)
+        if need_dx:
+            torch.mm(blk, w, out=dx[s:e])
+        if dw_acc is not None:
+            common.accumulate_mm_(dw_acc, blk.t(), x[s:e])
+        if db_acc is not None:
+            db_acc += blk.sum(0, dtype=torch.float32)
+    return dx
+
+
+def _vocab_sweep(x, w, bias, y, cw, omega_sum, lse, g, h, opts_t, cfg, post_scale, dw_out, db_out):
+    """Recompute per vocabulary chunk (all tokens): each dW / db slice in one GEMM over all
+    tokens, fp32 inside, times ``post_scale``, written once into the final gradient."""
+    n = x.shape[0]
+    v = w.shape[0]
+    buf = torch.empty(n, min(cfg.vocab_chunk, v), dtype=x.dtype, device=x.device)
+    for s in range(0, v, cfg.vocab_chunk):
+        e = min(s + cfg.vocab_chunk, v)
+        blk = buf[:, : e - s]
+        _logits(x, w[s:e], None if bias is None else bias[s:e], blk)
+        _rows(blk, n, e - s, s, y, cw, omega_sum, lse, None, g, h, opts_t, v, cfg,
+              compute_lse=False, write_grad=True)
+        if dw_out is not None:
+            part = _mm_f32(blk.t(), x)
+            _store_scaled(part, post_scale, dw_out[s:e])
+        if db_out is not None:
+            _store_scaled(blk.sum(0, dtype=torch.float32), post_scale, db_out[s:e])
+
+
+def _store_scaled(src, scale, out):
+    if scale is None:
+        out.copy_(src)
+    else:
+        torch.mul(src, scale, out=out)
+
+
+# ----------------------------------------------------------------------------- torch.library ops
+def _opts_tuple(ignore_index, label_smoothing, z_loss, softcap):
+    return (ignore_index, label_smoothing, z_loss, None if softcap <= 0 else softcap)
+
+
+def _omega_sum(cw):
+    return None if cw is None else cw.sum().reshape(1)
+
+
+@torch.library.custom_op("logitless::linear_cross_entropy_fwd", mutates_args=())
+def _fwd_op(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], y: torch.Tensor,
+            cw: Optional[torch.Tensor], reduction: int, ignore_index: int, label_smoothing: float,
+            z_loss: float, softcap: float, grad_mode: int, chunk: int, vocab_chunk: int,
+            block_v: int, num_warps: int, accum_fp32: bool
+            ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    cfg = Config(chunk, vocab_chunk, block_v, num_warps)
+    opts_t = _opts_tuple(ignore_index, label_smoothing, z_loss, softcap)
+    accum = torch.float32 if accum_fp32 else x.dtype
+    token_loss, lse, dx, dw, db = _forward(x, w, bias, y, cw, _omega_sum(cw), opts_t, cfg,
+                                           grad_mode, accum)
+    denom = torch.ones((), dtype=torch.float32, device=x.device)
+    if reduction == REDUCTIONS["none"]:
+        loss = token_loss
+    else:
+        loss = token_loss.sum()
+        if reduction == REDUCTIONS["mean"]:
+            denom = common.mean_denominator(
+                common.token_weight_total(y, cw, ignore_index, torch.float32))
+            loss = loss / denom
+    return loss, lse, denom, dx, dw, db
+
+
+@_fwd_op.register_fake
+def _(x, w, bias, y, cw, reduction, ignore_index, label_smoothing, z_loss, softcap, grad_mode,
+      chunk, vocab_chunk, block_v, num_warps, accum_fp32):
+    n, hdim = x.shape
+    v = w.shape[0]
+    f32 = dict(dtype=torch.float32, device=x.device)
+    full = grad_mode == FULL_GRAD
+    loss = x.new_empty(n, **f32) if reduction == 0 else x.new_empty((), **f32)
+    return (loss, x.new_empty(n, **f32), x.new_empty((), **f32),
+            x.new_empty(n, hdim) if grad_mode else x.new_empty(0),
+            x.new_empty(v, hdim, dtype=torch.float32 if accum_fp32 else x.dtype) if full else x.new_empty(0),
+            x.new_empty(v, **f32) if (full and bias is not None) else x.new_empty(0))
+
+
+@torch.library.custom_op("logitless::linear_cross_entropy_bwd", mutates_args=())
+def _bwd_op(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], y: torch.Tensor,
+            cw: Optional[torch.Tensor], lse: torch.Tensor, g: torch.Tensor,
+            h: Optional[torch.Tensor], post_scale: Optional[torch.Tensor], ignore_index: int,
+            label_smoothing: float, z_loss: float, softcap: float, need_dx: bool, need_dw: bool,
+            need_db: bool, low_memory: bool, chunk: int, vocab_chunk: int, block_v: int,
+            num_warps: int, accum_fp32: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Recomputing backward. ``g``: per-token upstream gradient (N,) or a uniform one (1,);
+    ``h``: upstream gradient of lse; ``post_scale`` multiplies the vocabulary-sweep results."""
+    cfg = Config(chunk, vocab_chunk, block_v, num_warps)
+    opts_t = _opts_tuple(ignore_index, label_smoothing, z_loss, softcap)
+    v, hdim = w.shape
+    omega_sum = _omega_sum(cw)
+    need_db = need_db and bias is not None
+    if low_memory:
+        dx = (_token_sweep(x, w, bias, y, cw, omega_sum, lse, g, h, opts_t, cfg, True, None, None)
+              if need_dx else x.new_empty(0))
+        dw = torch.empty(v, hdim, dtype=w.dtype, device=w.device) if need_dw else None
+        db = torch.empty(v, dtype=bias.dtype, device=w.device) if need_db else None
+        if need_dw or need_db:
+            _vocab_sweep(x, w, bias, y, cw, omega_sum, lse, g, h, opts_t, cfg, post_scale, dw, db)
+        return dx, x.new_empty(0) if dw is None else dw, x.new_empty(0) if db is None else db
+    accum = torch.float32 if accum_fp32 else w.dtype
+    dw_acc = torch.zeros(v, hdim, dtype=accum, device=w.device) if need_dw else None
+    db_acc = torch.zeros(v, dtype=torch.float32, device=w.device) if need_db else None
+    dx = _token_sweep(x, w, bias, y, cw, omega_sum, lse, g, h, opts_t, cfg, need_dx, dw_acc, db_acc)
+    dw = x.new_empty(0) if dw_acc is None else _cast(dw_acc, None, w.dtype)
+    db = x.new_empty(0) if db_acc is None else _cast(db_acc, None, bias.dtype)
+    return dx, dw, db
+
+
+@_bwd_op.register_fake
+def _(x, w, bias, y, cw, lse, g, h, post_scale, ignore_index, label_smoothing, z_loss, softcap,
+      need_dx, need_dw, need_db, low_memory, chunk, vocab_chunk, block_v, num_warps, accum_fp32):
+    need_db = need_db and bias is not None
+    return (x.new_empty(x.shape) if need_dx else x.new_empty(0),
+            w.new_empty(w.shape) if need_dw else x.new_empty(0),
+            w.new_empty(w.shape[0]) if need_db else x.new_empty(0))
+
+
+def _cast(acc, scale, dtype):
+    """(acc · scale) in ``dtype``, computed in acc's precision, with no acc-sized temporary."""
+    if scale is None and acc.dtype == dtype:
+        return acc
+    out = torch.empty(acc.shape, dtype=dtype, device=acc.device)
+    _store_scaled(acc, scale, out)
+    return out
+
+
+def _setup_context(ctx, inputs, output):
+    (x, w, bias, y, cw, reduction, ignore_index, label_smoothing, z_loss, softcap, grad_mode,
+     chunk, vocab_chunk, block_v, num_warps, accum_fp32) = inputs
+    loss, lse, denom, dx, dw, db = output
+    ctx.save_for_backward(x, w, bias, y, cw, lse, denom, dx, dw, db)
+    ctx.args = dict(reduction=reduction, ignore_index=ignore_index,
+                    label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
+                    grad_mode=grad_mode, chunk=chunk, vocab_chunk=vocab_chunk, block_v=block_v,
+                    num_warps=num_warps, accum_fp32=accum_fp32)
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, g_loss, g_lse, _g_denom, _g_dx, _g_dw, _g_db):
+    x, w, bias, y, cw, lse, denom, dx_saved, dw_saved, db_saved = ctx.saved_tensors
+    a = ctx.args
+    need_x, need_w, need_b = ctx.needs_input_grad[:3]
+    none = (None,) * 13
+    if g_loss is None and g_lse is None:
+        return (None,) * 3 + none
+    uniform = a["reduction"] != REDUCTIONS["none"]
+    low_memory = a["grad_mode"] == DX_ONLY
+    scale = None
+    if uniform and g_loss is not None:
+        scale = (g_loss.float() / denom).reshape(1)  # mean: g/Σω; sum: denom is 1
+    if uniform and g_lse is None and a["grad_mode"] != NO_GRAD:
+        # The forward already holds the gradients for a unit upstream: scale them (exact).
+        gx = _cast(dx_saved, scale, x.dtype) if need_x else None
+        if a["grad_mode"] == FULL_GRAD:
+            gw = _cast(dw_saved, scale, w.dtype) if need_w else None
+            gb = _cast(db_saved, scale, bias.dtype) if (need_b and bias is not None) else None
+            return (gx, gw, gb) + none
+        _, gw, gb = _bwd_op(x, w, bias, y, cw, lse, _ones(x), None, scale, a["ignore_index"],
+                            a["label_smoothing"], a["z_loss"], a["softcap"], False, need_w,
+                            need_b, True, a["chunk"], a["vocab_chunk"], a["block_v"],
+                            a["num_warps"], a["accum_fp32"])
+        return (gx, gw if need_w else None, gb if (need_b and bias is not None) else None) + none
+    # Per-token upstream (reduction="none") or a gradient on lse: recompute.
+    if g_loss is None:
+        g = torch.zeros(1, dtype=torch.float32, device=x.device)
+    else:
+        g = scale if uniform else g_loss.float().contiguous()
+    h = None if g_lse is None else g_lse.float().contiguous()
+    gx, gw, gb = _bwd_op(x, w, bias, y, cw, lse, g, h, None, a["ignore_index"],
+                         a["label_smoothing"], a["z_loss"], a["softcap"], need_x, need_w,
+                         need_b, low_memory, a["chunk"], a["vocab_chunk"], a["block_v"],
+                         a["num_warps"], a["accum_fp32"])
+    return (gx if need_x else None, gw if need_w else None,
+            gb if (need_b and bias is not None) else None) + none
+
+
+torch.library.register_autograd("logitless::linear_cross_entropy_fwd", _backward,
+                                setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------- entry point
+def linear_cross_entropy(p: common.Prepared, opts: spec.LinearCrossEntropyOptions, *,
+                         low_memory=False, chunk_size=None, vocab_chunk_size=None,
+                         memory_budget=None, grad_accum_dtype=torch.float32, block_v=None,
+                         num_warps=8):
+    """Returns ``(loss, lse)``; see the module docstring for the two operating points.
+
+    Tuning: ``low_memory`` (bool), ``chunk_size`` (tokens per chunk), ``vocab_chunk_size``
+    (vocabulary rows per chunk of the low-memory dW sweep), ``memory_budget`` (bytes for one
+    logits block; sets both chunk sizes when they are not given), ``grad_accum_dtype``
+    (``torch.float32``, or the weight's dtype to save ``2·V·H`` bytes at some accuracy cost;
+    fast mode only), ``block_v`` (row-kernel block, a power of 2), ``num_warps``.
+    """
+    x = p.x
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"backend='triton' supports float32/bfloat16/float16 input, got {x.dtype}; "
+                        "use backend='torch' for float64")
+    if not (x.is_cuda or _interpret()):
+        raise ValueError("backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for testing); "
+                         f"input is on {x.device}")
+    if not isinstance(low_memory, bool):
+        raise TypeError(f"low_memory must be a bool, got {low_memory!r}")
+    if grad_accum_dtype not in (torch.float32, x.dtype):
+        raise ValueError(f"grad_accum_dtype must be torch.float32 or the input dtype {x.dtype}, "
+                         f"got {grad_accum_dtype!r}")
+    if block_v is not None and (block_v < 16 or block_v & (block_v - 1)):
+        raise ValueError(f"block_v must be a power of 2 >= 16, got {block_v!r}")
+    if not isinstance(num_warps, int) or num_warps not in (1, 2, 4, 8, 16, 32):
+        raise ValueError(f"num_warps must be a power of 2 in [1, 32], got {num_warps!r}")
+    n, v = p.problem.n, p.problem.v
+    itemsize = x.element_size()
+    budget = memory_budget if memory_budget is not None else (
+        LOW_MEMORY_BUDGET if low_memory else FAST_BUDGET)
+    chunk = plan_token_chunks(n, v, bytes_per_element=itemsize, budget_bytes=budget,
+                              chunk_size=chunk_size).chunk
+    vocab_chunk = plan_token_chunks(v, max(n, 1), bytes_per_element=itemsize, budget_bytes=budget,
+                                    chunk_size=vocab_chunk_size).chunk
+
+    wants_grad = torch.is_grad_enabled() and (
+        x.requires_grad or p.w.requires_grad or (p.bias is not None and p.bias.requires_grad))
+    grad_mode = NO_GRAD
+    if wants_grad and opts.reduction != "none":
+        grad_mode = DX_ONLY if low_memory else FULL_GRAD
+    y = p.y if p.y.dtype in (torch.int32, torch.int64) else p.y.long()
+    loss, lse, _denom, _dx, _dw, _db = _fwd_op(
+        x, p.w, p.bias, y, p.class_weight, REDUCTIONS[opts.reduction], opts.ignore_index,
+        float(opts.label_smoothing), float(opts.z_loss), float(opts.softcap or 0.0), grad_mode,
+        chunk, vocab_chunk, block_v or 0, num_warps, grad_accum_dtype == torch.float32)
+    return loss, lse
