@@ -39,6 +39,9 @@ FAST_BUDGET = 1 << 30      # one [chunk, V] block of logits: 4096 tokens at V=12
 LOW_MEMORY_BUDGET = 1 << 27  # 128 MiB: 512 tokens, or 4096 vocabulary rows for 16k tokens
 REDUCTIONS = {"none": 0, "sum": 1, "mean": 2}
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Persistent row-kernel grid: this many programs per SM keeps enough bytes in flight while the
+# rows being streamed (~#SMs x 4 x row bytes) stay small enough for pass 2 to hit L2.
+PROGRAMS_PER_SM = 4
 
 # grad_mode of the forward op
 NO_GRAD, FULL_GRAD, DX_ONLY = 0, 1, 2
@@ -66,7 +69,7 @@ def _rows(buf, n_rows, n_cols, col_offset, y, cw, omega_sum, lse, loss, g, h, op
     block = cfg.block_v or min(4096, next_power_of_2(n_cols))
     if buf.is_cuda:
         sms = torch.cuda.get_device_properties(buf.device).multi_processor_count
-        grid = (min(n_rows, sms * 4),)
+        grid = (min(n_rows, sms * PROGRAMS_PER_SM),)
     else:
         grid = (n_rows,)
         block = cfg.block_v or min(1024, next_power_of_2(n_cols))
