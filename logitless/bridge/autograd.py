@@ -1,0 +1,218 @@
+"""Any JAX function as a ``torch.autograd`` op, through ``jax.vjp``.
+
+``JaxFunction(fn)`` wraps ``fn(*arrays, **static) -> array | tuple of arrays``; calling it with
+torch tensors (or ``None``) positionally and hashable Python values as keywords runs ``fn`` in
+JAX and returns torch tensors that PyTorch autograd can differentiate::
+
+    op = JaxFunction(my_jax_loss)                  # once, at module level
+    loss, lse = op(x, w, targets, reduction="mean")  # tensors in, tensors out
+    loss.backward()                                # jax.vjp runs; x.grad, w.grad are set
+
+How it works, and what it costs:
+
+* Forward is one jit-compiled call of ``jax.vjp(fn, *differentiable inputs)``; backward one
+  jit-compiled call of the pullback. Both are compiled once per static config and input
+  signature (the cache lives on the ``JaxFunction``); every tensor crosses zero-copy
+  (:mod:`.dlpack`), in both directions, with CUDA stream ordering by events.
+* Differentiable inputs are the floating tensors that require grad (when grad mode is on);
+  everything else -- integer targets, class weights -- enters as a constant, and gets
+  ``None`` as its gradient. With nothing to differentiate, only ``jit(fn)`` runs.
+* The pullback's residuals are stored with ``ctx.save_for_backward`` as zero-copy torch
+  views, so PyTorch owns their lifetime (freed after backward unless ``retain_graph``;
+  ``saved_tensors_hooks`` apply) and catches in-place modification of saved inputs. A
+  residual that *is* one of the inputs (e.g. ``x`` and ``W`` kept by a ``custom_vjp``) is not
+  returned from the jit-compiled forward -- XLA would copy it -- but re-read from the input.
+* Integer outputs are marked non-differentiable; outputs that receive no gradient (``None``)
+  get zeros built inside the compiled backward.
+* The inputs may be copied only where :func:`.dlpack.would_copy` says so (e.g. int64 targets
+  without x64, non-dense strides); an upstream gradient with stride 0 (the backward of
+  ``.sum()``) is materialized before JAX reads it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+from .dlpack import _export, to_jax, to_torch
+
+__all__ = ["JaxFunction"]
+
+
+@dataclasses.dataclass
+class _Plan:
+    """One compiled forward/backward pair: a static config plus an input signature."""
+
+    fwd: Callable = None
+    bwd: Callable = None
+    # Filled while tracing the forward (trace-time facts, fixed for this signature):
+    out_tree: Any = None          # treedef of fn's output
+    out_avals: Tuple = ()         # (shape, dtype) per output leaf
+    vjp_tree: Any = None          # treedef of the pullback (its leaves are the residuals)
+    sources: Tuple = ()           # per residual leaf: ("in", k) | ("out", i) | ("res", j)
+
+
+def _is_diff_dtype(t: torch.Tensor) -> bool:
+    return t.is_floating_point() or t.is_complex()
+
+
+def _merge(kinds, diff, other):
+    """Rebuild fn's positional arguments from the differentiable and constant arrays."""
+    it_d, it_o = iter(diff), iter(other)
+    return [None if k is None else next(it_d) if k == "d" else next(it_o) for k in kinds]
+
+
+def _build_plan(fn, static, kinds) -> _Plan:
+    plan = _Plan()
+
+    def forward(diff, other):
+        out, pullback = jax.vjp(lambda *d: fn(*_merge(kinds, d, other), **static), *diff)
+        out_leaves, plan.out_tree = jax.tree_util.tree_flatten(out)
+        res_leaves, plan.vjp_tree = jax.tree_util.tree_flatten(pullback)
+        plan.out_avals = tuple((o.shape, o.dtype) for o in out_leaves)
+        # A residual that is an input (or an output) would be copied by XLA on the way out of
+        # the jit; tracer identity says it is the same value, so hand back the original.
+        ins = {id(a): k for k, a in enumerate(list(diff) + list(other))}
+        outs = {id(o): i for i, o in enumerate(out_leaves)}
+        sources, kept = [], []
+        for r in res_leaves:
+            if id(r) in ins:
+                sources.append(("in", ins[id(r)]))
+            elif id(r) in outs:
+                sources.append(("out", outs[id(r)]))
+            else:
+                sources.append(("res", len(kept)))
+                kept.append(r)
+        plan.sources = tuple(sources)
+        return out_leaves, kept
+
+    def backward(residuals, cts, present):
+        cts = iter(cts)
+        full = []
+        for (shape, dtype), here in zip(plan.out_avals, present):
+            if not jnp.issubdtype(dtype, jnp.inexact):
+                full.append(np.zeros(shape, jax.dtypes.float0))
+            elif here:
+                full.append(next(cts).astype(dtype))
+            else:
+                full.append(jnp.zeros(shape, dtype))
+        pullback = jax.tree_util.tree_unflatten(plan.vjp_tree, residuals)
+        return pullback(jax.tree_util.tree_unflatten(plan.out_tree, full))
+
+    plan.fwd = jax.jit(forward)
+    plan.bwd = jax.jit(backward, static_argnums=2)
+    return plan
+
+
+class _Call:
+    """Per-call state handed through ``Function.apply`` (not a tensor: autograd ignores it)."""
+
+    def __init__(self, plan: _Plan, kinds, exported, arrays):
+        self.plan, self.kinds = plan, kinds
+        # Inputs in the order the plan numbers them ("in", k): differentiable, then constants.
+        d = [i for i, k in enumerate(k for k in kinds if k) if k == "d"]
+        n = [i for i, k in enumerate(k for k in kinds if k) if k == "n"]
+        self.exported = [exported[i] for i in d + n]
+        self.diff = [arrays[i] for i in d]
+        self.other = [arrays[i] for i in n]
+
+
+class _Bridge(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, call: _Call, *tensors):
+        plan = call.plan
+        out_leaves, kept = plan.fwd(call.diff, call.other)
+        outs = [to_torch(o) for o in out_leaves]
+        by_source = {"in": call.exported, "out": outs, "res": [to_torch(r) for r in kept]}
+        ctx.plan, ctx.kinds = plan, call.kinds
+        ctx.save_for_backward(*(by_source[kind][i] for kind, i in plan.sources))
+        ctx.set_materialize_grads(False)
+        ctx.mark_non_differentiable(
+            *(o for o, (_, dt) in zip(outs, plan.out_avals) if not jnp.issubdtype(dt, jnp.inexact)))
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        plan, kinds = ctx.plan, ctx.kinds
+        present = tuple(g is not None for g in grads)
+        if not any(present):
+            return (None,) * (1 + len(kinds))
+        residuals = [to_jax(t) for t in ctx.saved_tensors]
+        cts = [to_jax(g) for g in grads if g is not None]
+        it = iter(plan.bwd(residuals, cts, present))
+        out: List[Optional[torch.Tensor]] = [None]
+        for k, need in zip(kinds, ctx.needs_input_grad[1:]):
+            g = next(it) if k == "d" else None
+            out.append(to_torch(g) if (g is not None and need) else None)
+        return tuple(out)
+
+
+class JaxFunction:
+    """Wrap ``fn(*arrays, **static)`` (a JAX function returning an array or a tuple of arrays)
+    as a PyTorch-callable, autograd-aware op. See the module docstring."""
+
+    def __init__(self, fn: Callable, *, name: Optional[str] = None):
+        self.fn = fn
+        self.name = name or getattr(fn, "__name__", "jax_function")
+        self._plans: Dict[Any, _Plan] = {}
+        self._primal: Dict[Any, Callable] = {}
+        self._lock = threading.Lock()
+
+    def __repr__(self):
+        return f"JaxFunction({self.name})"
+
+    def _static_key(self, static):
+        key = tuple(sorted(static.items()))
+        try:
+            hash(key)
+        except TypeError:
+            bad = [k for k, v in static.items() if not _hashable(v)]
+            raise TypeError(f"{self.name}: keyword arguments are static (compiled in) and must be "
+                            f"hashable; not hashable: {bad}") from None
+        return key
+
+    def _plan(self, static_key, static, kinds, arrays) -> _Plan:
+        sig = tuple((a.shape, str(a.dtype)) for a in arrays)
+        key = (static_key, kinds, sig)
+        with self._lock:
+            plan = self._plans.get(key)
+            if plan is None:
+                plan = self._plans[key] = _build_plan(self.fn, static, kinds)
+        return plan
+
+    def _forward_only(self, static_key, static, tensors):
+        with self._lock:
+            f = self._primal.get(static_key)
+            if f is None:
+                f = self._primal[static_key] = jax.jit(lambda *a: self.fn(*a, **static))
+        out = f(*(None if t is None else to_jax(t) for t in tensors))
+        return jax.tree_util.tree_map(to_torch, out)
+
+    def __call__(self, *tensors, **static):
+        for i, t in enumerate(tensors):
+            if t is not None and not isinstance(t, torch.Tensor):
+                raise TypeError(f"{self.name}: positional argument {i} must be a torch.Tensor or "
+                                f"None, got {type(t).__name__}; pass Python values as keywords")
+        static_key = self._static_key(static)
+        kinds = tuple(None if t is None else
+                      "d" if (t.requires_grad and _is_diff_dtype(t)) else "n" for t in tensors)
+        if not (torch.is_grad_enabled() and "d" in kinds):
+            return self._forward_only(static_key, static, tensors)
+        exported, arrays = zip(*(_export(t, None) for t in tensors if t is not None))
+        call = _Call(None, kinds, exported, arrays)
+        call.plan = self._plan(static_key, static, kinds, call.diff + call.other)
+        outs = _Bridge.apply(call, *tensors)
+        return jax.tree_util.tree_unflatten(call.plan.out_tree, outs)
+
+
+def _hashable(v) -> bool:
+    try:
+        hash(v)
+    except TypeError:
+        return False
+    return True

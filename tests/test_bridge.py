@@ -1,0 +1,435 @@
+"""The DLPack bridge: zero copy (pointer equality) both ways, every explicit-copy case, the
+generic JAX-function-as-autograd-op wrapper against torch autograd, the JAX memory policy,
+and (GPU) stream ordering proven by a race that appears when the handshake is switched off.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+jax = pytest.importorskip("jax")
+import jax.numpy as jnp  # noqa: E402
+
+import logitless.bridge as bridge  # noqa: E402
+from logitless.bridge import JaxFunction, ZeroCopyError, to_jax, to_torch, would_copy  # noqa: E402
+from logitless.bridge import dlpack as bdl  # noqa: E402
+
+from harness import SEED  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+FLOATS = [torch.float32, torch.bfloat16, torch.float16]
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, gpu])]
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture
+def gen():
+    return torch.Generator().manual_seed(SEED)
+
+
+def rand(gen, *shape, dtype=torch.float32, device="cpu"):
+    return torch.randn(*shape, generator=gen).to(dtype=dtype, device=device)
+
+
+def ptr(a):
+    return a.unsafe_buffer_pointer()
+
+
+def as_np(t):
+    return t.detach().float().cpu().numpy()
+
+
+# ------------------------------------------------------------------------- zero copy
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+def test_torch_to_jax_to_torch_shares_memory(gen, device, dtype):
+    t = rand(gen, 37, 33, dtype=dtype, device=device)
+    assert would_copy(t) is None
+    a = to_jax(t, copy=False)
+    assert a.dtype == jnp.dtype(str(dtype).removeprefix("torch.")) and a.shape == (37, 33)
+    assert ptr(a) == t.data_ptr()
+    np.testing.assert_array_equal(np.asarray(a, np.float32), as_np(t))
+    back = to_torch(a)
+    assert back.data_ptr() == t.data_ptr() and back.dtype == dtype and back.device == t.device
+    if device == "cpu":  # shared, not equal-by-value: a write on one side shows on the other
+        t.add_(1)
+        np.testing.assert_array_equal(np.asarray(a, np.float32), as_np(t))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+def test_jax_outputs_to_torch_share_memory(gen, device, dtype):
+    """A JAX-computed array (as the bridge's forward/backward outputs are) crosses zero-copy."""
+    src = rand(gen, 19, 7, device=device)
+    a = jax.jit(lambda v: jnp.tanh(v).astype(str(dtype).removeprefix("torch.")))(to_jax(src))
+    t = to_torch(a, copy=False)
+    assert t.data_ptr() == ptr(a) and t.dtype == dtype and tuple(t.shape) == a.shape
+    np.testing.assert_array_equal(as_np(t), np.asarray(a, np.float32))
+    assert ptr(to_jax(t, copy=False)) == ptr(a)  # and straight back
+    copied = to_torch(a, copy=True)
+    assert copied.data_ptr() != ptr(a) and torch.equal(copied, t)
+
+
+def test_transposed_is_zero_copy_with_its_layout(gen):
+    base = rand(gen, 33, 37)
+    t = base.t()
+    assert not t.is_contiguous() and would_copy(t) is None
+    a = to_jax(t, copy=False)
+    assert ptr(a) == t.data_ptr()
+    np.testing.assert_array_equal(np.asarray(a), t.numpy())
+    # jit compiles for that layout: results are right
+    np.testing.assert_allclose(np.asarray(jax.jit(lambda v: v @ v.T)(a)), (t @ t.T).numpy(),
+                               rtol=1e-5, atol=1e-5)
+    assert to_torch(a).stride() == t.stride()
+
+
+def test_requires_grad_is_detached_not_copied(gen):
+    t = rand(gen, 8, 5).requires_grad_()
+    assert would_copy(t) is None
+    a = to_jax(t, copy=False)
+    assert ptr(a) == t.data_ptr()
+    assert t.requires_grad  # the caller's tensor is untouched
+
+
+# --------------------------------------------------------------------- explicit copies
+def _copy_case(name, gen):
+    if name == "step-sliced":
+        t = rand(gen, 10, 12)[:, ::2]
+        return t, t.numpy(), "dense layout"
+    if name == "misaligned":
+        t = rand(gen, 200)[1:]  # 4-byte offset from an aligned allocation
+        return t, t.numpy(), "aligned"
+    if name == "broadcast":
+        t = rand(gen, 1, 6).expand(4, 6)  # stride 0, e.g. the gradient of .sum()
+        return t, t.numpy(), "dense layout"
+    if name == "int64":
+        t = torch.randint(-100, 5000, (64,), generator=gen)
+        return t, t.numpy().astype(np.int32), "int32"
+    if name == "negative-bit":
+        t = torch.randn(6, dtype=torch.complex64, generator=gen).conj().imag
+        return t, t.resolve_neg().numpy(), "negative bit"
+    raise AssertionError(name)
+
+
+@pytest.mark.parametrize("name", ["step-sliced", "misaligned", "broadcast", "int64", "negative-bit"])
+def test_copy_cases_are_explicit(gen, name):
+    t, expected, words = _copy_case(name, gen)
+    reason = would_copy(t)
+    assert reason is not None and words in reason
+    with pytest.raises(ZeroCopyError, match=words):
+        to_jax(t, copy=False)
+    a = to_jax(t)  # copy=None: the documented copy, with the right values
+    assert ptr(a) != t.data_ptr() and ptr(a) % bdl.ALIGNMENT == 0
+    assert np.asarray(a).dtype == expected.dtype
+    np.testing.assert_array_equal(np.asarray(a), expected)
+
+
+def test_copy_true_always_copies(gen):
+    t = rand(gen, 16, 4)
+    a = to_jax(t, copy=True)
+    assert ptr(a) != t.data_ptr()
+    np.testing.assert_array_equal(np.asarray(a), t.numpy())
+
+
+def test_aligned_slice_stays_zero_copy(gen):
+    base = rand(gen, 4, 64)   # rows of 256 bytes: every row start is 64-byte aligned
+    t = base[1:]
+    assert would_copy(t) is None and ptr(to_jax(t, copy=False)) == t.data_ptr()
+
+
+def test_int64_out_of_int32_range_is_an_error():
+    t = torch.tensor([3, 2**31, -100])
+    with pytest.raises(RuntimeError, match="does not fit"):
+        to_jax(t)
+
+
+def test_int64_with_x64_is_zero_copy():
+    t = torch.arange(10)
+    with jax.enable_x64(True):
+        assert would_copy(t) is None
+        a = to_jax(t, copy=False)
+        assert a.dtype == jnp.int64 and ptr(a) == t.data_ptr()
+
+
+def test_float64_without_x64_is_refused(gen):
+    with pytest.raises(TypeError, match="x64"):
+        to_jax(rand(gen, 3).double())
+
+
+def test_bad_arguments():
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        to_jax(np.ones(3))
+    with pytest.raises(TypeError, match="jax.Array"):
+        to_torch(torch.ones(3))
+    with pytest.raises(TypeError, match="jax.jit"):
+        jax.jit(lambda v: to_torch(v))(jnp.ones(3))
+
+
+# ------------------------------------------------------------------ JaxFunction (autograd)
+def _jax_ce(x, w, y, bias, *, scale):
+    """Per-token cross-entropy of x @ w.T + bias, and the lse; ints in (y), an int out."""
+    z = x @ w.T + bias
+    lse = jax.nn.logsumexp(z.astype(jnp.float32), axis=1)
+    z_y = jnp.take_along_axis(z, y[:, None], axis=1)[:, 0].astype(jnp.float32)
+    return scale * (lse - z_y), lse, jnp.argmax(z, axis=1)
+
+
+def _torch_ce(x, w, y, bias, *, scale):
+    z = x @ w.T + bias
+    lse = torch.logsumexp(z.float(), dim=1)
+    return scale * (lse - z.gather(1, y[:, None])[:, 0].float()), lse, z.argmax(1)
+
+
+def _leaves(gen, dtype=torch.float32):
+    x = rand(gen, 9, 6, dtype=dtype).requires_grad_()
+    w = rand(gen, 11, 6, dtype=dtype).requires_grad_()
+    b = rand(gen, 11, dtype=dtype).requires_grad_()
+    y = torch.randint(0, 11, (9,), generator=gen)
+    return x, w, b, y
+
+
+def _grads(outs, ins, cts):
+    pairs = [(o, c) for o, c in zip(outs, cts) if c is not None]
+    return torch.autograd.grad([o for o, _ in pairs], ins, [c for _, c in pairs])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("used", ["both", "loss-only", "lse-only"])
+def test_jax_function_matches_torch_autograd(gen, dtype, used):
+    op = JaxFunction(_jax_ce)
+    x, w, b, y = _leaves(gen, dtype)
+    loss, lse, am = op(x, w, y, b, scale=1.5)
+    ref_loss, ref_lse, ref_am = _torch_ce(x, w, y, b, scale=1.5)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(as_np(loss), as_np(ref_loss), **tol)
+    np.testing.assert_allclose(as_np(lse), as_np(ref_lse), **tol)
+    assert torch.equal(am.long(), ref_am) and not am.requires_grad
+    assert loss.requires_grad and lse.requires_grad and loss.dtype == torch.float32
+    g, h = rand(gen, 9), rand(gen, 9)
+    cts = {"both": (g, h), "loss-only": (g, None), "lse-only": (None, h)}[used]
+    got = _grads((loss, lse), (x, w, b), cts)
+    want = _grads((ref_loss, ref_lse), (x, w, b), cts)
+    for a, r in zip(got, want):
+        assert a.dtype == r.dtype and a.shape == r.shape
+        np.testing.assert_allclose(as_np(a), as_np(r), **tol)
+
+
+def test_jax_function_compiles_once_per_config(gen):
+    traces = []
+
+    def f(x, w, *, k):
+        traces.append(k)
+        return jnp.sum(jnp.sin(x @ w.T)) * k
+
+    op = JaxFunction(f)
+    for _ in range(3):
+        x, w, _, _ = _leaves(gen)
+        op(x, w, k=2.0).backward()
+    assert len(op._plans) == 1
+    n = len(traces)
+    op(x, w, k=3.0).backward()   # a new static value: one new plan
+    assert len(op._plans) == 2 and len(traces) > n
+    with pytest.raises(TypeError, match="hashable"):
+        op(x, w, k=[1.0])
+    with pytest.raises(TypeError, match="keywords"):
+        op(x, 2.0, k=1.0)
+
+
+def test_jax_function_residual_inputs_are_not_copied(gen):
+    """A custom_vjp that saves its inputs: they are re-read from the inputs, not copied."""
+
+    @jax.custom_vjp
+    def mm(x, w):
+        return x @ w.T
+
+    mm.defvjp(lambda x, w: (x @ w.T, (x, w)), lambda r, g: (g @ r[1], g.T @ r[0]))
+    op = JaxFunction(mm)
+    x, w, _, _ = _leaves(gen)
+    out = op(x, w)
+    (plan,) = op._plans.values()
+    assert plan.sources == (("in", 0), ("in", 1))
+    saved = out.grad_fn.saved_tensors
+    assert [s.data_ptr() for s in saved] == [x.data_ptr(), w.data_ptr()]
+    gx, gw = torch.autograd.grad(out, (x, w), torch.ones(9, 11))
+    np.testing.assert_allclose(as_np(gx), as_np(torch.ones(9, 11) @ w), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(as_np(gw), as_np(torch.ones(11, 9) @ x), rtol=1e-5, atol=1e-5)
+
+
+def test_jax_function_autograd_semantics(gen):
+    op = JaxFunction(_jax_ce)
+    x, w, b, y = _leaves(gen)
+    # retain_graph: the residuals are saved tensors, so a second backward works ...
+    loss = op(x, w, y, b, scale=1.0)[0].sum()
+    g1 = torch.autograd.grad(loss, x, retain_graph=True)[0]
+    g2 = torch.autograd.grad(loss, x)[0]
+    assert torch.equal(g1, g2)
+    # ... and without it PyTorch frees them, as for any op
+    loss = op(x, w, y, b, scale=1.0)[0].sum()
+    loss.backward()
+    with pytest.raises(RuntimeError, match="second time|freed"):
+        loss.backward()
+    # an in-place change to a saved input is caught, as for any op
+    x2 = x.detach().clone().requires_grad_()
+    xin = x2 * 1.0
+    loss = op(xin, w, y, b, scale=1.0)[0].sum()
+    xin.mul_(2)
+    with pytest.raises(RuntimeError, match="inplace|in-place"):
+        loss.backward()
+    # grad mode off or nothing requiring grad: forward only, no graph
+    with torch.no_grad():
+        out = op(x, w, y, b, scale=1.0)
+    assert not out[0].requires_grad
+    np.testing.assert_allclose(as_np(out[0]), as_np(_torch_ce(x, w, y, b, scale=1.0)[0]),
+                               rtol=1e-5, atol=1e-5)
+    assert not op(x.detach(), w.detach(), y, b.detach(), scale=1.0)[0].requires_grad
+    # only some inputs require grad: the others get None
+    gx, = torch.autograd.grad(op(x, w.detach(), y, b.detach(), scale=1.0)[0].sum(), x)
+    assert gx.shape == x.shape
+
+
+def test_jax_function_gradient_of_reduced_none_output(gen):
+    """``.sum()`` hands backward a stride-0 gradient: it is materialized, not mis-read."""
+    op = JaxFunction(_jax_ce)
+    x, w, b, y = _leaves(gen)
+    got = torch.autograd.grad(op(x, w, y, b, scale=1.0)[0].sum(), (x, w, b))
+    want = torch.autograd.grad(_torch_ce(x, w, y, b, scale=1.0)[0].sum(), (x, w, b))
+    for a, r in zip(got, want):
+        np.testing.assert_allclose(as_np(a), as_np(r), rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------- memory policy
+def test_preallocation_policy_unit():
+    env = {}
+    assert bridge._configure_jax_memory(env, {}, cuda_available=True) == "set"
+    assert env == {bridge.PREALLOCATE_VAR: "false"}
+    env = {bridge.PREALLOCATE_VAR: "true"}
+    assert bridge._configure_jax_memory(env, {}, cuda_available=True) == "user"
+    assert env[bridge.PREALLOCATE_VAR] == "true"
+    env = {}
+    with pytest.warns(RuntimeWarning, match="XLA_PYTHON_CLIENT_PREALLOCATE"):
+        assert bridge._configure_jax_memory(env, {"jax": object()}, cuda_available=True) == "warned"
+    assert env == {}
+    assert bridge._configure_jax_memory(env, {"jax": object()}, cuda_available=False) == "late"
+
+
+def _fresh_python(code, **env_changes):
+    env = {k: v for k, v in os.environ.items() if k != bridge.PREALLOCATE_VAR}
+    env.update(env_changes)
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_bridge_import_sets_preallocate_before_jax():
+    r = _fresh_python("import json, os, sys; import logitless.bridge; "
+                      "print(json.dumps([os.environ.get('XLA_PYTHON_CLIENT_PREALLOCATE'), "
+                      "'jax' in sys.modules]))")
+    assert r == ["false", True]
+
+
+_MEMORY_PROBE = """
+import json, torch
+free0, total = torch.cuda.mem_get_info()
+import logitless.bridge as b
+import jax.numpy as jnp
+a = b.to_jax(torch.ones(1 << 20, device="cuda"))
+(a * 2).block_until_ready()
+free1, _ = torch.cuda.mem_get_info()
+print(json.dumps({"taken": (free0 - free1) / total}))
+"""
+
+
+@pytest.mark.gpu
+@gpu
+def test_jax_does_not_preallocate_the_gpu():
+    assert _fresh_python(_MEMORY_PROBE)["taken"] < 0.1
+    # the probe can fail: with preallocation forced on, JAX takes most of the card
+    assert _fresh_python(_MEMORY_PROBE, XLA_PYTHON_CLIENT_PREALLOCATE="true")["taken"] > 0.5
+
+
+# ------------------------------------------------------------------ streams (GPU only)
+RACE_TRIALS = 3
+
+
+def _busy_torch(a, c, iters):
+    """~0.2 s of GPU work on the current stream (fp32 GEMMs without TF32)."""
+    for _ in range(iters):
+        torch.mm(a, a, out=c)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("sync", [True, False], ids=["synchronized", "handshake-off"])
+def test_stream_race_torch_producer_jax_consumer(sync):
+    """A tensor finished last on a busy non-default PyTorch stream, read by JAX at once.
+
+    With the handshake JAX waits for it (every trial exact); switched off (tests only) JAX
+    reads before the producer wrote it, which the test requires to be observed -- so the
+    synchronized variant passing is evidence, not luck.
+    """
+    dev = torch.device("cuda")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    a = torch.randn(4096, 4096, device=dev) / 64
+    c = torch.empty_like(a)
+    consume = jax.jit(lambda v: v + 0.0)
+    consume(to_jax(torch.zeros(1 << 22, device=dev))).block_until_ready()  # compiled up front
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    wrong = 0
+    for trial in range(RACE_TRIALS):
+        with torch.cuda.stream(side):
+            src = torch.randn(1 << 22, device=dev)
+            out = torch.zeros(1 << 22, device=dev)
+            _busy_torch(a, c, 100)
+            out.copy_(src)                     # the value lands only after the GEMMs
+            if sync:
+                seen = consume(to_jax(out))
+            else:
+                with bdl._unsynchronized():
+                    seen = consume(to_jax(out))
+        seen = np.asarray(seen)
+        torch.cuda.synchronize()
+        wrong += not np.array_equal(seen, src.cpu().numpy())
+    if sync:
+        assert wrong == 0
+    else:
+        assert wrong > 0, "no race observed without the handshake: the test proves nothing"
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("sync", [True, False], ids=["synchronized", "handshake-off"])
+def test_stream_race_jax_producer_torch_consumer(sync):
+    """The reverse: a JAX result finished last in a long jit, read by PyTorch at once."""
+    from jax import lax
+
+    @jax.jit
+    def produce(a, key):
+        b = lax.fori_loop(0, 100, lambda i, b: jnp.tanh(jnp.matmul(a, b, precision="highest")), a)
+        return jax.random.normal(key, (1 << 22,)) + 0.0 * b[0, 0]   # written after the loop
+
+    a = jax.random.normal(jax.random.key(0), (4096, 4096)) / 64
+    produce(a, jax.random.key(1)).block_until_ready()  # compiled up front
+    wrong = 0
+    for trial in range(RACE_TRIALS):
+        res = produce(a, jax.random.key(SEED + trial))
+        if sync:
+            seen = to_torch(res).clone()       # on PyTorch's current stream
+        else:
+            with bdl._unsynchronized():
+                seen = to_torch(res).clone()
+        seen = seen.cpu().numpy()
+        wrong += not np.array_equal(seen, np.asarray(res))
+    if sync:
+        assert wrong == 0
+    else:
+        assert wrong > 0, "no race observed without the handshake: the test proves nothing"
