@@ -92,7 +92,7 @@ def main():
                 r = dict(shape=[n, h, v], variant=variant, ms=t, ratio=t / fl, floor_ms=fl,
                          extra_gib=extra / 2**30)
             except Exception as e:  # record and go on
-                r = dict(shape=[n, h, v], variant=variant, error=repr(e)[:300])
+                r = dict(shape=[n, h, v], variant=variant, error=repr(e)[-400:])
             tlce.PROGRAMS_PER_SM = 4
             rows.append(r)
             print(json.dumps(r), flush=True)
@@ -103,5 +103,87 @@ def main():
             f.write(json.dumps(r) + "\n")
 
 
+
+
+def stages(n, h, v, chunk):
+    """Time each stage of one token chunk in isolation (ms), to see where the time goes."""
+    from logitless.triton_kernels.linear_cross_entropy import Config, _rows, _ones
+    x = torch.randn(chunk, h, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(v, h, device="cuda", dtype=torch.bfloat16) * (2.0 / h ** 0.5)
+    y = torch.randint(0, v, (chunk,), device="cuda")
+    buf = torch.empty(chunk, v, device="cuda", dtype=torch.bfloat16)
+    torch.mm(x, w.t(), out=buf)
+    keep = buf.clone()
+    lse = torch.empty(chunk, device="cuda")
+    loss = torch.empty(chunk, device="cuda")
+    acc = torch.zeros(v, h, device="cuda")
+    dwb = torch.empty(v, h, device="cuda", dtype=torch.bfloat16)
+    dx = torch.empty(chunk, h, device="cuda", dtype=torch.bfloat16)
+    cfg = Config(chunk, chunk, 0, 8)
+    opts_t = (-100, 0.0, 0.0, None)
+    ones = _ones(x)
+    gb = chunk * v * 2 / 1e9
+    out = {}
+    out["logits_gemm"] = bench(lambda: torch.mm(x, w.t(), out=buf))
+    out["dx_gemm"] = bench(lambda: torch.mm(buf, w, out=dx))
+    out["dw_gemm_bf16"] = bench(lambda: torch.mm(buf.t(), x, out=dwb))
+    out["dw_mm_f32"] = bench(lambda: torch.mm(buf.t(), x, out_dtype=torch.float32, out=acc))
+    out["dw_addmm_f32"] = bench(lambda: torch.addmm(acc, buf.t(), x, out_dtype=torch.float32, out=acc))
+    out["acc_to_bf16"] = bench(lambda: dwb.copy_(acc))
+    out["acc_zero"] = bench(lambda: acc.zero_())
+    out["copy_chunk"] = bench(lambda: buf.copy_(keep))
+    for bv, nw, pps in ((4096, 8, 4), (2048, 8, 4), (8192, 16, 2), (4096, 16, 4)):
+        tlce.PROGRAMS_PER_SM = pps
+        c2 = Config(chunk, chunk, bv, nw)
+
+        def k(write, compute=True):
+            buf.copy_(keep)
+            _rows(buf, chunk, v, 0, y, None, None, lse, loss, ones, None, opts_t, v, c2,
+                  compute_lse=compute, write_grad=write)
+        base = out["copy_chunk"]
+        out[f"rows_lse_only_{bv}_{nw}_{pps}"] = bench(lambda: k(False)) - base
+        out[f"rows_lse_grad_{bv}_{nw}_{pps}"] = bench(lambda: k(True)) - base
+        out[f"rows_grad_only_{bv}_{nw}_{pps}"] = bench(lambda: k(True, False)) - base
+    tlce.PROGRAMS_PER_SM = 4
+    out["chunk_gb"] = gb
+    return out
+
+
+def gemm_shapes(h, v, ms=(256, 512, 1024, 2048, 4096)):
+    w = torch.randn(v, h, device="cuda", dtype=torch.bfloat16)
+    r = {}
+    for m in ms:
+        a = torch.randn(m, h, device="cuda", dtype=torch.bfloat16)
+        g = torch.randn(m, v, device="cuda", dtype=torch.bfloat16)
+        fl = 2 * m * h * v
+        r[f"logits_M{m}_tflops"] = fl / bench(lambda: torch.mm(a, w.t())) / 1e9
+        r[f"dx_M{m}_tflops"] = fl / bench(lambda: torch.mm(g, w)) / 1e9
+    return r
+
+
 if __name__ == "__main__":
-    main()
+    import sys
+    if sys.argv[1:2] == ["profile"]:
+        for shp in sys.argv[2].split(";"):
+            n, h, v = map(int, shp.split(","))
+            x, w, y = inputs(n, h, v)
+            kw = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
+            def one():
+                x.grad = w.grad = None
+                lt.linear_cross_entropy(x, w, y, backend="triton", **kw).backward()
+            one()
+            torch.cuda.synchronize()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                one()
+                torch.cuda.synchronize()
+            print(f"== profile {n},{h},{v} {kw}")
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+            del x, w, y
+            torch.cuda.empty_cache()
+    elif sys.argv[1:2] == ["stages"]:
+        for shp in sys.argv[2].split(";"):
+            n, h, v, c = map(int, shp.split(","))
+            print(json.dumps(dict(shape=[n, h, v, c], **stages(n, h, v, c))), flush=True)
+            print(json.dumps(dict(shape=[h, v], **gemm_shapes(h, v))), flush=True)
+    else:
+        main()

@@ -75,18 +75,20 @@ def check_targets(y: torch.Tensor, v: int, ignore_index: int) -> None:
     torch._assert_async(ok.all(), spec.target_range_message(v, ignore_index))
 
 
-def accumulate_mm_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``acc += a @ b`` with fp32 ``acc`` and no ``acc``-sized temporary.
+def accumulate_mm_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool = False) -> None:
+    """``acc += a @ b`` (``acc = a @ b`` when ``first``: no zero-fill, no read of ``acc``),
+    with fp32 ``acc`` and no ``acc``-sized temporary.
 
     CUDA: cuBLAS with a float32 C (``out_dtype``) straight from bf16/fp16 operands. Elsewhere:
     the operands (chunk-sized) are upcast and ``addmm_`` works in place.
     """
-    if a.dtype == acc.dtype:
-        acc.addmm_(a, b)
-    elif acc.is_cuda and acc.dtype == torch.float32:
-        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    if a.dtype != acc.dtype and not (acc.is_cuda and acc.dtype == torch.float32):
+        a, b = a.to(acc.dtype), b.to(acc.dtype)
+    kw = {} if a.dtype == acc.dtype else {"out_dtype": acc.dtype}
+    if first:
+        torch.mm(a, b, out=acc, **kw)
     else:
-        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
+        torch.addmm(acc, a, b, out=acc, **kw)
 
 
 @dataclasses.dataclass

@@ -71,8 +71,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         h_all = None if g_lse is None else g_lse.to(acc)
         omega_sum = common.class_weight_sum(class_weight, v, g_tok_all)
         dx = torch.empty(x.shape, dtype=x.dtype, device=x.device) if need_x else None
-        dw = torch.zeros(v, x.shape[1], dtype=acc, device=x.device) if need_w else None
-        db = torch.zeros(v, dtype=acc, device=x.device) if (need_b and bias is not None) else None
+        dw = torch.empty(v, x.shape[1], dtype=acc, device=x.device) if need_w else None
+        db = torch.empty(v, dtype=acc, device=x.device) if (need_b and bias is not None) else None
         for s, e in plan.bounds():
             xc = x[s:e]
             c = _chunk_logits(xc, w, bias, acc, opts.softcap)
@@ -82,13 +82,16 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                                            class_weight, opts, omega_sum)
             del c
             if db is not None:
-                db += dz.sum(0)
+                if s == 0:
+                    torch.sum(dz, 0, out=db)
+                else:
+                    db += dz.sum(0)
             dz_low = dz.to(x.dtype)
             del dz
             if dx is not None:
                 torch.mm(dz_low, w, out=dx[s:e])
             if dw is not None:
-                common.accumulate_mm_(dw, dz_low.t(), xc)
+                common.accumulate_mm_(dw, dz_low.t(), xc, first=s == 0)
         return (dx, None if dw is None else dw.to(w.dtype), None if db is None else db.to(bias.dtype),
                 None, None, None, None)
 

@@ -18,13 +18,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
-
-
 @triton.jit
 def _tanh(u):
-    # tanh through exp2 of a non-positive argument: no overflow, works in the interpreter.
-    e = tl.exp2(-2.0 * LOG2E * tl.abs(u))
+    # tanh through exp of a non-positive argument: no overflow, works in the interpreter.
+    e = tl.exp(-2.0 * tl.abs(u))
     t = (1.0 - e) / (1.0 + e)
     return tl.where(u < 0, -t, t)
 
@@ -89,7 +86,7 @@ def cross_entropy_rows_kernel(
                         wc += tl.sum(tl.where(cmask, c, 0.0), 0)
                 c = tl.where(cmask, c, -float("inf"))
                 m_new = tl.maximum(m, tl.max(c, 0))
-                s = s * tl.exp2((m - m_new) * LOG2E) + tl.sum(tl.exp2((c - m_new) * LOG2E), 0)
+                s = s * tl.exp(m - m_new) + tl.sum(tl.exp(c - m_new), 0)
                 m = m_new
             lse = m + tl.log(s)
             here = (y_local >= 0) & (y_local < n_cols) & valid
@@ -119,12 +116,14 @@ def cross_entropy_rows_kernel(
                 coef_p += tl.load(h_ptr + row64).to(tl.float32)
             coef_y = g * (1.0 - eps) * omega
             coef_w = g * mask_f * (eps / V)
-            for start in range(0, n_cols, BLOCK_V):
-                cols = start + offs
+            # Backwards over the row: its most recently read tail is the likeliest to be in L2.
+            n_blocks = tl.cdiv(n_cols, BLOCK_V)
+            for i in range(0, n_blocks):
+                cols = (n_blocks - 1 - i) * BLOCK_V + offs
                 cmask = cols < n_cols
                 z = tl.load(base + cols, mask=cmask, other=0.0).to(tl.float32)
                 c = _cap(z, softcap, HAS_SOFTCAP)
-                d = coef_p * tl.exp2((c - lse) * LOG2E)
+                d = coef_p * tl.exp(c - lse)
                 d -= tl.where(cols == y_local, coef_y, 0.0)
                 if SMOOTH:
                     if HAS_CW:

@@ -119,8 +119,8 @@ def _forward(x, w, bias, y, cw, omega_sum, opts_t, cfg, grad_mode, accum_dtype):
     lse = torch.empty(n, dtype=torch.float32, device=dev)
     dx = torch.empty(n, hdim, dtype=x.dtype, device=dev) if grad_mode else x.new_empty(0)
     full = grad_mode == FULL_GRAD
-    dw = torch.zeros(v, hdim, dtype=accum_dtype, device=dev) if full else x.new_empty(0)
-    db = torch.zeros(v, dtype=torch.float32, device=dev) if (full and bias is not None) else x.new_empty(0)
+    dw = torch.empty(v, hdim, dtype=accum_dtype, device=dev) if full else x.new_empty(0)
+    db = torch.empty(v, dtype=torch.float32, device=dev) if (full and bias is not None) else x.new_empty(0)
     ones = _ones(x)
     buf = torch.empty(min(cfg.chunk, n), v, dtype=x.dtype, device=dev)
     for s in range(0, n, cfg.chunk):
@@ -131,9 +131,7 @@ def _forward(x, w, bias, y, cw, omega_sum, opts_t, cfg, grad_mode, accum_dtype):
         if grad_mode:
             torch.mm(blk, w, out=dx[s:e])
         if full:
-            common.accumulate_mm_(dw, blk.t(), x[s:e])
-            if bias is not None:
-                db += blk.sum(0, dtype=torch.float32)
+            _accumulate(dw, db, blk, x[s:e], first=s == 0)
     return token_loss, lse, dx, dw, db
 
 
@@ -152,11 +150,19 @@ def _token_sweep(x, w, bias, y, cw, omega_sum, lse, g, h, opts_t, cfg, need_dx, 
               opts_t, v, cfg, compute_lse=False, write_grad=True)
         if need_dx:
             torch.mm(blk, w, out=dx[s:e])
-        if dw_acc is not None:
-            common.accumulate_mm_(dw_acc, blk.t(), x[s:e])
-        if db_acc is not None:
-            db_acc += blk.sum(0, dtype=torch.float32)
+        _accumulate(dw_acc, db_acc, blk, x[s:e], first=s == 0)
     return dx
+
+
+def _accumulate(dw, db, dz, x_c, first):
+    """dW (+)= dzᵀ·x_c in place (fp32 inside cuBLAS), db (+)= Σ dz; the first chunk assigns."""
+    if dw is not None and dw.numel():
+        common.accumulate_mm_(dw, dz.t(), x_c, first=first)
+    if db is not None and db.numel():
+        if first:
+            torch.sum(dz, 0, dtype=torch.float32, out=db)
+        else:
+            db += dz.sum(0, dtype=torch.float32)
 
 
 def _vocab_sweep(x, w, bias, y, cw, omega_sum, lse, g, h, opts_t, cfg, post_scale, dw_out, db_out):
@@ -254,8 +260,8 @@ def _bwd_op(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], y: t
             _vocab_sweep(x, w, bias, y, cw, omega_sum, lse, g, h, opts_t, cfg, post_scale, dw, db)
         return dx, x.new_empty(0) if dw is None else dw, x.new_empty(0) if db is None else db
     accum = torch.float32 if accum_fp32 else w.dtype
-    dw_acc = torch.zeros(v, hdim, dtype=accum, device=w.device) if need_dw else None
-    db_acc = torch.zeros(v, dtype=torch.float32, device=w.device) if need_db else None
+    dw_acc = torch.empty(v, hdim, dtype=accum, device=w.device) if need_dw else None
+    db_acc = torch.empty(v, dtype=torch.float32, device=w.device) if need_db else None
     dx = _token_sweep(x, w, bias, y, cw, omega_sum, lse, g, h, opts_t, cfg, need_dx, dw_acc, db_acc)
     dw = x.new_empty(0) if dw_acc is None else _cast(dw_acc, None, w.dtype)
     db = x.new_empty(0) if db_acc is None else _cast(db_acc, None, bias.dtype)
