@@ -1,1 +1,118 @@
 """JAX backends of linear cross-entropy (xla, pallas) and the naive jnp path, joining the shared harness."""
+from __future__ import annotations
+
+import numpy as np
+
+from harness import Backend, register
+
+
+def _jax_inputs(case, inp):
+    import jax.numpy as jnp
+    dt = jnp.dtype(case.dtype)
+    a = lambda v, dtype=dt: None if v is None else jnp.asarray(np.asarray(v, np.float32), dtype)
+    return dict(x=a(inp.x), w=a(inp.w), b=a(inp.bias), y=jnp.asarray(inp.y.astype(np.int32)),
+                cw=a(inp.class_weight, jnp.float32), g=a(inp.grad_output, jnp.float32),
+                gl=a(inp.grad_lse, jnp.float32))
+
+
+def _run_vjp(case, loss_and_lse, arrs):
+    """jit(vjp) of ``loss_and_lse(x, w, b, y, cw) -> (loss, lse)`` with the case's cotangents."""
+    import jax
+
+    def go(x, w, b, y, cw, g, gl):
+        def f(x, w, b):
+            loss, lse = loss_and_lse(x, w, b, y, cw)
+            return (loss, lse) if case.lse_grad else loss
+        out, vjp = jax.vjp(f, x, w, b)
+        dx, dw, db = vjp((g, gl) if case.lse_grad else g)
+        return out, dx, dw, db
+
+    a = arrs
+    out, dx, dw, db = jax.jit(go)(a["x"], a["w"], a["b"], a["y"], a["cw"], a["g"], a["gl"])
+    f64 = lambda v: np.asarray(v, np.float64)
+    loss = out[0] if case.lse_grad else out
+    r = dict(loss=f64(loss), dx=f64(dx), dw=f64(dw))
+    if case.lse_grad:
+        r["lse"] = f64(out[1])
+    if case.bias:
+        r["db"] = f64(db)
+    return r
+
+
+def jax_backend_runner(backend, **fixed_tuning):
+    def run(case, inp):
+        import logitless.jax as lj
+        tuning = dict(fixed_tuning)
+        if case.chunk_size:
+            tuning["chunk_size"] = case.chunk_size
+
+        def loss_and_lse(x, w, b, y, cw):
+            out = lj.linear_cross_entropy(
+                x, w, y, linear_bias=b, weight=cw, reduction=case.reduction,
+                label_smoothing=case.label_smoothing, z_loss=case.z_loss, softcap=case.softcap,
+                return_lse=case.lse_grad, backend=backend, **tuning)
+            return out if case.lse_grad else (out, None)
+        return _run_vjp(case, loss_and_lse, _jax_inputs(case, inp))
+    return run
+
+
+def _materialized(a):
+    """``a`` rounded to its dtype's grid, in value and in gradient (reduce_precision's transpose
+    rounds the cotangent too). XLA's default ``xla_allow_excess_precision`` lets the CPU compiler
+    keep a bf16 GEMM's output (and the logit gradient feeding the next GEMM) in float32 when a
+    convert follows; on a GPU the GEMMs materialize them in bf16. This pins the GPU behaviour,
+    i.e. the precision the array types promise, on every platform."""
+    import jax.numpy as jnp
+    from jax import lax
+    fi = jnp.finfo(a.dtype)
+    return lax.reduce_precision(a, exponent_bits=fi.nexp, mantissa_bits=fi.nmant)
+
+
+def naive_jax(case, inp):
+    """What a user writes without this library: logits materialized in the input dtype,
+    upcast to float32 for the loss, gradients by autodiff."""
+    import jax
+    import jax.numpy as jnp
+
+    def loss_and_lse(x, w, b, y, cw):
+        logits = x @ w.T
+        if b is not None:
+            logits = logits + b
+        c = _materialized(logits).astype(jnp.float32)
+        if case.softcap:
+            c = case.softcap * jnp.tanh(c / case.softcap)
+        logp = jax.nn.log_softmax(c, axis=-1)
+        lse = jax.nn.logsumexp(c, axis=-1)
+        v = c.shape[-1]
+        mask = y != -100
+        ys = jnp.where(mask, y, 0)
+        cwv = jnp.ones(v, jnp.float32) if cw is None else cw
+        omega = mask * cwv[ys]
+        nll = -jnp.take_along_axis(logp, ys[:, None], axis=-1)[:, 0]
+        smooth = -(logp * cwv).sum(-1) / v
+        eps = case.label_smoothing
+        tok = (1 - eps) * omega * nll + mask * eps * smooth + case.z_loss * omega * lse ** 2
+        if case.reduction == "none":
+            loss = tok
+        elif case.reduction == "sum":
+            loss = tok.sum()
+        else:
+            loss = tok.sum() / jnp.maximum(omega.sum(), 1e-30)
+        return loss, lse
+    return _run_vjp(case, loss_and_lse, _jax_inputs(case, inp))
+
+
+register(Backend("naive-jax", naive_jax, naive="naive-jax", requires=("jax",)))
+register(Backend("xla", jax_backend_runner("xla"), naive="naive-jax", requires=("jax",)))
+# Small blocks on CPU so the interpreted kernel walks several V blocks with a ragged last one
+# and several row blocks with a ragged last one; on a GPU the defaults are tested.
+def _pallas_test_tuning():
+    import jax
+    return {} if jax.default_backend() == "gpu" else dict(block_rows=4, block_v=32)
+
+
+def pallas_runner(case, inp):
+    return jax_backend_runner("pallas", **_pallas_test_tuning())(case, inp)
+
+
+register(Backend("pallas", pallas_runner, naive="naive-jax", requires=("jax",)))

@@ -1,0 +1,344 @@
+"""JAX-side pieces shared by the front door and both JAX backends (``xla``, ``pallas``).
+
+* argument checks and flattening (errors name the argument), the eager target check;
+* per-token coefficients of the loss and its gradient, and the per-chunk loss math in jnp
+  (the same functions run inside the Pallas kernel and in the plain-XLA backend);
+* the GEMMs of either weight layout, and the chunked ``jax.custom_vjp`` driver that walks the
+  token chunks of :func:`logitless.specs.tiling.plan_token_chunks`.
+
+A backend only supplies a *head*: what to do with one chunk of raw logits (loss and lse, and
+optionally the logit gradient written in the logits' dtype). See :class:`Head`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from .specs import linear_cross_entropy as spec
+from .specs.tiling import ChunkPlan
+
+FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_INT32 = np.iinfo(np.int32)
+
+
+# ------------------------------------------------------------------------------ arguments
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    x: jax.Array                       # (N, H)
+    w: jax.Array                       # (V, H) for layout "vh", (H, V) for "hv" (never copied)
+    y: jax.Array                       # (N,) int32
+    bias: Optional[jax.Array]          # (V,)
+    class_weight: Optional[jax.Array]  # (V,) float32
+    layout: str
+    problem: spec.Problem
+
+
+def _require_array(name, a, optional=False):
+    if a is None and optional:
+        return
+    if not isinstance(a, (jax.Array, np.ndarray)):
+        raise TypeError(f"{name} must be a jax.Array (or NumPy array), got {type(a).__name__}")
+
+
+def _is_traced(a) -> bool:
+    return isinstance(a, jax.core.Tracer)
+
+
+def prepare(x, linear_weight, labels, linear_bias, weight, *, ignore_index: int,
+            weight_layout: str = "vh") -> Prepared:
+    """Check types, dtypes and shapes (errors name the argument); flatten to 2-D.
+
+    Concrete (untraced) labels are range-checked here, eagerly (this reads them on the host);
+    traced labels are not, and the backends turn an out-of-range target into a NaN loss.
+    """
+    _require_array("x", x)
+    _require_array("linear_weight", linear_weight)
+    _require_array("labels", labels)
+    _require_array("linear_bias", linear_bias, optional=True)
+    _require_array("weight", weight, optional=True)
+    dt = jnp.dtype(x.dtype)
+    if dt not in FLOAT_DTYPES:
+        raise TypeError(f"x must be float32, bfloat16 or float16, got {dt}")
+    if jnp.dtype(linear_weight.dtype) != dt:
+        raise TypeError(f"linear_weight dtype {linear_weight.dtype} does not match x dtype {dt}")
+    if linear_bias is not None and jnp.dtype(linear_bias.dtype) != dt:
+        raise TypeError(f"linear_bias dtype {linear_bias.dtype} does not match x dtype {dt}")
+    ldt = jnp.dtype(labels.dtype)
+    if ldt == jnp.bool_ or not jnp.issubdtype(ldt, jnp.integer):
+        raise TypeError(f"labels must hold integer class indices, got dtype {ldt}; "
+                        "class-probability targets are not supported")
+    if weight is not None and not jnp.issubdtype(jnp.dtype(weight.dtype), jnp.floating):
+        raise TypeError(f"weight (class weights) must be a floating array, got {weight.dtype}")
+    if not _INT32.min <= ignore_index <= _INT32.max:
+        raise ValueError(f"ignore_index must fit in int32 (labels are int32), got {ignore_index}")
+    problem = spec.check_shapes(x.shape, linear_weight.shape, labels.shape,
+                                None if linear_bias is None else linear_bias.shape,
+                                None if weight is None else weight.shape,
+                                weight_layout=weight_layout)
+    if not _is_traced(labels):
+        spec.check_targets(np.asarray(labels), problem.v, ignore_index)
+    return Prepared(
+        x=jnp.reshape(x, (problem.n, problem.h)), w=jnp.asarray(linear_weight),
+        y=jnp.reshape(labels, (problem.n,)).astype(jnp.int32),
+        bias=None if linear_bias is None else jnp.asarray(linear_bias),
+        class_weight=None if weight is None else jnp.asarray(weight, jnp.float32),
+        layout=weight_layout, problem=problem)
+
+
+def check_tuning(name: str, value, *, power_of_2=False, lo=1, hi=None):
+    """A positive-int tuning keyword (optionally a power of two within [lo, hi])."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo or \
+            (hi is not None and value > hi) or (power_of_2 and value & (value - 1)):
+        what = "a power of two" if power_of_2 else "an int"
+        rng = f" in [{lo}, {hi}]" if hi is not None else f" >= {lo}"
+        raise ValueError(f"{name} must be {what}{rng}, got {value!r}")
+    return value
+
+
+# ------------------------------------------------------------------- per-token coefficients
+# Rows of the packed (6, N) float32 coefficient array (see the spec's docstring):
+#   B = (1-ε)ω,  SM = m·ε/V,  SMO = SM·Ω,  ZW = ζ·ω,  G = upstream grad of l_i,  H = of lse_i
+# so that  l_i  = B(lse − c_y) + SMO·lse − SM·Σ_v w_v c_v + ZW·lse²
+#          dc_iv = G·((B + SMO + 2·ZW·lse)·p − B·[v=y] − SM·w_v) + H·p.
+B, SM, SMO, ZW, G, H = range(6)
+NUM_COEFS = 6
+
+
+def token_coefficients(y, class_weight, opts: spec.LinearCrossEntropyOptions, v: int):
+    """(6, N) float32 coefficients with G = H = 0, and ω (N,).
+
+    A target outside ``[0, V)`` that is not ``ignore_index`` gets ω = NaN: its loss, the reduced
+    loss and the gradients become NaN (loud, never garbage), and no index ever leaves ``[0, V)``.
+    """
+    mask = y != opts.ignore_index
+    bad = mask & ((y < 0) | (y >= v))
+    y_safe = jnp.where(mask & ~bad, y, 0)
+    m = mask.astype(jnp.float32)
+    omega = m if class_weight is None else m * class_weight[y_safe]
+    omega = jnp.where(bad, jnp.nan, omega)
+    eps = opts.label_smoothing
+    sm = m * (eps / v)
+    big_omega = float(v) if class_weight is None else jnp.sum(class_weight)
+    zero = jnp.zeros_like(m)
+    coefs = jnp.stack([(1.0 - eps) * omega, sm, sm * big_omega, opts.z_loss * omega, zero, zero])
+    return coefs, omega
+
+
+def mean_denominator(omega):
+    """Σω, or 1 where Σω = 0 so that an all-ignored batch gives loss 0 and zero grads."""
+    total = jnp.sum(omega)
+    return jnp.where(total > 0, total, 1.0)
+
+
+def with_upstream(coefs, g, h):
+    """Fill the G and H rows (``g``, ``h`` broadcast to (N,))."""
+    n = coefs.shape[1]
+    return coefs.at[G].set(jnp.broadcast_to(g, (n,))).at[H].set(jnp.broadcast_to(h, (n,)))
+
+
+# ------------------------------------------------------------- per-chunk math (jnp, fp32)
+# Written for row blocks: per-row values have shape (R,), logit blocks (R, C). They run
+# unchanged inside the Pallas kernel and on whole chunks in the XLA backend.
+def capped(z, softcap: Optional[float]):
+    return z if softcap is None else softcap * jnp.tanh(z / softcap)
+
+
+def token_loss(lse, c_y, wc, b, sm, smo, zw):
+    """l_i from lse_i, the target logit c_y, the smoothing sum wc = Σ_v w_v c_v (or None)."""
+    loss = b * (lse - c_y) + zw * lse * lse
+    if wc is not None:
+        loss = loss + (smo * lse - sm * wc)
+    return loss
+
+
+def grad_logits(c, lse, is_target, class_w, b, sm, smo, zw, g, h, *, softcap, smoothing):
+    """dz for a block of capped logits ``c`` (R, C); ``class_w`` is (C,) or None (all ones)."""
+    p = jnp.exp(c - lse[:, None])
+    a = g * (b + smo + 2.0 * zw * lse) + h
+    dc = a[:, None] * p - jnp.where(is_target, (g * b)[:, None], 0.0)
+    if smoothing:
+        s = (g * sm)[:, None]
+        dc = dc - (s if class_w is None else s * class_w[None, :])
+    if softcap is not None:
+        dc = dc * (1.0 - (c / softcap) ** 2)
+    return dc
+
+
+# ------------------------------------------------------------------- GEMMs of either layout
+def logits(xc, w, layout):
+    """(C, V) raw logits in the input dtype (fp32 accumulation inside the GEMM)."""
+    dims = (((1,), (1,)), ((), ())) if layout == "vh" else (((1,), (0,)), ((), ()))
+    return lax.dot_general(xc, w, dims, preferred_element_type=xc.dtype)
+
+
+def grad_input(dz, w, layout):
+    dims = (((1,), (0,)), ((), ())) if layout == "vh" else (((1,), (1,)), ((), ()))
+    return lax.dot_general(dz, w, dims, preferred_element_type=dz.dtype)
+
+
+def grad_weight(dz, xc, layout):
+    """dzᵀ·x as (V, H) (or x ᵀ·dz as (H, V) for "hv"), in float32."""
+    if layout == "vh":
+        return lax.dot_general(dz, xc, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    return lax.dot_general(xc, dz, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+# ------------------------------------------------------------------------ chunked driver
+class Head:
+    """What a backend does with one chunk of raw logits ``z`` (C, V) in the input dtype.
+
+    ``loss_lse(z, y, coefs, bias, cw)`` -> (loss (C,), lse (C,)) in float32;
+    ``loss_lse_grad(z, y, coefs, bias, cw)`` -> (loss, lse, dz) with dz (C, V) in z's dtype,
+    using the G/H rows of ``coefs`` (6, C). ``bias`` is added to ``z`` by the head. Heads are
+    hashable (they are static configuration of the traced program).
+    """
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    opts: spec.LinearCrossEntropyOptions
+    plan: ChunkPlan
+    v: int
+    layout: str
+    head: Head
+
+
+def _walk_chunks(st: _Static, n: int, body, carry):
+    """``carry = body(start, size, carry)`` over the plan: a loop of full chunks, then the tail."""
+    size = st.plan.chunk
+    full, tail = divmod(n, size)
+    if full:
+        carry = lax.fori_loop(0, full, lambda i, c: body(i * size, size, c), carry)
+    if tail:
+        carry = body(full * size, tail, carry)
+    return carry
+
+
+def _tokens(a, start, size, axis=0):
+    """Tokens [start, start+size) of a per-token array (their axis is ``axis``)."""
+    return lax.dynamic_slice_in_dim(a, start, size, axis=axis)
+
+
+def _forward(st: _Static, x, w, bias, y, cw):
+    """Loss and lse without gradients: per-token losses (N,), lse (N,), ω (N,)."""
+    n = x.shape[0]
+    coefs, omega = token_coefficients(y, cw, st.opts, st.v)
+
+    def body(start, size, carry):
+        tok, lse = carry
+        z = logits(_tokens(x, start, size), w, st.layout)
+        l_c, lse_c = st.head.loss_lse(z, _tokens(y, start, size),
+                                      _tokens(coefs, start, size, axis=1), bias, cw)
+        return (lax.dynamic_update_slice_in_dim(tok, l_c, start, 0),
+                lax.dynamic_update_slice_in_dim(lse, lse_c, start, 0))
+
+    zeros = jnp.zeros((n,), jnp.float32)
+    tok, lse = _walk_chunks(st, n, body, (zeros, zeros))
+    return tok, lse, omega
+
+
+def _reduce(st: _Static, tok, omega):
+    if st.opts.reduction == "none":
+        return tok
+    total = jnp.sum(tok)
+    return total / mean_denominator(omega) if st.opts.reduction == "mean" else total
+
+
+def _grads(st: _Static, x, w, bias, y, cw, coefs):
+    """One sweep computing loss/lse *and* dX, dW (fp32), db (fp32) for the G/H in ``coefs``."""
+    n = x.shape[0]
+
+    def body(start, size, carry):
+        tok, lse, dx, dw, db = carry
+        xc = _tokens(x, start, size)
+        z = logits(xc, w, st.layout)
+        l_c, lse_c, dz = st.head.loss_lse_grad(z, _tokens(y, start, size),
+                                               _tokens(coefs, start, size, axis=1), bias, cw)
+        dx = lax.dynamic_update_slice_in_dim(dx, grad_input(dz, w, st.layout), start, 0)
+        dw = dw + grad_weight(dz, xc, st.layout)
+        if db is not None:
+            db = db + jnp.sum(dz.astype(jnp.float32), axis=0)
+        return (lax.dynamic_update_slice_in_dim(tok, l_c, start, 0),
+                lax.dynamic_update_slice_in_dim(lse, lse_c, start, 0), dx, dw, db)
+
+    zeros = jnp.zeros((n,), jnp.float32)
+    init = (zeros, zeros, jnp.zeros(x.shape, x.dtype), jnp.zeros(w.shape, jnp.float32),
+            None if bias is None else jnp.zeros(bias.shape, jnp.float32))
+    return _walk_chunks(st, n, body, init)
+
+
+@functools.lru_cache(maxsize=256)
+def _custom_vjp_fn(st: _Static):
+    """The differentiable ``(x, w, bias, y, cw) -> loss`` or ``-> (loss, lse)`` for ``st``.
+
+    mean/sum without lse ("fused"): the forward rule runs the single gradient sweep for an
+    upstream gradient of 1 (the gradient is linear in it) and the backward rule only scales
+    dX, dW, db by the scalar cotangent: one logits GEMM per chunk instead of two. dW stays in
+    fp32 until then; dX is kept in the input dtype, so a cotangent that is not a power of two
+    rounds it twice. Otherwise ("none" or lse returned: per-token cotangents) the backward
+    rule recomputes every chunk.
+    """
+    opts = st.opts
+    fused = opts.reduction != "none" and not opts.return_lse
+
+    if fused:
+        @jax.custom_vjp
+        def f(x, w, bias, y, cw):
+            tok, _, omega = _forward(st, x, w, bias, y, cw)
+            return _reduce(st, tok, omega)
+
+        def f_fwd(x, w, bias, y, cw):
+            coefs, omega = token_coefficients(y, cw, opts, st.v)
+            scale = 1.0 / mean_denominator(omega) if opts.reduction == "mean" else 1.0
+            coefs = with_upstream(coefs, scale, 0.0)
+            tok, _, dx, dw, db = _grads(st, x, w, bias, y, cw, coefs)
+            return _reduce(st, tok, omega), (dx, dw, db)
+
+        def f_bwd(res, g):
+            dx, dw, db = res
+            g = g.astype(jnp.float32)
+            dt = dx.dtype  # x, linear_weight and linear_bias share one dtype (prepare checks)
+            scale = lambda a: (g * a.astype(jnp.float32)).astype(dt)
+            return scale(dx), scale(dw), None if db is None else scale(db), None, None
+
+        f.defvjp(f_fwd, f_bwd)
+        return f
+
+    @jax.custom_vjp
+    def f(x, w, bias, y, cw):
+        tok, lse, omega = _forward(st, x, w, bias, y, cw)
+        return _reduce(st, tok, omega), lse
+
+    def f_fwd(x, w, bias, y, cw):
+        tok, lse, omega = _forward(st, x, w, bias, y, cw)
+        return (_reduce(st, tok, omega), lse), (x, w, bias, y, cw, omega)
+
+    def f_bwd(res, cts):
+        x, w, bias, y, cw, omega = res
+        g, h = cts
+        g = g.astype(jnp.float32)
+        if opts.reduction == "mean":
+            g = g / mean_denominator(omega)
+        coefs, _ = token_coefficients(y, cw, opts, st.v)
+        coefs = with_upstream(coefs, g, h.astype(jnp.float32))
+        _, _, dx, dw, db = _grads(st, x, w, bias, y, cw, coefs)
+        return (dx, dw.astype(w.dtype), None if db is None else db.astype(bias.dtype), None, None)
+
+    f.defvjp(f_fwd, f_bwd)
+    return f
+
+
+def chunked_linear_cross_entropy(p: Prepared, opts: spec.LinearCrossEntropyOptions,
+                                 plan: ChunkPlan, head: Head):
+    """Returns ``(loss, lse)`` (lse None unless ``opts.return_lse``); loss flat for "none"."""
+    st = _Static(opts=opts, plan=plan, v=p.problem.v, layout=p.layout, head=head)
+    out = _custom_vjp_fn(st)(p.x, p.w, p.bias, p.y, p.class_weight)
+    if opts.reduction != "none" and not opts.return_lse:
+        return out, None
+    return out

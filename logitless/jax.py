@@ -1,0 +1,97 @@
+"""JAX front door.
+
+``linear_cross_entropy`` computes ``cross_entropy(x @ linear_weight.T + linear_bias, labels)``
+without materializing the ``[N, V]`` logits, with the keywords of the PyTorch front door
+(class weights, label smoothing, z-loss, softcap, ``return_lse``). It works under
+``jax.jit``, ``jax.grad``, ``jax.value_and_grad`` and ``jax.vmap``. Every backend implements
+:mod:`logitless.specs.linear_cross_entropy`; see there for the exact math.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from . import _jax_common as common
+from .specs.linear_cross_entropy import LinearCrossEntropyOptions
+
+__all__ = ["linear_cross_entropy", "available_backends"]
+
+# backend name -> module implementing ``linear_cross_entropy(prepared, opts, **tuning)`` and
+# listing its tuning keywords in ``TUNING``. Imported lazily (Pallas is only needed for "pallas").
+_BACKENDS = {
+    "xla": "logitless.xla_chunked",
+    "pallas": "logitless.pallas_kernels.linear_cross_entropy",
+}
+
+
+def available_backends():
+    """Backend names; ``None`` picks "pallas" when JAX's default backend is a GPU, else "xla"."""
+    return ["pallas", "xla"] if jax.default_backend() == "gpu" else ["xla", "pallas"]
+
+
+def _resolve(backend: Optional[str]):
+    if backend is None:
+        backend = available_backends()[0]
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be None or one of {sorted(_BACKENDS)}, got {backend!r}")
+    return backend, importlib.import_module(_BACKENDS[backend])
+
+
+def linear_cross_entropy(x, linear_weight, labels, *, linear_bias=None, weight=None,
+                         reduction="mean", ignore_index=-100, label_smoothing=0.0, z_loss=0.0,
+                         softcap=None, return_lse=False, weight_layout="vh", backend=None,
+                         **tuning):
+    """``cross_entropy(x @ linear_weight.T + linear_bias, labels)`` without the logits.
+
+    Args:
+        x: ``(..., H)`` hidden states (float32, bfloat16 or float16).
+        linear_weight: the classifier / LM-head weight, same dtype as ``x``: ``(V, H)``, or the
+            Flax ``Dense`` kernel ``(H, V)`` with ``weight_layout="hv"`` (used as it is, never
+            transposed or copied).
+        labels: ``(...)`` integer class indices in ``[0, V)`` or ``ignore_index`` (converted to
+            int32). Out-of-range labels: when ``labels`` is a concrete array the call raises
+            ``ValueError`` up front (reading the labels on the host); under ``jax.jit``,
+            ``jax.vmap`` or any other trace they cannot be checked without a host sync, so a
+            non-ignored label outside ``[0, V)`` makes its token's loss, the reduced loss and the
+            gradients NaN instead (never a silent wrong value, never an out-of-bounds read).
+        linear_bias: optional ``(V,)`` bias, same dtype as ``x``.
+        weight: optional ``(V,)`` per-class weights, as in ``torch.nn.functional.cross_entropy``
+            (they get no gradient).
+        reduction: ``"mean"`` (Σ w·loss / Σ w over non-ignored tokens; 0 when all are ignored),
+            ``"sum"`` or ``"none"`` (per-token losses shaped like ``labels``).
+        ignore_index: label value that contributes neither loss nor gradient.
+        label_smoothing: in ``[0, 1]``, exactly as PyTorch's cross-entropy.
+        z_loss: coefficient of ``lse²`` added per token (PaLM), weighted and reduced like it.
+        softcap: if set, logits become ``softcap * tanh(logits / softcap)`` first (Gemma 2).
+        return_lse: also return the per-token log-sum-exp (of the capped logits), shaped like
+            ``labels``; it is differentiable.
+        weight_layout: ``"vh"`` for a ``(V, H)`` weight, ``"hv"`` for ``(H, V)``.
+        backend: ``None`` ("pallas" when JAX's default backend is a GPU, else "xla"),
+            ``"pallas"`` (Pallas kernels; interpreted on CPU) or ``"xla"`` (chunked plain JAX).
+        **tuning: chunk and block sizes of the chosen backend as plain keywords (e.g.
+            ``chunk_size``, ``memory_budget``; "pallas" also ``block_rows``, ``block_v``,
+            ``num_warps``, ``num_stages``, ``interpret``); unknown keywords are a TypeError.
+
+    Returns:
+        The loss (float32), or ``(loss, lse)`` with ``return_lse=True``. Logits and their
+        gradients are computed in the input dtype by the GEMMs; the loss math, dW and db
+        accumulate in float32.
+    """
+    opts = LinearCrossEntropyOptions(
+        reduction=reduction, ignore_index=-100 if ignore_index is None else ignore_index,
+        label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap, return_lse=return_lse)
+    name, impl = _resolve(backend)
+    unknown = sorted(set(tuning) - set(impl.TUNING))
+    if unknown:
+        raise TypeError(f"unknown tuning keyword(s) {unknown} for backend={name!r}; "
+                        f"it accepts {list(impl.TUNING)}")
+    prepared = common.prepare(x, linear_weight, labels, linear_bias, weight,
+                              ignore_index=opts.ignore_index, weight_layout=weight_layout)
+    loss, lse = impl.linear_cross_entropy(prepared, opts, **tuning)
+    shape = prepared.problem.batch_shape
+    if opts.reduction == "none":
+        loss = jnp.reshape(loss, shape)
+    return (loss, jnp.reshape(lse, shape)) if return_lse else loss

@@ -1,0 +1,177 @@
+"""``backend="pallas"``: linear cross-entropy with one Pallas kernel per token chunk.
+
+Per chunk of tokens (the plan of :mod:`logitless.specs.tiling`):
+
+1. the logits GEMM through XLA, in the input dtype (the very logits a naive user gets);
+2. one Pallas kernel over the chunk's rows: sweep 1 over a row's vocabulary computes the online
+   max / log-sum-exp, the target logit, the smoothing sum Σ_v w_v c_v, the token's loss and lse;
+   sweep 2 (when gradients are wanted) writes the logit gradient dz over the logits buffer
+   itself (``input_output_aliases``), in the input dtype;
+3. dX_c = dz_c·W and dW += dz_cᵀ·x_c through XLA, dW accumulating in float32.
+
+The chunk loop and the ``jax.custom_vjp`` (gradients computed in the forward sweep for
+mean/sum, recomputed per chunk otherwise) are the shared driver of :mod:`logitless._jax_common`.
+Only one ``[chunk, V]`` buffer (logits, then their gradient) exists at a time.
+
+GPU: the kernel uses Pallas' Triton backend (``compiler_params`` from
+``jax.experimental.pallas.triton``); masked loads/stores cover the ragged ends of rows and of
+the row blocks, and Pallas switches to 64-bit offsets when a buffer passes 2³² bytes. On other
+platforms it runs in interpret mode.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from .. import _jax_common as common
+from ..specs import linear_cross_entropy as spec
+from ..specs.tiling import ceil_div, next_power_of_2, plan_token_chunks
+
+TUNING = ("chunk_size", "memory_budget", "block_rows", "block_v", "num_warps", "num_stages",
+          "interpret")
+
+# Every GPU-specific default in one place. The chunk budget covers the one [chunk, V] logits
+# buffer; the float32 dW accumulator (V·H·4 bytes) comes on top of it.
+GPU_DEFAULTS = dict(memory_budget=512 << 20, block_rows=1, block_v=4096, num_warps=8,
+                    num_stages=2)
+
+
+def _rows_kernel(z_ref, y_ref, coef_ref, *refs, v, block_rows, block_v, softcap, smoothing,
+                 has_bias, has_cw, write_grad):
+    """One program = ``block_rows`` rows of the chunk; loops over V in ``block_v`` columns.
+
+    refs: [bias (V,)], [class weights (V,) f32], loss (C,) f32, lse (C,) f32, [dz (C, V)
+    aliasing z]. Every load is masked, so ragged row / vocabulary ends never read out of
+    bounds; masked logits read as 0 (finite) and are excluded from the reductions.
+    """
+    refs = list(refs)
+    bias_ref = refs.pop(0) if has_bias else None
+    cw_ref = refs.pop(0) if has_cw else None
+    loss_ref, lse_ref = refs[0], refs[1]
+    dz_ref = refs[2] if write_grad else None
+
+    n_rows = z_ref.shape[0]
+    r0 = pl.program_id(0) * block_rows
+    rmask = (r0 + jnp.arange(block_rows)) < n_rows
+    rows = pl.ds(r0, block_rows)
+    y = plgpu.load(y_ref.at[rows], mask=rmask, other=-1)
+    # coef_ref is the (6, C) coefficient array flattened: row k of it starts at k·C
+    coef = [plgpu.load(coef_ref.at[pl.ds(k * n_rows + r0, block_rows)], mask=rmask, other=0.0)
+            for k in range(common.NUM_COEFS)]
+    b, sm, smo, zw, g, h = (coef[k] for k in (common.B, common.SM, common.SMO, common.ZW,
+                                               common.G, common.H))
+
+    def block(j):
+        """Capped logits of column block j (fp32), its column mask and target indicator."""
+        cols = j * block_v + jnp.arange(block_v)
+        cmask = cols < v
+        span = pl.ds(j * block_v, block_v)
+        z = plgpu.load(z_ref.at[rows, span], mask=rmask[:, None] & cmask[None, :], other=0.0)
+        z = z.astype(jnp.float32)
+        if has_bias:
+            z = z + plgpu.load(bias_ref.at[span], mask=cmask, other=0.0).astype(jnp.float32)[None, :]
+        cw = plgpu.load(cw_ref.at[span], mask=cmask, other=0.0) if has_cw else None
+        is_target = cols[None, :] == y[:, None]
+        return common.capped(z, softcap), cmask, is_target, cw, span
+
+    def sweep1(j, carry):
+        m, s, c_y, wc = carry
+        c, cmask, is_target, cw, _ = block(j)
+        live = jnp.where(cmask[None, :], c, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(live, axis=1))
+        s = s * jnp.exp(m - m_new) + jnp.sum(jnp.exp(live - m_new[:, None]), axis=1)
+        c_y = c_y + jnp.sum(jnp.where(is_target, c, 0.0), axis=1)
+        if smoothing:
+            wterm = c if cw is None else c * cw[None, :]
+            wc = wc + jnp.sum(jnp.where(cmask[None, :], wterm, 0.0), axis=1)
+        return m_new, s, c_y, wc
+
+    zeros = jnp.zeros((block_rows,), jnp.float32)
+    init = (jnp.full((block_rows,), -jnp.inf, jnp.float32), zeros, zeros, zeros)
+    m, s, c_y, wc = lax.fori_loop(0, ceil_div(v, block_v), sweep1, init)
+    lse = m + jnp.log(s)
+    loss = common.token_loss(lse, c_y, wc if smoothing else None, b, sm, smo, zw)
+    plgpu.store(loss_ref.at[rows], loss, mask=rmask)
+    plgpu.store(lse_ref.at[rows], lse, mask=rmask)
+
+    if write_grad:
+        def sweep2(j, carry):
+            c, cmask, is_target, cw, span = block(j)
+            dz = common.grad_logits(c, lse, is_target, cw, b, sm, smo, zw, g, h,
+                                    softcap=softcap, smoothing=smoothing)
+            plgpu.store(dz_ref.at[rows, span], dz.astype(dz_ref.dtype),
+                        mask=rmask[:, None] & cmask[None, :])
+            return carry
+
+        lax.fori_loop(0, ceil_div(v, block_v), sweep2, 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class PallasHead(common.Head):
+    softcap: Optional[float]
+    smoothing: bool
+    block_rows: int
+    block_v: int
+    num_warps: int
+    num_stages: int
+    interpret: bool
+
+    def _call(self, z, y, coefs, bias, cw, write_grad):
+        n_rows, v = z.shape
+        block_rows = min(self.block_rows, next_power_of_2(n_rows))
+        block_v = min(self.block_v, next_power_of_2(v))
+        has_cw = cw is not None and self.smoothing  # class weights enter the kernel only here
+        inputs = [z, y, coefs.reshape(-1)] + ([bias] if bias is not None else []) + ([cw] if has_cw else [])
+        out_shape = [jax.ShapeDtypeStruct((n_rows,), jnp.float32)] * 2
+        if write_grad:
+            out_shape.append(jax.ShapeDtypeStruct(z.shape, z.dtype))
+        kernel = functools.partial(
+            _rows_kernel, v=v, block_rows=block_rows, block_v=block_v, softcap=self.softcap,
+            smoothing=self.smoothing, has_bias=bias is not None, has_cw=has_cw,
+            write_grad=write_grad)
+        return pl.pallas_call(
+            kernel, out_shape=tuple(out_shape), grid=(ceil_div(n_rows, block_rows),),
+            input_output_aliases={0: 2} if write_grad else {},
+            interpret=self.interpret,
+            compiler_params=plgpu.CompilerParams(num_warps=self.num_warps,
+                                                 num_stages=self.num_stages),
+            name="logitless_linear_cross_entropy_rows",
+        )(*inputs)
+
+    def loss_lse(self, z, y, coefs, bias, cw):
+        return self._call(z, y, coefs, bias, cw, write_grad=False)
+
+    def loss_lse_grad(self, z, y, coefs, bias, cw):
+        return self._call(z, y, coefs, bias, cw, write_grad=True)
+
+
+def linear_cross_entropy(p: common.Prepared, opts: spec.LinearCrossEntropyOptions, *,
+                         chunk_size=None, memory_budget=None, block_rows=None, block_v=None,
+                         num_warps=None, num_stages=None, interpret=None):
+    """Returns ``(loss, lse)``: loss reduced per ``opts.reduction`` (flat for "none")."""
+    pick = lambda val, key: GPU_DEFAULTS[key] if val is None else val
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    elif not isinstance(interpret, bool):
+        raise TypeError(f"interpret must be a bool or None, got {interpret!r}")
+    head = PallasHead(
+        softcap=opts.softcap, smoothing=opts.uses_smoothing,
+        block_rows=common.check_tuning("block_rows", pick(block_rows, "block_rows"),
+                                       power_of_2=True, hi=1024),
+        block_v=common.check_tuning("block_v", pick(block_v, "block_v"), power_of_2=True,
+                                    hi=1 << 16),
+        num_warps=common.check_tuning("num_warps", pick(num_warps, "num_warps"),
+                                      power_of_2=True, hi=32),
+        num_stages=common.check_tuning("num_stages", pick(num_stages, "num_stages"), hi=8),
+        interpret=interpret)
+    plan = plan_token_chunks(p.problem.n, p.problem.v, bytes_per_element=p.x.dtype.itemsize,
+                             budget_bytes=pick(memory_budget, "memory_budget"),
+                             chunk_size=chunk_size)
+    return common.chunked_linear_cross_entropy(p, opts, plan, head)
