@@ -85,6 +85,8 @@ def main():
         for variant in args.variants.split(";"):
             kw = {} if variant == "default" else json.loads(variant)
             pps = kw.pop("pps", None)
+            if "grad_accum_dtype" in kw:
+                kw["grad_accum_dtype"] = getattr(torch, kw["grad_accum_dtype"])
             if pps:
                 tlce.PROGRAMS_PER_SM = pps
             try:
@@ -124,15 +126,15 @@ def stages(n, h, v, chunk):
     ones = _ones(x)
     gb = chunk * v * 2 / 1e9
     out = {}
-    out["logits_gemm"] = bench(lambda: torch.mm(x, w.t(), out=buf))
-    out["dx_gemm"] = bench(lambda: torch.mm(buf, w, out=dx))
-    out["dw_gemm_bf16"] = bench(lambda: torch.mm(buf.t(), x, out=dwb))
-    out["dw_mm_f32"] = bench(lambda: torch.mm(buf.t(), x, out_dtype=torch.float32, out=acc))
-    out["dw_addmm_f32"] = bench(lambda: torch.addmm(acc, buf.t(), x, out_dtype=torch.float32, out=acc))
-    out["acc_to_bf16"] = bench(lambda: dwb.copy_(acc))
-    out["acc_zero"] = bench(lambda: acc.zero_())
+    if n:  # n = 0: kernel-only sweep
+        out["logits_gemm"] = bench(lambda: torch.mm(x, w.t(), out=buf))
+        out["dx_gemm"] = bench(lambda: torch.mm(buf, w, out=dx))
+        out["dw_gemm_bf16"] = bench(lambda: torch.mm(buf.t(), x, out=dwb))
+        out["dw_mm_f32"] = bench(lambda: torch.mm(buf.t(), x, out_dtype=torch.float32, out=acc))
+        out["dw_addmm_f32"] = bench(lambda: torch.addmm(acc, buf.t(), x, out_dtype=torch.float32, out=acc))
+        out["acc_to_bf16"] = bench(lambda: dwb.copy_(acc))
     out["copy_chunk"] = bench(lambda: buf.copy_(keep))
-    for bv, nw, pps in ((4096, 8, 4), (2048, 8, 4), (8192, 16, 2), (4096, 16, 4)):
+    for bv, nw, pps in ((4096, 8, 4), (8192, 16, 2), (16384, 32, 1), (8192, 16, 1), (4096, 8, 2), (2048, 4, 8)):
         tlce.PROGRAMS_PER_SM = pps
         c2 = Config(chunk, chunk, bv, nw)
 
@@ -173,17 +175,32 @@ if __name__ == "__main__":
                 lt.linear_cross_entropy(x, w, y, backend="triton", **kw).backward()
             one()
             torch.cuda.synchronize()
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA, torch.profiler.ProfilerActivity.CPU]) as prof:
                 one()
                 torch.cuda.synchronize()
             print(f"== profile {n},{h},{v} {kw}")
-            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=10, max_name_column_width=50))
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=50))
+            # pure GPU time: the same step replayed from a CUDA graph (also proves capturability)
+            x.grad = w.grad = None
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                for _ in range(2):
+                    one()
+            torch.cuda.current_stream().wait_stream(s)
+            x.grad = w.grad = None
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                lt.linear_cross_entropy(x, w, y, backend="triton", **kw).backward()
+            print(f"cuda-graph replay: {bench(g.replay):.2f} ms; eager: {bench(one):.2f} ms")
             del x, w, y
             torch.cuda.empty_cache()
     elif sys.argv[1:2] == ["stages"]:
         for shp in sys.argv[2].split(";"):
             n, h, v, c = map(int, shp.split(","))
             print(json.dumps(dict(shape=[n, h, v, c], **stages(n, h, v, c))), flush=True)
-            print(json.dumps(dict(shape=[h, v], **gemm_shapes(h, v))), flush=True)
+            if n:
+                print(json.dumps(dict(shape=[h, v], **gemm_shapes(h, v))), flush=True)
     else:
         main()

@@ -31,6 +31,7 @@ from .. import _torch_common as common
 from ..specs import linear_cross_entropy as spec
 from ..specs.tiling import next_power_of_2, plan_token_chunks
 from .cross_entropy_rows import cross_entropy_rows_kernel
+from .scale_cast import scale_cast
 
 TUNING = ("low_memory", "chunk_size", "vocab_chunk_size", "memory_budget", "grad_accum_dtype",
           "block_v", "num_warps")
@@ -178,17 +179,9 @@ def _vocab_sweep(x, w, bias, y, cw, omega_sum, lse, g, h, opts_t, cfg, post_scal
         _rows(blk, n, e - s, s, y, cw, omega_sum, lse, None, g, h, opts_t, v, cfg,
               compute_lse=False, write_grad=True)
         if dw_out is not None:
-            part = _mm_f32(blk.t(), x)
-            _store_scaled(part, post_scale, dw_out[s:e])
+            _cast(_mm_f32(blk.t(), x), post_scale, dw_out.dtype, out=dw_out[s:e])
         if db_out is not None:
-            _store_scaled(blk.sum(0, dtype=torch.float32), post_scale, db_out[s:e])
-
-
-def _store_scaled(src, scale, out):
-    if scale is None:
-        out.copy_(src)
-    else:
-        torch.mul(src, scale, out=out)
+            _cast(blk.sum(0, dtype=torch.float32), post_scale, db_out.dtype, out=db_out[s:e])
 
 
 # ----------------------------------------------------------------------------- torch.library ops
@@ -277,13 +270,12 @@ def _(x, w, bias, y, cw, lse, g, h, post_scale, ignore_index, label_smoothing, z
             w.new_empty(w.shape[0]) if need_db else x.new_empty(0))
 
 
-def _cast(acc, scale, dtype):
-    """(acc · scale) in ``dtype``, computed in acc's precision, with no acc-sized temporary."""
-    if scale is None and acc.dtype == dtype:
+def _cast(acc, scale, dtype, out=None):
+    """(acc · scale) in ``dtype``, computed in fp32, with no acc-sized temporary; ``out`` may
+    be ``acc`` itself (in place)."""
+    if scale is None and acc.dtype == dtype and out is None:
         return acc
-    out = torch.empty(acc.shape, dtype=dtype, device=acc.device)
-    _store_scaled(acc, scale, out)
-    return out
+    return scale_cast(acc, scale, dtype, _interpret(), out=out)
 
 
 def _setup_context(ctx, inputs, output):
@@ -312,7 +304,8 @@ def _backward(ctx, g_loss, g_lse, _g_denom, _g_dx, _g_dw, _g_db):
         scale = (g_loss.float() / denom).reshape(1)  # mean: g/Σω; sum: denom is 1
     if uniform and g_lse is None and a["grad_mode"] != NO_GRAD:
         # The forward already holds the gradients for a unit upstream: scale them (exact).
-        gx = _cast(dx_saved, scale, x.dtype) if need_x else None
+        # dx_saved is ours alone (the front door drops it): scale it in place, no copy
+        gx = _cast(dx_saved, scale, x.dtype, out=dx_saved) if need_x else None
         if a["grad_mode"] == FULL_GRAD:
             gw = _cast(dw_saved, scale, w.dtype) if need_w else None
             gb = _cast(db_saved, scale, bias.dtype) if (need_b and bias is not None) else None
