@@ -1,0 +1,1 @@
+"""Benchmarks (not part of the installed package): one harness per op plus ``make demo``."""

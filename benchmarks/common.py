@@ -1,0 +1,450 @@
+"""Helpers every benchmark shares: environment record, timing, peak memory, errors, output.
+
+Conventions (the same for every op, so results are comparable across files):
+
+* time: median of ``reps`` timed calls after ``warmup`` untimed ones; CUDA events per call on
+  a GPU, ``time.perf_counter`` on CPU (after the work is done: CPU ops are synchronous).
+* peak extra memory: the high-water mark during one call minus what was held before the call
+  and minus the nominal bytes of what the call returns (e.g. the gradients, which any
+  implementation must produce). GPU: ``torch.cuda.max_memory_allocated`` after a peak reset.
+  CPU: the process's resident-set high-water mark (Linux VmHWM, reset through
+  ``/proc/self/clear_refs``) with glibc told to give large blocks straight back to the OS,
+  so the RSS follows the live tensors; ``ru_maxrss`` growth where that is unavailable.
+* error: ``‖a − ref‖ / ‖ref‖`` accumulated in float64, over row blocks so that no full-size
+  temporary is made.
+
+Only ``torch`` is imported here (lazily, per function), never jax: the JAX benchmarks use the
+framework-free parts (environment, CPU memory, tables, JSON).
+"""
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import datetime
+import gc
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import re
+import resource
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+# ----------------------------------------------------------------------------- environment
+def package_version(name: str) -> Optional[str]:
+    """Installed version of a distribution, without importing it (None if absent)."""
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def git_commit() -> Optional[str]:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT,
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if out.returncode != 0:
+        return None
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=10)
+    return out.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+
+
+def environment(device: Optional[str] = None, extra_packages: Sequence[str] = ()) -> Dict[str, Any]:
+    """What a result file must say about where it was measured."""
+    env: Dict[str, Any] = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "host": platform.node(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "git_commit": git_commit(),
+        "packages": {p: package_version(p) for p in
+                     ("torch", "triton", "jax", "jaxlib", "numpy", *extra_packages)},
+    }
+    if device is not None and device.startswith("cuda"):
+        import torch
+        props = torch.cuda.get_device_properties(device)
+        env.update(device="cuda", gpu_name=props.name,
+                   gpu_memory_bytes=int(props.total_memory),
+                   gpu_sm_count=int(props.multi_processor_count),
+                   cuda_version=torch.version.cuda,
+                   float32_matmul_precision=torch.get_float32_matmul_precision())
+    else:
+        env.update(device="cpu", cpu_model=_cpu_model())
+    return env
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def slug(text: str) -> str:
+    """'NVIDIA H100 80GB HBM3' -> 'nvidia-h100-80gb-hbm3'."""
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "unknown"
+
+
+def device_slug(env: Dict[str, Any]) -> str:
+    return slug(env["gpu_name"]) if env.get("device") == "cuda" else "cpu"
+
+
+def default_device() -> str:
+    import torch
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+# ----------------------------------------------------------------------------- timing
+@dataclasses.dataclass
+class Timing:
+    median_ms: float
+    min_ms: float
+    max_ms: float
+    times_ms: List[float]
+    method: str
+
+    def as_dict(self):
+        return dataclasses.asdict(self)
+
+
+def synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+        torch.cuda.synchronize(device)
+
+
+def time_fn(fn: Callable[[], Any], *, device: str, reps: int, warmup: int = 1) -> Timing:
+    """Median wall time of ``fn()`` over ``reps`` calls after ``warmup`` calls.
+
+    Each call's result is dropped before the next call starts (so gradients of one call never
+    accumulate into or coexist with the next). On CUDA each call is bracketed by its own pair
+    of events and the host waits only at the end, so launch latency overlaps as in training.
+    """
+    if reps < 1:
+        raise ValueError(f"reps must be >= 1, got {reps}")
+    for _ in range(warmup):
+        out = fn()
+        del out
+    synchronize(device)
+    if device.startswith("cuda"):
+        import torch
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                  for _ in range(reps)]
+        for start, end in events:
+            start.record()
+            out = fn()
+            end.record()
+            del out
+        torch.cuda.synchronize(device)
+        times = [s.elapsed_time(e) for s, e in events]
+        method = "cuda-events"
+    else:
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            out = fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+            del out
+        method = "perf_counter"
+    return Timing(statistics.median(times), min(times), max(times), times, method)
+
+
+def time_gemms(pairs: Sequence[tuple], *, device: str, reps: int, warmup: int = 1):
+    """Time ``torch.mm(a, b)`` for every pair, run back to back as one call.
+
+    Returns ``(Timing, flops)``: the floor of an op whose work is these GEMMs.
+    """
+    import torch
+
+    def run():
+        return [torch.mm(a, b) for a, b in pairs]
+
+    flops = sum(2 * a.shape[0] * a.shape[1] * b.shape[1] for a, b in pairs)
+    return time_fn(run, device=device, reps=reps, warmup=warmup), flops
+
+
+def tflops(flops: float, ms: float) -> float:
+    return flops / (ms * 1e-3) / 1e12
+
+
+# ----------------------------------------------------------------------------- memory
+def free_memory(device: str) -> None:
+    """Drop garbage and cached blocks so the next measurement starts clean."""
+    gc.collect()
+    if device.startswith("cuda"):
+        import torch
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+    else:
+        _malloc_trim()
+
+
+def nbytes(*tensors) -> int:
+    """Bytes of tensors/arrays (None entries count 0)."""
+    total = 0
+    for t in tensors:
+        if t is None:
+            continue
+        if hasattr(t, "element_size"):
+            total += t.numel() * t.element_size()
+        else:
+            total += int(t.nbytes)
+    return total
+
+
+@dataclasses.dataclass
+class Memory:
+    peak_extra_bytes: int    # peak - base - returned (may be < 0 only by allocator noise)
+    peak_bytes: int          # high-water mark during the call
+    base_bytes: int          # held just before the call
+    returned_bytes: int      # nominal bytes of the outputs the call must produce
+    method: str
+
+    def as_dict(self):
+        return dataclasses.asdict(self)
+
+
+def measure_memory(fn: Callable[[], Any], *, device: str,
+                   returned_bytes: Callable[[Any], int]):
+    """Run ``fn()`` once; return ``(its output, Memory)``.
+
+    ``returned_bytes(output)`` gives the nominal size of what the call must hand back (e.g.
+    ``dx`` and ``dW`` in the input dtype): it is subtracted, so "extra" is what an
+    implementation needs beyond its unavoidable inputs and results.
+    """
+    free_memory(device)
+    if device.startswith("cuda"):
+        import torch
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        out = fn()
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device)
+        method = "torch.cuda.max_memory_allocated"
+    else:
+        rss = CpuPeakRss()
+        base = rss.reset()
+        out = fn()
+        peak = rss.peak()
+        method = rss.method
+    ret = int(returned_bytes(out))
+    return out, Memory(peak - base - ret, peak, base, ret, method)
+
+
+_libc = None
+
+
+def _glibc():
+    global _libc
+    if _libc is None:
+        try:
+            lib = ctypes.CDLL("libc.so.6")
+            lib.malloc_trim  # noqa: B018 - glibc only
+            _libc = lib
+        except (OSError, AttributeError):
+            _libc = False
+    return _libc or None
+
+
+def _malloc_trim() -> None:
+    lib = _glibc()
+    if lib is not None:
+        lib.malloc_trim(0)
+
+
+def release_large_blocks_to_os(threshold_bytes: int = 128 << 10) -> bool:
+    """Make glibc serve blocks above ``threshold_bytes`` with mmap and return them on free.
+
+    By default glibc raises its mmap threshold after large frees and keeps freed blocks
+    resident for reuse, so a process's RSS stops following its live tensors and a CPU peak
+    measured from RSS would under-count. Call once, early (before big allocations).
+    """
+    lib = _glibc()
+    if lib is None:
+        return False
+    m_mmap_threshold = -3  # <malloc.h>; setting it also disables the dynamic threshold
+    return bool(lib.mallopt(m_mmap_threshold, int(threshold_bytes)))
+
+
+class CpuPeakRss:
+    """Resident-set high-water mark of this process, resettable on Linux."""
+
+    def __init__(self):
+        self.resettable = self._can_reset()
+        self.method = ("VmHWM after reset via /proc/self/clear_refs (Linux), RSS baseline"
+                       if self.resettable else "ru_maxrss growth (peak before the call hides part)")
+        self._base_maxrss = 0
+
+    @staticmethod
+    def _can_reset() -> bool:
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            return _status_kb("VmHWM") is not None
+        except OSError:
+            return False
+
+    def reset(self) -> int:
+        """Start a measurement; return the baseline (current RSS) in bytes."""
+        _malloc_trim()
+        if self.resettable:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # "5": reset the peak RSS to the current RSS
+            return _status_kb("VmRSS") * 1024
+        self._base_maxrss = _ru_maxrss_bytes()
+        return self._base_maxrss
+
+    def peak(self) -> int:
+        if self.resettable:
+            return _status_kb("VmHWM") * 1024
+        return _ru_maxrss_bytes()
+
+
+def _status_kb(field: str) -> Optional[int]:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def _ru_maxrss_bytes() -> int:
+    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kb if sys.platform == "darwin" else kb * 1024  # macOS reports bytes
+
+
+# ----------------------------------------------------------------------------- errors
+def rel_err(a, ref, *, block_rows: int = 4096) -> float:
+    """``‖a − ref‖ / ‖ref‖`` in float64, block by block (no full-size temporaries).
+
+    NaN/Inf anywhere gives NaN (never a small number); a zero reference gives 0 for an exact
+    match and inf otherwise.
+    """
+    import torch
+    if tuple(a.shape) != tuple(ref.shape):
+        raise ValueError(f"shape mismatch: {tuple(a.shape)} vs reference {tuple(ref.shape)}")
+    a2 = a.detach().reshape(a.shape[0] if a.dim() else 1, -1)
+    r2 = ref.detach().reshape(a2.shape)
+    num = torch.zeros((), dtype=torch.float64, device=a2.device)
+    den = torch.zeros((), dtype=torch.float64, device=a2.device)
+    for s in range(0, a2.shape[0], block_rows):
+        ab = a2[s:s + block_rows].to(torch.float64)
+        rb = r2[s:s + block_rows].to(device=a2.device, dtype=torch.float64)
+        num += (ab - rb).square().sum()
+        den += rb.square().sum()
+    num, den = math.sqrt(num.item()), math.sqrt(den.item())
+    if not (math.isfinite(num) and math.isfinite(den)):
+        return float("nan")
+    if den == 0:
+        return 0.0 if num == 0 else float("inf")
+    return num / den
+
+
+# ----------------------------------------------------------------------------- failures
+def describe_failure(exc: BaseException) -> Dict[str, str]:
+    """``{"status": "oom" | "error", "error": "Type: message (file:line)"}``."""
+    msg = str(exc).strip().splitlines()
+    first = msg[0] if msg else ""
+    is_oom = type(exc).__name__ == "OutOfMemoryError" or "out of memory" in first.lower()
+    tb = traceback.extract_tb(exc.__traceback__)
+    where = f" ({Path(tb[-1].filename).name}:{tb[-1].lineno})" if tb else ""
+    return {"status": "oom" if is_oom else "error",
+            "error": f"{type(exc).__name__}: {first[:300]}{where}"}
+
+
+# ----------------------------------------------------------------------------- output
+def json_safe(obj):
+    """Strict JSON: NaN/Inf become the strings "nan"/"inf"/"-inf"; tuples become lists."""
+    if isinstance(obj, float):
+        if math.isnan(obj):
+            return "nan"
+        if math.isinf(obj):
+            return "inf" if obj > 0 else "-inf"
+        return obj
+    if isinstance(obj, dict):
+        return {str(k): json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
+
+
+def write_json(path: Path, obj) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(json_safe(obj), indent=1, allow_nan=False) + "\n")
+    return path
+
+
+def fmt_ms(ms: Optional[float]) -> str:
+    if ms is None:
+        return "-"
+    return f"{ms:.1f}" if ms >= 10 else f"{ms:.2f}" if ms >= 1 else f"{ms:.3f}"
+
+
+def fmt_bytes(b: Optional[float]) -> str:
+    if b is None:
+        return "-"
+    sign, b = ("-" if b < 0 else ""), abs(b)
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if b >= scale:
+            return f"{sign}{b / scale:.3g} {unit}"
+    return f"{sign}{int(b)} B"
+
+
+def fmt_ratio(r: Optional[float]) -> str:
+    return "-" if r is None or not math.isfinite(r) else f"{r:.2f}x"
+
+
+def fmt_err(e) -> str:
+    if e is None:
+        return "-"
+    if isinstance(e, str) or not math.isfinite(e):
+        return str(e)
+    return f"{e:.1e}"
+
+
+def format_table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
+    """A plain aligned text table (first column left-aligned, the rest right-aligned)."""
+    rows = [list(map(str, r)) for r in rows]
+    widths = [max(len(str(h)), *(len(r[i]) for r in rows)) if rows else len(str(h))
+              for i, h in enumerate(header)]
+
+    def line(cells):
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                         for i, (c, w) in enumerate(zip(cells, widths)))
+
+    return "\n".join([line(list(map(str, header))), line(["-" * w for w in widths])]
+                     + [line(r) for r in rows])
+
+
+def progress(iterable, *, total: Optional[int] = None, desc: str = ""):
+    """tqdm when it is installed, else the iterable unchanged."""
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return iterable
+    return tqdm(iterable, total=total, desc=desc, leave=False, file=sys.stderr)
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)

@@ -1,0 +1,324 @@
+"""``make demo``: naive linear cross-entropy vs logitless, side by side (time, peak memory,
+accuracy).
+
+* On a GPU: the fused linear cross-entropy benchmark (``benchmarks/linear_cross_entropy.py``)
+  at the shapes of TARGETS.md, with every peer that is importable; results merge into
+  ``benchmarks/results/<gpu>-linear-cross-entropy.json`` (+ ``.png``).
+* On CPU: one small but telling shape (default N=2048 tokens, H=256, V=32000). Each
+  candidate runs in a fresh subprocess, so its peak memory is its own: the resident-set
+  high-water mark during one forward+backward minus the RSS just before it (inputs built,
+  first call done) minus the bytes of dX and dW. PyTorch: naive and ``backend="torch"``
+  (Triton needs CUDA here: the interpreter is far too slow for a demo); JAX (when
+  ``logitless.jax`` is present): naive ``jnp`` and the ``xla`` / ``pallas`` backends.
+  Errors are against an fp32-logits reference computed once in the parent.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import os
+import secrets
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks import common  # noqa: E402
+from benchmarks import linear_cross_entropy as lce  # noqa: E402
+
+RESULT_TAG = "DEMO_RESULT "
+CPU_SHAPE = lce.Shape("demo-cpu", 2048, 256, 32000)
+# At the demo's small V the default 1 GiB budget would put every token in one chunk; 256
+# tokens per chunk shows at small scale what 4096-token chunks do at V=128k.
+CPU_CHUNK = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoCandidate:
+    name: str
+    framework: str            # "torch" | "jax"
+    about: str
+    lce_candidate: Optional[str] = None   # torch: a name in linear_cross_entropy.CANDIDATES
+    jax_backend: Optional[str] = None     # jax: None = naive jnp, else logitless backend
+    tuning: Optional[Dict[str, Any]] = None
+    interpreted: bool = False  # a GPU kernel run by an interpreter on CPU: opt-in (minutes)
+
+
+def cpu_candidates(chunk: int) -> List[DemoCandidate]:
+    out = [
+        DemoCandidate("torch naive", "torch", "F.linear bf16 -> .float() -> F.cross_entropy",
+                      lce_candidate="naive"),
+        DemoCandidate("logitless torch", "torch", f"backend='torch', chunk_size={chunk}",
+                      lce_candidate="logitless-torch", tuning={"chunk_size": chunk}),
+        DemoCandidate("logitless triton", "torch",
+                      f"backend='triton' (TRITON_INTERPRET=1), chunk_size={chunk}",
+                      lce_candidate="logitless-triton", tuning={"chunk_size": chunk},
+                      interpreted=True),
+    ]
+    if importlib.util.find_spec("logitless.jax") is not None:
+        out += [
+            DemoCandidate("jax naive", "jax", "jnp: bf16 logits -> f32 -> log_softmax",
+                          jax_backend=None),
+            DemoCandidate("logitless jax xla", "jax", f"backend='xla', chunk_size={chunk}",
+                          jax_backend="xla", tuning={"chunk_size": chunk}),
+            DemoCandidate("logitless jax pallas", "jax",
+                          f"backend='pallas' (interpret mode), chunk_size={chunk}",
+                          jax_backend="pallas", tuning={"chunk_size": chunk}, interpreted=True),
+        ]
+    return out
+
+
+# ----------------------------------------------------------------------------- worker side
+def _worker(spec: Dict[str, Any]) -> None:
+    """One candidate in a fresh process: warm up, measure peak RSS of one call, time it, save
+    the gradients for the parent's error check, print one RESULT line."""
+    common.release_large_blocks_to_os()
+    import numpy as np
+    data = Path(spec["data"])
+    rec: Dict[str, Any] = {"name": spec["name"]}
+    try:
+        if spec["framework"] == "torch":
+            step, to_np = _torch_step(spec, data)
+        else:
+            step, to_np = _jax_step(spec, data)
+        t0 = time.perf_counter()
+        step()  # compiles / initialises libraries; not measured
+        rec["first_call_s"] = time.perf_counter() - t0
+        out, mem = common.measure_memory(
+            step, device="cpu", returned_bytes=lambda o: common.nbytes(o[1], o[2]))
+        loss, dx, dw = out
+        rec.update(loss=float(to_np(loss)), memory=mem.as_dict(),
+                   peak_extra_bytes=mem.peak_extra_bytes)
+        np.save(data / f"{spec['slot']}-dx.npy", to_np(dx))
+        np.save(data / f"{spec['slot']}-dw.npy", to_np(dw))
+        out = loss = dx = dw = None
+        timing = common.time_fn(step, device="cpu", reps=spec["reps"], warmup=0)
+        rec.update(status="ok", ms=timing.median_ms, timing=timing.as_dict())
+    except Exception as e:  # noqa: BLE001 - reported to the parent, which goes on
+        rec.update(common.describe_failure(e))
+    print(RESULT_TAG + json.dumps(common.json_safe(rec)), flush=True)
+
+
+def _load_inputs(data: Path):
+    import numpy as np
+    return (np.load(data / "x.npy"), np.load(data / "w.npy"), np.load(data / "y.npy"))
+
+
+def _torch_step(spec, data: Path):
+    import torch
+    x32, w32, y64 = _load_inputs(data)
+    # float32 files hold bf16-representable values: the cast is exact
+    x = torch.from_numpy(x32).to(torch.bfloat16).requires_grad_()
+    w = torch.from_numpy(w32).to(torch.bfloat16).requires_grad_()
+    y = torch.from_numpy(y64)
+    del x32, w32
+    loss_fn = lce.CANDIDATES[spec["lce_candidate"]].make(**(spec.get("tuning") or {}))
+    step = lce.make_step(loss_fn, x, w, y)
+    return step, lambda t: t.detach().float().numpy()
+
+
+def _jax_step(spec, data: Path):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    x32, w32, y64 = _load_inputs(data)
+    x = jnp.asarray(x32, dtype=jnp.bfloat16)
+    w = jnp.asarray(w32, dtype=jnp.bfloat16)
+    y = jnp.asarray(y64.astype(np.int32))
+    del x32, w32
+    if spec["jax_backend"] is None:
+        def loss_fn(x, w):
+            logits = jnp.dot(x, w.T).astype(jnp.float32)
+            valid = y != lce.IGNORE_INDEX
+            logp = jax.nn.log_softmax(logits, axis=-1)
+            nll = -jnp.take_along_axis(logp, jnp.where(valid, y, 0)[:, None], axis=-1)[:, 0]
+            return jnp.sum(jnp.where(valid, nll, 0.0)) / jnp.maximum(jnp.sum(valid), 1)
+    else:
+        import logitless.jax as lj
+        tuning = spec.get("tuning") or {}
+
+        def loss_fn(x, w):
+            return lj.linear_cross_entropy(x, w, y, ignore_index=lce.IGNORE_INDEX,
+                                           backend=spec["jax_backend"], **tuning)
+    grad_fn = jax.jit(jax.value_and_grad(loss_fn, argnums=(0, 1)))
+
+    def step():
+        loss, (dx, dw) = jax.block_until_ready(grad_fn(x, w))
+        return loss, dx, dw
+    return step, lambda a: np.asarray(jnp.asarray(a, jnp.float32))
+
+
+# ----------------------------------------------------------------------------- parent side
+def run_cpu(shape: lce.Shape, *, chunk: int, reps: int, timeout: float, seed: int,
+            plot: bool, out_dir: Path, interpreted: bool = False) -> int:
+    import numpy as np
+    import torch
+    cands = cpu_candidates(chunk)
+    common.log(f"demo on CPU: N={shape.n} H={shape.h} V={shape.v}, {len(cands)} candidates, "
+               f"each in a fresh process")
+    x, w, y = lce.make_inputs(shape, "cpu", seed)
+    t0 = time.perf_counter()
+    ref_loss, ref_dx, ref_dw = lce.reference(x, w, y)
+    ref_s = time.perf_counter() - t0
+    records = []
+    with tempfile.TemporaryDirectory(prefix="logitless-demo-") as tmp:
+        data = Path(tmp)
+        np.save(data / "x.npy", x.detach().float().numpy())
+        np.save(data / "w.npy", w.detach().float().numpy())
+        np.save(data / "y.npy", y.numpy())
+        del x, w
+        for i, c in enumerate(common.progress(cands, total=len(cands), desc="demo")):
+            if c.interpreted and not interpreted:
+                records.append({"name": c.name, "about": c.about, "framework": c.framework,
+                                "status": "skipped", "error": "interpreter on CPU: minutes per "
+                                "call; --interpreted runs it"})
+                continue
+            common.log(f"  {c.name} ...")
+            spec = {**dataclasses.asdict(c), "data": str(data), "slot": f"c{i}", "reps": reps}
+            rec = _spawn(spec, timeout, {"TRITON_INTERPRET": "1"} if c.interpreted else {})
+            rec.update(about=c.about, framework=c.framework)
+            if rec.get("status") == "ok":
+                dx = torch.from_numpy(np.load(data / f"c{i}-dx.npy"))
+                dw = torch.from_numpy(np.load(data / f"c{i}-dw.npy"))
+                rec.update(loss_rel_err=abs(rec["loss"] - ref_loss) / abs(ref_loss),
+                           dx_rel_err=common.rel_err(dx, ref_dx),
+                           dw_rel_err=common.rel_err(dw, ref_dw))
+            common.log(f"  {c.name}: {rec.get('status')} {rec.get('error', '')}")
+            records.append(rec)
+    env = common.environment("cpu")
+    result = {
+        "op": "linear_cross_entropy", "schema": 1, "env": env,
+        "config": {"dtype": "bfloat16", "ignore_index": lce.IGNORE_INDEX,
+                   "ignore_fraction": lce.IGNORE_FRACTION, "logit_std": lce.LOGIT_STD,
+                   "reps": reps, "warmup": 1, "seed": seed, "timer": "perf_counter",
+                   "memory": "peak RSS growth in a fresh process per candidate"},
+        "results": [{"shape": shape.as_dict(), "seed": seed,
+                     "reference": {"loss": ref_loss, "seconds": ref_s},
+                     "candidates": records}],
+    }
+    print(format_cpu_report(result))
+    js = common.write_json(out_dir / "demo-cpu.json", result)
+    png = None
+    if plot:
+        from benchmarks import plot as plotting
+        png = plotting.plot_benchmark(result, out_dir / "demo-cpu.png", baseline="torch naive",
+                                      title=f"linear cross-entropy on CPU, N={shape.n} H={shape.h} "
+                                            f"V={shape.v}")
+    print(f"wrote {js}" + (f" and {png}" if png else " (no plot: matplotlib is not installed)"))
+    return 0 if any(r.get("status") == "ok" for r in records) else 1
+
+
+def _spawn(spec, timeout: float, extra_env) -> Dict[str, Any]:
+    env = {**os.environ, **extra_env}
+    root = str(common.REPO_ROOT)
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return {"name": spec["name"], "status": "timeout", "error": f"over {timeout:.0f} s"}
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith(RESULT_TAG):
+            return json.loads(line[len(RESULT_TAG):])
+    tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+    return {"name": spec["name"], "status": "error",
+            "error": f"worker exited with {proc.returncode}: {tail[:300]}"}
+
+
+def format_cpu_report(result) -> str:
+    res = result["results"][0]
+    s = res["shape"]
+    recs = res["candidates"]
+    naive = {r["framework"]: r for r in recs if r.get("status") == "ok"
+             and r["name"].endswith("naive")}
+    rows = []
+    for r in recs:
+        if r.get("status") != "ok":
+            rows.append([r["name"], "-", "", "-", "", "", "", "", f"{r.get('status')}: "
+                         f"{r.get('error', '')}"[:70]])
+            continue
+        base = naive.get(r["framework"])
+        t_ratio = r["ms"] / base["ms"] if base else None
+        m_ratio = (r["peak_extra_bytes"] / base["peak_extra_bytes"]
+                   if base and base["peak_extra_bytes"] > 0 else None)
+        rows.append([r["name"], common.fmt_ms(r["ms"]), common.fmt_ratio(t_ratio),
+                     common.fmt_bytes(r["peak_extra_bytes"]), common.fmt_ratio(m_ratio),
+                     f"{r['loss']:.5f}", common.fmt_err(r.get("dx_rel_err")),
+                     common.fmt_err(r.get("dw_rel_err")), r["about"]])
+    method = next((r["memory"]["method"] for r in recs if r.get("memory")), "n/a")
+    env = result["env"]
+    lines = [
+        "",
+        f"linear cross-entropy, forward + backward, bf16 inputs, 10% of targets ignored",
+        f"CPU: {env.get('cpu_model')} ({env.get('cpu_count')} cores), torch "
+        f"{env['packages'].get('torch')}, jax {env['packages'].get('jax')}; "
+        f"N={s['n']} tokens, H={s['h']}, V={s['v']} (bf16 logits alone: "
+        f"{common.fmt_bytes(2 * s['n'] * s['v'])}, fp32: {common.fmt_bytes(4 * s['n'] * s['v'])})",
+        f"time: median of {result['config']['reps']} calls after a warm-up call. "
+        f"peak extra: high-water mark of one call's",
+        f"  resident memory in its own process minus the RSS before the call and minus dX, dW "
+        f"[{method}].",
+        f"errors: ||g - ref|| / ||ref|| against fp32 logits (x, W upcast), reference loss "
+        f"{res['reference']['loss']:.5f}; ratios vs the same framework's naive path.",
+        "",
+        common.format_table(["", "ms", "time vs naive", "peak extra", "mem vs naive", "loss",
+                             "dX err", "dW err", "what"], rows),
+    ]
+    if not any(r["framework"] == "jax" for r in recs):
+        lines.append("(JAX rows appear once logitless.jax exists.)")
+    lines.append("On a GPU `make demo` runs the Triton backend and the peers at the TARGETS.md "
+                 "shapes (benchmarks/linear_cross_entropy.py).")
+    return "\n".join(lines)
+
+
+def run_gpu(*, reps: Optional[int], seed: int, plot: bool) -> int:
+    shapes = lce.parse_shapes("targets")
+    cands = lce.parse_candidates(None, "cuda")
+    result = lce.run_benchmark(shapes, cands, device="cuda", reps=reps or 10, warmup=2,
+                               seed=seed, merge=True, plot=plot)
+    print(lce.format_report(result))
+    return 0
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                   help="default: cuda when available")
+    p.add_argument("--shape", default=None, help=f"CPU shape NxHxV (default "
+                   f"{CPU_SHAPE.n}x{CPU_SHAPE.h}x{CPU_SHAPE.v})")
+    p.add_argument("--chunk-size", type=int, default=CPU_CHUNK,
+                   help="tokens per chunk for the logitless rows on CPU")
+    p.add_argument("--reps", type=int, default=None, help="timed calls (default 3 CPU, 10 GPU)")
+    p.add_argument("--timeout", type=float, default=300, help="seconds per CPU candidate")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--out-dir", default=str(common.RESULTS_DIR))
+    p.add_argument("--interpreted", action="store_true",
+                   help="CPU: also run the Triton and Pallas kernels under their interpreters "
+                        "(minutes per call; try a smaller --shape)")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.worker:
+        _worker(json.loads(a.worker))
+        return 0
+    seed = a.seed if a.seed is not None else secrets.randbits(31)
+    device = a.device or common.default_device()
+    if device == "cuda":
+        return run_gpu(reps=a.reps, seed=seed, plot=not a.no_plot)
+    common.release_large_blocks_to_os()
+    shape = CPU_SHAPE
+    if a.shape:
+        (shape,) = lce.parse_shapes(a.shape)
+    return run_cpu(shape, chunk=a.chunk_size, reps=a.reps or 3, timeout=a.timeout, seed=seed,
+                   plot=not a.no_plot, out_dir=Path(a.out_dir), interpreted=a.interpreted)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
