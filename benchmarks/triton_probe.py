@@ -88,14 +88,14 @@ def main():
             if "grad_accum_dtype" in kw:
                 kw["grad_accum_dtype"] = getattr(torch, kw["grad_accum_dtype"])
             if pps:
-                tlce.PROGRAMS_PER_SM = pps
+                tlce.PROGRAMS_PER_SM = pps; tlce.LONG_ROW = 1 << 30
             try:
                 t, extra = run_case(x, w, y, **kw)
                 r = dict(shape=[n, h, v], variant=variant, ms=t, ratio=t / fl, floor_ms=fl,
                          extra_gib=extra / 2**30)
             except Exception as e:  # record and go on
                 r = dict(shape=[n, h, v], variant=variant, error=repr(e)[-400:])
-            tlce.PROGRAMS_PER_SM = 4
+            tlce.PROGRAMS_PER_SM = 4; tlce.LONG_ROW = 16384
             rows.append(r)
             print(json.dumps(r), flush=True)
         del x, w, y
@@ -135,7 +135,7 @@ def stages(n, h, v, chunk):
         out["acc_to_bf16"] = bench(lambda: dwb.copy_(acc))
     out["copy_chunk"] = bench(lambda: buf.copy_(keep))
     for bv, nw, pps in ((4096, 8, 4), (8192, 16, 2), (16384, 32, 1), (8192, 16, 1), (4096, 8, 2), (2048, 4, 8)):
-        tlce.PROGRAMS_PER_SM = pps
+        tlce.PROGRAMS_PER_SM = pps; tlce.LONG_ROW = 1 << 30
         c2 = Config(chunk, chunk, bv, nw)
 
         def k(write, compute=True):
@@ -146,7 +146,7 @@ def stages(n, h, v, chunk):
         out[f"rows_lse_only_{bv}_{nw}_{pps}"] = bench(lambda: k(False)) - base
         out[f"rows_lse_grad_{bv}_{nw}_{pps}"] = bench(lambda: k(True)) - base
         out[f"rows_grad_only_{bv}_{nw}_{pps}"] = bench(lambda: k(True, False)) - base
-    tlce.PROGRAMS_PER_SM = 4
+    tlce.PROGRAMS_PER_SM = 4; tlce.LONG_ROW = 16384
     out["chunk_gb"] = gb
     return out
 

@@ -40,8 +40,11 @@ FAST_BUDGET = 1 << 30      # one [chunk, V] block of logits: 4096 tokens at V=12
 LOW_MEMORY_BUDGET = 1 << 27  # 128 MiB: 512 tokens, or 4096 vocabulary rows for 16k tokens
 REDUCTIONS = {"none": 0, "sum": 1, "mean": 2}
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# Persistent row-kernel grid: this many programs per SM keeps enough bytes in flight while the
-# rows being streamed (~#SMs x 4 x row bytes) stay small enough for pass 2 to hit L2.
+# Row-kernel launch (persistent grid). Measured on an H100 (benchmarks/triton_probe.py stages):
+# long rows stream fastest as one 32-warp program per SM with 16K-element blocks (1.11 ms per
+# bf16 [4096, 128256] chunk for both passes, vs 1.18 for 4 programs/SM x 8 warps x 4K); short
+# rows need several programs per SM to keep enough bytes in flight.
+LONG_ROW = 16384
 PROGRAMS_PER_SM = 4
 
 # grad_mode of the forward op
@@ -53,7 +56,7 @@ class Config:
     chunk: int          # tokens per chunk (token sweeps)
     vocab_chunk: int    # vocabulary rows per chunk (the low-memory dW sweep)
     block_v: int        # 0 = pick from the row length
-    num_warps: int
+    num_warps: int      # 0 = pick from the block
 
 
 def _interpret() -> bool:
@@ -67,11 +70,13 @@ def _rows(buf, n_rows, n_cols, col_offset, y, cw, omega_sum, lse, loss, g, h, op
     ignore_index, eps, z_loss, softcap = opts_t
     if n_rows == 0:
         return
-    block = cfg.block_v or min(4096, next_power_of_2(n_cols))
+    long_row = n_cols >= LONG_ROW
+    block = cfg.block_v or (LONG_ROW if long_row else min(4096, next_power_of_2(n_cols)))
+    num_warps = cfg.num_warps or (32 if long_row else max(1, min(8, block // 256)))
     if buf.is_cuda:
         sms = torch.cuda.get_device_properties(buf.device).multi_processor_count
-        grid = (min(n_rows, sms * PROGRAMS_PER_SM),)
-    else:
+        grid = (min(n_rows, sms * (1 if long_row else PROGRAMS_PER_SM)),)
+    else:  # interpreter: programs run one after another; small blocks only cost Python time
         grid = (n_rows,)
         block = cfg.block_v or min(1024, next_power_of_2(n_cols))
     dummy = lse  # any fp32 tensor stands in for absent optional pointers
@@ -87,7 +92,7 @@ def _rows(buf, n_rows, n_cols, col_offset, y, cw, omega_sum, lse, loss, g, h, op
         HAS_CW=cw is not None, SMOOTH=eps > 0, HAS_Z=z_loss > 0,
         HAS_SOFTCAP=softcap is not None, HAS_H=h is not None,
         BLOCK_V=block, ROUND_BF16=_interpret() and buf.dtype == torch.bfloat16,
-        num_warps=cfg.num_warps)
+        num_warps=num_warps)
 
 
 def _logits(x_c, w, bias, out):
@@ -337,7 +342,7 @@ torch.library.register_autograd("logitless::linear_cross_entropy_fwd", _backward
 def linear_cross_entropy(p: common.Prepared, opts: spec.LinearCrossEntropyOptions, *,
                          low_memory=False, chunk_size=None, vocab_chunk_size=None,
                          memory_budget=None, grad_accum_dtype=torch.float32, block_v=None,
-                         num_warps=8):
+                         num_warps=None):
     """Returns ``(loss, lse)``; see the module docstring for the two operating points.
 
     Tuning: ``low_memory`` (bool), ``chunk_size`` (tokens per chunk), ``vocab_chunk_size``
@@ -360,7 +365,7 @@ def linear_cross_entropy(p: common.Prepared, opts: spec.LinearCrossEntropyOption
                          f"got {grad_accum_dtype!r}")
     if block_v is not None and (block_v < 16 or block_v & (block_v - 1)):
         raise ValueError(f"block_v must be a power of 2 >= 16, got {block_v!r}")
-    if not isinstance(num_warps, int) or num_warps not in (1, 2, 4, 8, 16, 32):
+    if num_warps is not None and num_warps not in (1, 2, 4, 8, 16, 32):
         raise ValueError(f"num_warps must be a power of 2 in [1, 32], got {num_warps!r}")
     n, v = p.problem.n, p.problem.v
     itemsize = x.element_size()
@@ -380,5 +385,5 @@ def linear_cross_entropy(p: common.Prepared, opts: spec.LinearCrossEntropyOption
     loss, lse, _denom, _dx, _dw, _db = _fwd_op(
         x, p.w, p.bias, y, p.class_weight, REDUCTIONS[opts.reduction], opts.ignore_index,
         float(opts.label_smoothing), float(opts.z_loss), float(opts.softcap or 0.0), grad_mode,
-        chunk, vocab_chunk, block_v or 0, num_warps, grad_accum_dtype == torch.float32)
+        chunk, vocab_chunk, block_v or 0, num_warps or 0, grad_accum_dtype == torch.float32)
     return loss, lse
