@@ -256,7 +256,7 @@ def format_cpu_report(result) -> str:
     env = result["env"]
     lines = [
         "",
-        f"linear cross-entropy, forward + backward, bf16 inputs, 10% of targets ignored",
+        "linear cross-entropy, forward + backward, bf16 inputs, 10% of targets ignored",
         f"CPU: {env.get('cpu_model')} ({env.get('cpu_count')} cores), torch "
         f"{env['packages'].get('torch')}, jax {env['packages'].get('jax')}; "
         f"N={s['n']} tokens, H={s['h']}, V={s['v']} (bf16 logits alone: "

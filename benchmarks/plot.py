@@ -24,20 +24,37 @@ def _pyplot():
     return plt
 
 
-def _baseline_ms(res, baseline: str) -> Optional[float]:
+def _baseline_ms(res, baseline: Optional[str]) -> Optional[float]:
+    if baseline is None:
+        return None
     if baseline == "floor":
         return res.get("floor", {}).get("ms")
     return next((c.get("ms") for c in res["candidates"] if c["name"] == baseline), None)
 
 
-def plot_benchmark(result: Dict[str, Any], path, *, baseline: str = "floor",
+def _fmt_gb(gb: float) -> str:
+    return f"{gb:.3g} GB" if gb >= 1 else f"{gb * 1e3:.3g} MB" if gb >= 1e-3 else f"{gb * 1e6:.3g} kB"
+
+
+def _fmt_time(t: float, relative: bool) -> str:
+    if relative:
+        return f"{t:.2f}x"
+    return f"{t:.0f}" if t >= 100 else f"{t:.3g}"
+
+
+def plot_benchmark(result: Dict[str, Any], path, *, baseline: Optional[str] = "auto",
                    title: Optional[str] = None) -> Optional[Path]:
-    """Two panels: time / ``baseline`` (``"floor"`` or a candidate's name) and peak extra
-    memory (log scale). Failed or skipped candidates are marked with their status."""
+    """Two panels: time (relative to ``baseline``) and peak extra memory (log scale).
+
+    ``baseline``: ``"floor"`` (the GEMM floor), a candidate's name, ``None`` (milliseconds), or
+    ``"auto"`` (the floor when the file has one, else milliseconds). Bars carry their values;
+    failed or skipped candidates show their status instead of a bar."""
     plt = _pyplot()
     if plt is None:
         return None
     shapes = result["results"]
+    if baseline == "auto":
+        baseline = "floor" if any(r.get("floor", {}).get("ms") for r in shapes) else None
     names = []
     for res in shapes:
         for c in res["candidates"]:
@@ -45,43 +62,53 @@ def plot_benchmark(result: Dict[str, Any], path, *, baseline: str = "floor",
                 names.append(c["name"])
     n_groups, n_bars = len(shapes), max(1, len(names))
     width = 0.8 / n_bars
-    fig, axes = plt.subplots(1, 2, figsize=(max(8, 1.6 * n_groups * n_bars ** 0.5 + 4), 4.8))
+    fig, axes = plt.subplots(1, 2, figsize=(max(9, 0.45 * n_groups * n_bars + 5), 5.2))
     cmap = plt.get_cmap("tab10")
+    label_size = 7 if n_groups * n_bars <= 24 else 5
     for j, name in enumerate(names):
+        color = cmap(j % 10)
         for gi, res in enumerate(shapes):
             c = next((c for c in res["candidates"] if c["name"] == name), None)
-            xpos = gi - 0.4 + width * (j + 0.5)
             if c is None:
                 continue
-            base = _baseline_ms(res, baseline)
+            xpos = gi - 0.4 + width * (j + 0.5)
             ok = c.get("status") == "ok"
-            t = c["ms"] / base if ok and base else None
+            base = _baseline_ms(res, baseline)
+            t = (c["ms"] / base if base else c["ms"] if baseline is None else None) if ok else None
             mem = max(c["peak_extra_bytes"], 1) / 1e9 if ok else None
-            label = name if gi == 0 else None
-            for ax, val in ((axes[0], t), (axes[1], mem)):
+            for ax, val, text in ((axes[0], t, None if t is None else
+                                   _fmt_time(t, baseline is not None)),
+                                  (axes[1], mem, None if mem is None else _fmt_gb(mem))):
+                ax.bar(xpos, val or 0, width, color=color, label=name if gi == 0 and ax is axes[0]
+                       else None)
                 if val is None:
-                    ax.text(xpos, 0.02, c.get("status", "?"), rotation=90, ha="center",
-                            va="bottom", fontsize=7, color=cmap(j % 10),
+                    ax.text(xpos, 0.02, c.get("status", "?") if not ok else "n/a", rotation=90,
+                            ha="center", va="bottom", fontsize=label_size, color=color,
                             transform=ax.get_xaxis_transform())
-                    ax.bar(xpos, 0, width, color=cmap(j % 10), label=label)
                 else:
-                    ax.bar(xpos, val, width, color=cmap(j % 10), label=label)
+                    ax.text(xpos, val, text, rotation=90, ha="center", va="bottom",
+                            fontsize=label_size)
     labels = [f"{r['shape']['name']}\nN={r['shape']['n']} H={r['shape']['h']}\nV={r['shape']['v']}"
               for r in shapes]
     for ax in axes:
         ax.set_xticks(range(n_groups))
         ax.set_xticklabels(labels, fontsize=8)
         ax.grid(axis="y", alpha=0.3)
-    axes[0].set_ylabel(f"fwd+bwd time / {'3-GEMM floor' if baseline == 'floor' else baseline}")
-    if baseline == "floor":
+        ax.margins(y=0.15)
+    if baseline is None:
+        axes[0].set_ylabel("fwd+bwd time (ms)")
+    else:
+        axes[0].set_ylabel(f"fwd+bwd time / {'3-GEMM floor' if baseline == 'floor' else baseline}")
         axes[0].axhline(1.0, color="k", lw=0.8, ls="--")
     axes[1].set_ylabel("peak extra memory (GB, log)")
     axes[1].set_yscale("log")
-    axes[0].legend(fontsize=7, loc="upper left")
+    fig.legend(loc="lower center", ncol=min(5, n_bars), fontsize=8, frameon=False)
     env = result.get("env", {})
     where = env.get("gpu_name") or env.get("cpu_model", "")
-    fig.suptitle(title or f"{result.get('op', '')} - {where} - {env.get('date', '')}", fontsize=10)
-    fig.tight_layout()
+    fig.suptitle(title or f"{result.get('op', '')} fwd+bwd - {where} - {env.get('date', '')}",
+                 fontsize=10)
+    rows = -(-n_bars // 5)
+    fig.tight_layout(rect=(0, 0.05 * rows + 0.02, 1, 1))
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
