@@ -27,13 +27,7 @@ _BACKENDS = {
 
 
 def _triton_usable(device: torch.device) -> bool:
-    if device.type != "cuda":
-        return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return device.type == "cuda" and "triton" in _LOADED
 
 
 def available_backends(device="cpu"):
@@ -43,12 +37,33 @@ def available_backends(device="cpu"):
     return names + ["torch", "pallas"]
 
 
+_LOADED = {}
+
+
+def _load(name: str):
+    # A dict lookup (not importlib) on the hot path: torch.compile traces it without a break.
+    mod = _LOADED.get(name)
+    if mod is None:
+        mod = _LOADED[name] = importlib.import_module(_BACKENDS[name])
+    return mod
+
+
 def _resolve(backend: Optional[str], device: torch.device):
     if backend is None:
         backend = "triton" if _triton_usable(device) else "torch"
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be None or one of {sorted(_BACKENDS)}, got {backend!r}")
-    return backend, importlib.import_module(_BACKENDS[backend])
+    return backend, _load(backend)
+
+
+# Load the cheap backends now so that a first call under torch.compile needs no import;
+# "pallas" imports JAX and stays lazy.
+_load("torch")
+try:
+    import triton  # noqa: F401
+    _load("triton")
+except ImportError:
+    pass
 
 
 def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weight=None,

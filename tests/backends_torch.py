@@ -89,3 +89,7 @@ register(Backend("naive-torch", naive_torch, naive="naive-torch", requires=("tor
 register(Backend("torch", torch_backend_runner("torch"), naive="naive-torch", requires=("torch",)))
 register(Backend("triton", torch_backend_runner("triton"), naive="naive-torch",
                  requires=("torch", "triton")))
+# low-memory operating point; small vocabulary chunks exercise the multi-chunk dW sweep
+register(Backend("triton-low-memory",
+                 torch_backend_runner("triton", low_memory=True, vocab_chunk_size=64),
+                 naive="naive-torch", requires=("torch", "triton")))

@@ -131,7 +131,7 @@ def check_shapes(input_shape: Sequence[int], weight_shape: Sequence[int],
     if class_weight_shape is not None and tuple(class_weight_shape) != (v,):
         raise ValueError(
             f"weight (class weights) must have shape (V,) = ({v},), got {tuple(class_weight_shape)}")
-    n = int(np.prod(target_shape, dtype=np.int64))
+    n = math.prod(target_shape)  # plain Python (not NumPy) so torch.compile traces it
     return Problem(n=n, h=int(h), v=int(v), batch_shape=target_shape)
 
 

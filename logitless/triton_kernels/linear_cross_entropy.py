@@ -31,7 +31,7 @@ from .. import _torch_common as common
 from ..specs import linear_cross_entropy as spec
 from ..specs.tiling import next_power_of_2, plan_token_chunks
 from .cross_entropy_rows import cross_entropy_rows_kernel
-from .scale_cast import scale_cast
+from .scale_cast import scale_cast, scale_cast_op, scale_inplace_op
 
 TUNING = ("low_memory", "chunk_size", "vocab_chunk_size", "memory_budget", "grad_accum_dtype",
           "block_v", "num_warps")
@@ -59,8 +59,13 @@ class Config:
     num_warps: int      # 0 = pick from the block
 
 
+# Triton decides interpreter-or-GPU when kernels are decorated (import time); read it once too,
+# so nothing on the hot path touches the environment (torch.compile could not trace that).
+_INTERPRET = bool(triton.knobs.runtime.interpret) if hasattr(triton, "knobs") else False
+
+
 def _interpret() -> bool:
-    return bool(triton.knobs.runtime.interpret) if hasattr(triton, "knobs") else False
+    return _INTERPRET
 
 
 # ----------------------------------------------------------------------------- launching
@@ -309,11 +314,14 @@ def _backward(ctx, g_loss, g_lse, _g_denom, _g_dx, _g_dw, _g_db):
         scale = (g_loss.float() / denom).reshape(1)  # mean: g/Σω; sum: denom is 1
     if uniform and g_lse is None and a["grad_mode"] != NO_GRAD:
         # The forward already holds the gradients for a unit upstream: scale them (exact).
-        # dx_saved is ours alone (the front door drops it): scale it in place, no copy
-        gx = _cast(dx_saved, scale, x.dtype, out=dx_saved) if need_x else None
+        gx = None
+        if need_x:  # dx_saved is ours alone (the front door drops it): scale it in place
+            scale_inplace_op(dx_saved, scale, _interpret())
+            gx = dx_saved
         if a["grad_mode"] == FULL_GRAD:
-            gw = _cast(dw_saved, scale, w.dtype) if need_w else None
-            gb = _cast(db_saved, scale, bias.dtype) if (need_b and bias is not None) else None
+            gw = scale_cast_op(dw_saved, scale, w.dtype, _interpret()) if need_w else None
+            gb = (scale_cast_op(db_saved, scale, bias.dtype, _interpret())
+                  if (need_b and bias is not None) else None)
             return (gx, gw, gb) + none
         _, gw, gb = _bwd_op(x, w, bias, y, cw, lse, _ones(x), None, scale, a["ignore_index"],
                             a["label_smoothing"], a["z_loss"], a["softcap"], False, need_w,

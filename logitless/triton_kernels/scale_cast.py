@@ -38,3 +38,24 @@ def scale_cast(src: torch.Tensor, scale, dtype: torch.dtype, interpret: bool, ou
         src, src if scale is None else scale, out, n, HAS_SCALE=scale is not None,
         ROUND_BF16=interpret and dtype == torch.bfloat16, BLOCK=block, num_warps=8)
     return out
+
+
+# torch.library ops, so autograd formulas that call these stay traceable by torch.compile.
+@torch.library.custom_op("logitless::scale_cast", mutates_args=())
+def scale_cast_op(src: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, interpret: bool) -> torch.Tensor:
+    return scale_cast(src, scale, dtype, interpret)
+
+
+@scale_cast_op.register_fake
+def _(src, scale, dtype, interpret):
+    return src.new_empty(src.shape, dtype=dtype)
+
+
+@torch.library.custom_op("logitless::scale_", mutates_args=("t",))
+def scale_inplace_op(t: torch.Tensor, scale: torch.Tensor, interpret: bool) -> None:
+    scale_cast(t, scale, t.dtype, interpret, out=t)
+
+
+@scale_inplace_op.register_fake
+def _(t, scale, interpret):
+    return None

@@ -1,0 +1,193 @@
+"""Triton-backend behaviour beyond the shared harness: torch.compile, non-contiguous inputs,
+the bf16 accumulator option, argument errors; on a GPU also 64-bit indexing, CUDA-graph
+capture of a training step and the absence of host syncs."""
+import numpy as np
+import pytest
+import torch
+
+import logitless.torch as lt
+from harness import SEED
+
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+
+
+def _data(n, h, v, dtype=torch.float32, seed=0, device=DEV):
+    g = torch.Generator().manual_seed(SEED + seed)
+    x = torch.randn(n, h, generator=g).to(device, dtype)
+    w = (torch.randn(v, h, generator=g) * (2.0 / h ** 0.5)).to(device, dtype)
+    y = torch.randint(0, v, (n,), generator=g)
+    y[torch.rand(n, generator=g) < 0.2] = -100
+    return x, w, y.to(device)
+
+
+def _loss_and_grads(x, w, y, **kw):
+    x = x.detach().requires_grad_()
+    w = w.detach().requires_grad_()
+    loss = lt.linear_cross_entropy(x, w, y, **kw)
+    loss.backward()
+    return loss.detach(), x.grad, w.grad
+
+
+def test_torch_compile_fullgraph_matches_eager():
+    x, w, y = _data(37, 33, 97)
+    kw = dict(backend="triton", label_smoothing=0.1, z_loss=1e-3, softcap=8.0)
+    ref = _loss_and_grads(x, w, y, **kw)
+
+    def step(x, w, y):
+        return lt.linear_cross_entropy(x, w, y, **kw)
+
+    compiled = torch.compile(step, fullgraph=True)
+    xc, wc = x.clone().requires_grad_(), w.clone().requires_grad_()
+    loss = compiled(xc, wc, y)
+    loss.backward()
+    for a, b in zip(ref, (loss.detach(), xc.grad, wc.grad)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("low_memory", [False, True])
+def test_non_contiguous_inputs(low_memory):
+    # a transposed tied embedding (H, V) as the head, and a strided slice of a hidden state
+    x_wide, _, y = _data(40, 66, 101, seed=1)
+    emb = torch.randn(33, 101, device=DEV)  # (H, V): its .t() is a non-contiguous (V, H)
+    x = x_wide[:, ::2]
+    assert not x.is_contiguous() and not emb.t().is_contiguous()
+    kw = dict(backend="triton", low_memory=low_memory, reduction="sum")
+    a = _loss_and_grads(x, emb.t(), y, **kw)
+    b = _loss_and_grads(x.contiguous(), emb.t().contiguous(), y, **kw)
+    for u, v in zip(a, b):
+        torch.testing.assert_close(u, v, rtol=1e-5, atol=1e-6)
+
+
+def test_bf16_accumulator_option_is_close_but_fp32_is_default():
+    x, w, y = _data(64, 48, 257, dtype=torch.bfloat16, seed=2)
+    ref = _loss_and_grads(x.float(), w.float(), y, backend="torch")
+    fp32 = _loss_and_grads(x, w, y, backend="triton", chunk_size=16)
+    bf16 = _loss_and_grads(x, w, y, backend="triton", chunk_size=16,
+                           grad_accum_dtype=torch.bfloat16)
+    err = lambda g: ((g.float() - ref[2]).norm() / ref[2].norm()).item()
+    assert fp32[2].dtype == bf16[2].dtype == torch.bfloat16
+    assert err(fp32[2]) < 1e-2 and err(bf16[2]) < 3e-2
+    torch.testing.assert_close(fp32[1], bf16[1])  # dX does not involve the accumulator
+
+
+def test_triton_argument_errors():
+    x, w, y = _data(8, 16, 32)
+    with pytest.raises(TypeError, match="low_memory"):
+        lt.linear_cross_entropy(x, w, y, backend="triton", low_memory="yes")
+    with pytest.raises(ValueError, match="grad_accum_dtype"):
+        lt.linear_cross_entropy(x, w, y, backend="triton", grad_accum_dtype=torch.float16)
+    with pytest.raises(ValueError, match="block_v"):
+        lt.linear_cross_entropy(x, w, y, backend="triton", block_v=100)
+    with pytest.raises(TypeError, match="backend='triton' supports"):
+        lt.linear_cross_entropy(x.double(), w.double(), y, backend="triton")
+    with pytest.raises(TypeError, match="unknown tuning"):
+        lt.linear_cross_entropy(x, w, y, backend="triton", blocksize=3)
+
+
+def test_no_grad_forward_matches():
+    x, w, y = _data(20, 16, 50, seed=3)
+    with torch.no_grad():
+        a = lt.linear_cross_entropy(x, w, y, backend="triton", reduction="none")
+    b = lt.linear_cross_entropy(x, w, y, backend="torch", reduction="none")
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- GPU only
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("chunk_size", [None, 20000])
+def test_64bit_indexing_matches_torch_backend(chunk_size):
+    # N·V = 2.57e9 > 2^31; with chunk_size=N one logits buffer holds all of them, so the
+    # kernel's row offsets pass 2^31 and must be 64-bit.
+    n, h, v = 20000, 64, 128256
+    x, w, y = _data(n, h, v, dtype=torch.bfloat16, seed=4)
+    y[-1] = v - 1  # the very last logit is a target
+    got = _loss_and_grads(x, w, y, backend="triton", chunk_size=chunk_size, reduction="sum")
+    ref = _loss_and_grads(x, w, y, backend="torch", reduction="sum")
+    torch.testing.assert_close(got[0], ref[0], rtol=2e-4, atol=0)
+    for a, b in zip(got[1:], ref[1:]):
+        rel = ((a.float() - b.float()).norm() / b.float().norm()).item()
+        assert rel < 1e-2, rel
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("low_memory", [False, True])
+def test_cuda_graph_training_step(low_memory):
+    torch.manual_seed(SEED)
+    n, h, v = 512, 128, 4099
+    hidden = torch.randn(n, h, device="cuda")
+    y = torch.randint(0, v, (n,), device="cuda")
+    head = torch.nn.Linear(h, v, bias=False, device="cuda")
+    opt = torch.optim.SGD(head.parameters(), lr=0.1)
+
+    def step():
+        opt.zero_grad(set_to_none=False)
+        loss = lt.linear_cross_entropy(hidden, head.weight, y, backend="triton",
+                                       low_memory=low_memory, z_loss=1e-4)
+        loss.backward()
+        opt.step()
+        return loss
+
+    w0 = head.weight.detach().clone()
+    eager = [step().detach().clone() for _ in range(3)]
+    w_eager = head.weight.detach().clone()
+    with torch.no_grad():
+        head.weight.copy_(w0)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm-up outside capture, as CUDA graphs require
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    with torch.no_grad():
+        head.weight.copy_(w0)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_loss = step()
+    with torch.no_grad():
+        head.weight.copy_(w0)
+    replayed = []
+    for _ in range(3):
+        graph.replay()
+        replayed.append(static_loss.detach().clone())
+    torch.testing.assert_close(torch.stack(replayed), torch.stack(eager), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(head.weight, w_eager, rtol=1e-5, atol=1e-6)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("low_memory", [False, True])
+def test_no_host_sync(reduction, low_memory):
+    x, w, y = _data(300, 64, 1000, dtype=torch.bfloat16, seed=5)
+    x.requires_grad_()
+    w.requires_grad_()
+    lt.linear_cross_entropy(x, w, y, backend="triton").sum().backward()  # compile outside
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss = lt.linear_cross_entropy(x, w, y, backend="triton", reduction=reduction,
+                                       low_memory=low_memory, label_smoothing=0.1,
+                                       weight=torch.rand(1000, device="cuda"))
+        loss.sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert torch.isfinite(x.grad.float()).all()
+
+
+@gpu
+@pytest.mark.gpu
+def test_out_of_range_target_is_an_error_on_gpu():
+    # device-side assert: checked in a subprocess, since it poisons the CUDA context
+    import subprocess
+    import sys
+    code = (
+        "import torch, logitless.torch as lt\n"
+        "x=torch.randn(4,8,device='cuda'); w=torch.randn(10,8,device='cuda')\n"
+        "y=torch.tensor([1,2,10,3],device='cuda')\n"
+        "print(lt.linear_cross_entropy(x,w,y,backend='triton').item())\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode != 0
+    assert "assert" in (r.stderr + r.stdout).lower()
