@@ -76,6 +76,9 @@ def bridged(p: common.Prepared, opts: spec.LinearCrossEntropyOptions, jax_backen
         raise TypeError("float64 inputs are not supported by the JAX backends (JAX runs "
                         "without x64); use backend='torch' or float32")
     w, layout = _weight_and_layout(p.w)
+    if jax_backend == "pallas" and not p.x.is_cuda and "interpret" not in tuning:
+        # CPU tensors make a CPU computation even where JAX's default backend is a GPU
+        tuning = {**tuning, "interpret": True}
     out = _OP(p.x.contiguous(), w, p.y, p.bias, p.class_weight, opts=opts, layout=layout,
               backend=jax_backend, tuning=tuple(sorted(tuning.items())))
     return (out[0], out[1]) if opts.return_lse else (out[0], None)

@@ -1,0 +1,144 @@
+"""Cross-framework parity: the very same random inputs through the PyTorch backends (torch,
+triton), the JAX backends (xla, pallas) and the bridge (PyTorch -> JAX), for a handful of
+cases covering every option.
+
+* every backend agrees with the float64 spec (the harness tolerance: a small factor of the
+  naive path's error in that dtype), checked on one shared set of inputs;
+* PyTorch-side and JAX-side implementations of the same algorithm agree with each other to
+  that same tolerance (torch <-> xla, triton <-> pallas);
+* the bridge changes nothing: PyTorch -> JAX through the bridge gives what the same JAX
+  backend gives when called from JAX, to within a few ulps of the output dtype.
+"""
+from __future__ import annotations
+
+import importlib.util
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import harness
+
+import backends  # noqa: F401  (registers the backends)
+from backends_jax import _pallas_test_tuning
+from backends_torch import _torch_collect, _torch_inputs
+from harness import (BACKENDS, FACTOR, FLOOR, Case, cases_linear_cross_entropy, compare,
+                     make_inputs, reference, rel_err)
+
+PYTORCH_SIDE = ("torch", "triton", "bridge-pallas")
+JAX_SIDE = ("xla", "pallas")
+PAIRS = (("torch", "xla"), ("triton", "pallas"))
+# The bridge vs the same JAX backend called from JAX: at most this many ulps (of the output's
+# dtype) apart, element by element. Mostly they are bitwise equal; but the fused mean/sum
+# path keeps dX in the input dtype between its forward and backward, which the bridge runs as
+# two programs, while JAX's single program may skip that rounding (XLA's excess precision).
+BRIDGE_ULPS = 2
+GRAD_KEYS = ("dx", "dw", "db")  # in the input dtype; loss and lse are float32
+
+
+def _ulp(values, dtype):
+    fi = ml_dtypes.finfo(harness.NP_DTYPES[dtype])
+    with np.errstate(divide="ignore"):
+        exponent = np.maximum(np.floor(np.log2(np.abs(values))), fi.minexp)
+    return 2.0 ** (exponent - fi.nmant)
+
+
+def _pick(cases):
+    """A handful of the harness cases: every option, each reduction and dtype, N = 1, and an
+    all-ignored batch (more would only repeat the per-backend suite)."""
+    everything = lambda c: c.bias and c.class_weight and c.label_smoothing and c.z_loss and \
+        c.softcap and c.lse_grad
+    wanted = {
+        "f32-mean-all": lambda c: c.dtype == "float32" and c.reduction == "mean" and everything(c)
+        and c.n == 37,
+        "bf16-none-all": lambda c: c.dtype == "bfloat16" and c.reduction == "none" and
+        everything(c) and c.n == 37,
+        "f16-sum-all": lambda c: c.dtype == "float16" and c.reduction == "sum" and everything(c),
+        "n1": lambda c: c.n == 1 and c.dtype == "bfloat16",
+        "all-ignored": lambda c: c.ignore == "all" and c.reduction == "mean" and
+        c.dtype == "float32",
+        "bf16-mean-plain": lambda c: c.dtype == "bfloat16" and c.reduction == "mean" and
+        c.n == 37 and not (c.bias or c.class_weight or c.label_smoothing or c.z_loss or
+                           c.softcap or c.lse_grad) and c.ignore == "some",
+    }
+    out = {}
+    for name, pred in wanted.items():
+        match = [c for c in cases if pred(c)]
+        assert match, f"the harness case matrix changed: no {name!r} case; update _pick"
+        out[name] = match[0]
+    return out
+
+
+PICKED = _pick(cases_linear_cross_entropy())
+CASES = [PICKED[k] for k in ("f32-mean-all", "bf16-none-all", "f16-sum-all", "n1", "all-ignored")]
+# the bridge against the same JAX backend: the unfused (lse) path in each reduction kind, and
+# the fused mean path (no lse)
+BRIDGE_CASES = [PICKED[k] for k in ("f32-mean-all", "bf16-none-all", "bf16-mean-plain")]
+
+
+def _bridge_runner(jax_backend, **tuning):
+    """PyTorch tensors -> the bridge -> any JAX backend (the torch front door offers only
+    pallas), with the options exactly as the JAX runner passes them."""
+    def run(case, inp):
+        from logitless import _torch_common as common
+        from logitless.bridge.linear_cross_entropy import bridged
+        x, w, b, y, cw, g, gl = _torch_inputs(case, inp)
+        if case.chunk_size:
+            tuning["chunk_size"] = case.chunk_size
+        loss, lse = bridged(common.prepare(x, w, y, b, cw), case.options(), jax_backend, tuning)
+        return _torch_collect(case, loss, lse, x, w, b, g, gl)
+    return run
+
+
+def _run_all(case, names):
+    missing = {n: [m for m in BACKENDS[n].requires if importlib.util.find_spec(m) is None]
+               for n in names}
+    missing = {n: m for n, m in missing.items() if m}
+    if missing:
+        pytest.fail(f"backends need modules the test environment lacks: {missing}")
+    inp = make_inputs(case, salt=7)
+    ref = reference(case, inp)
+    runs = {n: BACKENDS[n].run(case, inp) for n in names}
+    naive = {n: BACKENDS[n].run(case, inp) for n in {BACKENDS[n].naive for n in names}}
+    return inp, ref, runs, naive
+
+
+def _tolerance(case, key, ref, naive_runs):
+    """The harness tolerance for ``key``, taking the looser of the two naive paths."""
+    return max(max(FACTOR * rel_err(nv[key], ref[key]) for nv in naive_runs), FLOOR[case.dtype])
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_same_inputs_every_backend(case):
+    inp, ref, runs, naive = _run_all(case, PYTORCH_SIDE + JAX_SIDE)
+    failures = []
+    for name, out in runs.items():
+        try:
+            compare(case, out, ref, naive[BACKENDS[name].naive])
+        except AssertionError as e:
+            failures.append(f"{name} vs spec: {e}")
+    for a, b in PAIRS:  # each side taken as the other's reference
+        for key, r in ref.items():
+            if not np.any(r):
+                assert not np.any(runs[a][key]) and not np.any(runs[b][key])
+                continue
+            tol = _tolerance(case, key, ref, naive.values())
+            err = rel_err(runs[a][key], runs[b][key])
+            if err > tol:
+                failures.append(f"{a} vs {b}: {key} rel diff {err:.3g} > {tol:.3g}")
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("case", BRIDGE_CASES, ids=lambda c: c.id)
+@pytest.mark.parametrize("jax_backend", ["xla", "pallas"])
+def test_bridge_matches_jax_called_from_jax(case, jax_backend):
+    inp = make_inputs(case, salt=11)
+    native = BACKENDS[jax_backend].run(case, inp)
+    tuning = _pallas_test_tuning() if jax_backend == "pallas" else {}
+    bridged = _bridge_runner(jax_backend, **tuning)(case, inp)
+    for key in reference(case, inp):
+        a, b = np.asarray(bridged[key]), np.asarray(native[key])
+        assert a.shape == b.shape and np.isfinite(a).all(), key
+        ulp = _ulp(b, case.dtype if key in GRAD_KEYS else "float32")
+        worst = float(np.max(np.abs(a - b) / ulp)) if a.size else 0.0
+        assert worst <= BRIDGE_ULPS, f"{key}: bridge vs {jax_backend} differ by {worst:.3g} ulps"
