@@ -210,12 +210,17 @@ class _Static:
 
 
 def _walk_chunks(st: _Static, n: int, body, carry):
-    """``carry = body(start, size, carry)`` over the plan: a loop of full chunks, then the tail."""
+    """``carry = body(start, size, carry)`` over the plan: the first chunk on its own (so that
+    ``body`` may create accumulators by assignment there), a loop over the other full chunks,
+    then the ragged tail."""
     size = st.plan.chunk
     full, tail = divmod(n, size)
-    if full:
-        carry = lax.fori_loop(0, full, lambda i, c: body(i * size, size, c), carry)
-    if tail:
+    if n == 0:
+        return carry
+    carry = body(0, size if full else tail, carry)
+    if full > 1:
+        carry = lax.fori_loop(1, full, lambda i, c: body(i * size, size, c), carry)
+    if full and tail:
         carry = body(full * size, tail, carry)
     return carry
 
@@ -261,16 +266,22 @@ def _grads(st: _Static, x, w, bias, y, cw, coefs):
         l_c, lse_c, dz = st.head.loss_lse_grad(z, _tokens(y, start, size),
                                                _tokens(coefs, start, size, axis=1), bias, cw)
         dx = lax.dynamic_update_slice_in_dim(dx, grad_input(dz, w, st.layout), start, 0)
-        dw = dw + grad_weight(dz, xc, st.layout)
-        if db is not None:
-            db = db + jnp.sum(dz.astype(jnp.float32), axis=0)
+        # the first chunk assigns the fp32 accumulators: no zero-fill, no read of [V, H] zeros
+        dw_c = grad_weight(dz, xc, st.layout)
+        dw = dw_c if dw is None else dw + dw_c
+        if bias is not None:
+            db_c = jnp.sum(dz.astype(jnp.float32), axis=0)
+            db = db_c if db is None else db + db_c
         return (lax.dynamic_update_slice_in_dim(tok, l_c, start, 0),
                 lax.dynamic_update_slice_in_dim(lse, lse_c, start, 0), dx, dw, db)
 
     zeros = jnp.zeros((n,), jnp.float32)
-    init = (zeros, zeros, jnp.zeros(x.shape, x.dtype), jnp.zeros(w.shape, jnp.float32),
-            None if bias is None else jnp.zeros(bias.shape, jnp.float32))
-    return _walk_chunks(st, n, body, init)
+    tok, lse, dx, dw, db = _walk_chunks(st, n, body, (zeros, zeros, jnp.zeros(x.shape, x.dtype),
+                                                      None, None))
+    if dw is None:  # no tokens at all
+        dw = jnp.zeros(w.shape, jnp.float32)
+        db = None if bias is None else jnp.zeros(bias.shape, jnp.float32)
+    return tok, lse, dx, dw, db
 
 
 @functools.lru_cache(maxsize=256)

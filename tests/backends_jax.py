@@ -104,11 +104,12 @@ def naive_jax(case, inp):
 
 register(Backend("naive-jax", naive_jax, naive="naive-jax", requires=("jax",)))
 register(Backend("xla", jax_backend_runner("xla"), naive="naive-jax", requires=("jax",)))
-# Small blocks on CPU so the interpreted kernel walks several V blocks with a ragged last one
-# and several row blocks with a ragged last one; on a GPU the defaults are tested.
+# Small blocks on CPU so the interpreted kernel walks several V blocks with a ragged last one,
+# several row blocks with a ragged last one, on a persistent grid of 3 programs (so programs
+# get different numbers of row blocks); on a GPU the defaults are tested.
 def _pallas_test_tuning():
     import jax
-    return {} if jax.default_backend() == "gpu" else dict(block_rows=4, block_v=32)
+    return {} if jax.default_backend() == "gpu" else dict(block_rows=4, block_v=32, grid_size=3)
 
 
 def pallas_runner(case, inp):

@@ -35,17 +35,21 @@ from ..specs import linear_cross_entropy as spec
 from ..specs.tiling import ceil_div, next_power_of_2, plan_token_chunks
 
 TUNING = ("chunk_size", "memory_budget", "block_rows", "block_v", "num_warps", "num_stages",
-          "interpret")
+          "grid_size", "interpret")
 
 # Every GPU-specific default in one place. The chunk budget covers the one [chunk, V] logits
-# buffer; the float32 dW accumulator (V·H·4 bytes) comes on top of it.
+# buffer; the float32 dW accumulator (V·H·4 bytes) comes on top of it. ``programs_per_sm``
+# sizes the persistent grid (grid_size = SMs × it): few rows in flight, so that sweep 2
+# re-reads its row from L2.
 GPU_DEFAULTS = dict(memory_budget=512 << 20, block_rows=1, block_v=4096, num_warps=8,
-                    num_stages=2)
+                    num_stages=2, programs_per_sm=1)
 
 
-def _rows_kernel(z_ref, y_ref, coef_ref, *refs, v, block_rows, block_v, softcap, smoothing,
-                 has_bias, has_cw, write_grad):
-    """One program = ``block_rows`` rows of the chunk; loops over V in ``block_v`` columns.
+def _rows_kernel(z_ref, y_ref, coef_ref, *refs, v, block_rows, block_v, grid_size, softcap,
+                 smoothing, has_bias, has_cw, write_grad):
+    """Program p handles row blocks p, p + grid_size, ... of ``block_rows`` rows each, and
+    walks each row's vocabulary in ``block_v`` columns: sweep 1 forward, sweep 2 (the gradient)
+    backward, so that it starts on the columns sweep 1 read last (still in cache).
 
     refs: [bias (V,)], [class weights (V,) f32], loss (C,) f32, lse (C,) f32, [dz (C, V)
     aliasing z]. Every load is masked, so ragged row / vocabulary ends never read out of
@@ -56,61 +60,74 @@ def _rows_kernel(z_ref, y_ref, coef_ref, *refs, v, block_rows, block_v, softcap,
     cw_ref = refs.pop(0) if has_cw else None
     loss_ref, lse_ref = refs[0], refs[1]
     dz_ref = refs[2] if write_grad else None
-
     n_rows = z_ref.shape[0]
-    r0 = pl.program_id(0) * block_rows
-    rmask = (r0 + jnp.arange(block_rows)) < n_rows
-    rows = pl.ds(r0, block_rows)
-    y = plgpu.load(y_ref.at[rows], mask=rmask, other=-1)
-    # coef_ref is the (6, C) coefficient array flattened: row k of it starts at k·C
-    coef = [plgpu.load(coef_ref.at[pl.ds(k * n_rows + r0, block_rows)], mask=rmask, other=0.0)
-            for k in range(common.NUM_COEFS)]
-    b, sm, smo, zw, g, h = (coef[k] for k in (common.B, common.SM, common.SMO, common.ZW,
-                                               common.G, common.H))
+    n_vblocks = ceil_div(v, block_v)
 
-    def block(j):
-        """Capped logits of column block j (fp32), its column mask and target indicator."""
-        cols = j * block_v + jnp.arange(block_v)
-        cmask = cols < v
-        span = pl.ds(j * block_v, block_v)
-        z = plgpu.load(z_ref.at[rows, span], mask=rmask[:, None] & cmask[None, :], other=0.0)
-        z = z.astype(jnp.float32)
-        if has_bias:
-            z = z + plgpu.load(bias_ref.at[span], mask=cmask, other=0.0).astype(jnp.float32)[None, :]
-        cw = plgpu.load(cw_ref.at[span], mask=cmask, other=0.0) if has_cw else None
-        is_target = cols[None, :] == y[:, None]
-        return common.capped(z, softcap), cmask, is_target, cw, span
+    def row_block(r0):
+        rmask = (r0 + jnp.arange(block_rows)) < n_rows
+        rows = pl.ds(r0, block_rows)
+        y = plgpu.load(y_ref.at[rows], mask=rmask, other=-1)
+        # coef_ref is the (6, C) coefficient array flattened: row k of it starts at k·C
+        coef = [plgpu.load(coef_ref.at[pl.ds(k * n_rows + r0, block_rows)], mask=rmask,
+                           other=0.0) for k in range(common.NUM_COEFS)]
+        b, sm, smo, zw, g, h = (coef[k] for k in (common.B, common.SM, common.SMO, common.ZW,
+                                                   common.G, common.H))
 
-    def sweep1(j, carry):
-        m, s, c_y, wc = carry
-        c, cmask, is_target, cw, _ = block(j)
-        live = jnp.where(cmask[None, :], c, -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(live, axis=1))
-        s = s * jnp.exp(m - m_new) + jnp.sum(jnp.exp(live - m_new[:, None]), axis=1)
-        c_y = c_y + jnp.sum(jnp.where(is_target, c, 0.0), axis=1)
-        if smoothing:
-            wterm = c if cw is None else c * cw[None, :]
-            wc = wc + jnp.sum(jnp.where(cmask[None, :], wterm, 0.0), axis=1)
-        return m_new, s, c_y, wc
+        def block(j):
+            """Capped logits of column block j (fp32), column mask, target indicator, w_v."""
+            cols = j * block_v + jnp.arange(block_v)
+            cmask = cols < v
+            span = pl.ds(j * block_v, block_v)
+            z = plgpu.load(z_ref.at[rows, span], mask=rmask[:, None] & cmask[None, :],
+                           other=0.0).astype(jnp.float32)
+            if has_bias:
+                z = z + plgpu.load(bias_ref.at[span], mask=cmask,
+                                   other=0.0).astype(jnp.float32)[None, :]
+            cw = plgpu.load(cw_ref.at[span], mask=cmask, other=0.0) if has_cw else None
+            is_target = cols[None, :] == y[:, None]
+            return common.capped(z, softcap), cmask, is_target, cw, span
 
-    zeros = jnp.zeros((block_rows,), jnp.float32)
-    init = (jnp.full((block_rows,), -jnp.inf, jnp.float32), zeros, zeros, zeros)
-    m, s, c_y, wc = lax.fori_loop(0, ceil_div(v, block_v), sweep1, init)
-    lse = m + jnp.log(s)
-    loss = common.token_loss(lse, c_y, wc if smoothing else None, b, sm, smo, zw)
-    plgpu.store(loss_ref.at[rows], loss, mask=rmask)
-    plgpu.store(lse_ref.at[rows], lse, mask=rmask)
+        def sweep1(j, carry):
+            m, s, c_y, wc = carry
+            c, cmask, is_target, cw, _ = block(j)
+            live = jnp.where(cmask[None, :], c, -jnp.inf)
+            m_new = jnp.maximum(m, jnp.max(live, axis=1))
+            s = s * jnp.exp(m - m_new) + jnp.sum(jnp.exp(live - m_new[:, None]), axis=1)
+            c_y = c_y + jnp.sum(jnp.where(is_target, c, 0.0), axis=1)
+            if smoothing:
+                wterm = c if cw is None else c * cw[None, :]
+                wc = wc + jnp.sum(jnp.where(cmask[None, :], wterm, 0.0), axis=1)
+            return m_new, s, c_y, wc
 
-    if write_grad:
-        def sweep2(j, carry):
-            c, cmask, is_target, cw, span = block(j)
-            dz = common.grad_logits(c, lse, is_target, cw, b, sm, smo, zw, g, h,
-                                    softcap=softcap, smoothing=smoothing)
-            plgpu.store(dz_ref.at[rows, span], dz.astype(dz_ref.dtype),
-                        mask=rmask[:, None] & cmask[None, :])
+        zeros = jnp.zeros((block_rows,), jnp.float32)
+        init = (jnp.full((block_rows,), -jnp.inf, jnp.float32), zeros, zeros, zeros)
+        m, s, c_y, wc = lax.fori_loop(0, n_vblocks, sweep1, init)
+        lse = m + jnp.log(s)
+        loss = common.token_loss(lse, c_y, wc if smoothing else None, b, sm, smo, zw)
+        plgpu.store(loss_ref.at[rows], loss, mask=rmask)
+        plgpu.store(lse_ref.at[rows], lse, mask=rmask)
+
+        if write_grad:
+            def sweep2(j, carry):
+                c, cmask, is_target, cw, span = block(n_vblocks - 1 - j)
+                dz = common.grad_logits(c, lse, is_target, cw, b, sm, smo, zw, g, h,
+                                        softcap=softcap, smoothing=smoothing)
+                plgpu.store(dz_ref.at[rows, span], dz.astype(dz_ref.dtype),
+                            mask=rmask[:, None] & cmask[None, :])
+                return carry
+
+            lax.fori_loop(0, n_vblocks, sweep2, 0)
+
+    pid = pl.program_id(0)
+    n_row_blocks = ceil_div(n_rows, block_rows)
+    if grid_size >= n_row_blocks:  # one row block per program
+        row_block(pid * block_rows)
+    else:
+        def persistent(t, carry):
+            row_block((pid + t * grid_size) * block_rows)
             return carry
 
-        lax.fori_loop(0, ceil_div(v, block_v), sweep2, 0)
+        lax.fori_loop(0, (n_row_blocks - pid + grid_size - 1) // grid_size, persistent, 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,23 +138,27 @@ class PallasHead(common.Head):
     block_v: int
     num_warps: int
     num_stages: int
+    grid_size: Optional[int]  # None: one program per row block
     interpret: bool
 
     def _call(self, z, y, coefs, bias, cw, write_grad):
         n_rows, v = z.shape
         block_rows = min(self.block_rows, next_power_of_2(n_rows))
         block_v = min(self.block_v, next_power_of_2(v))
+        n_row_blocks = ceil_div(n_rows, block_rows)
+        grid_size = n_row_blocks if self.grid_size is None else min(self.grid_size, n_row_blocks)
         has_cw = cw is not None and self.smoothing  # class weights enter the kernel only here
         inputs = [z, y, coefs.reshape(-1)] + ([bias] if bias is not None else []) + ([cw] if has_cw else [])
         out_shape = [jax.ShapeDtypeStruct((n_rows,), jnp.float32)] * 2
         if write_grad:
             out_shape.append(jax.ShapeDtypeStruct(z.shape, z.dtype))
         kernel = functools.partial(
-            _rows_kernel, v=v, block_rows=block_rows, block_v=block_v, softcap=self.softcap,
+            _rows_kernel, v=v, block_rows=block_rows, block_v=block_v, grid_size=grid_size,
+            softcap=self.softcap,
             smoothing=self.smoothing, has_bias=bias is not None, has_cw=has_cw,
             write_grad=write_grad)
         return pl.pallas_call(
-            kernel, out_shape=tuple(out_shape), grid=(ceil_div(n_rows, block_rows),),
+            kernel, out_shape=tuple(out_shape), grid=(grid_size,),
             input_output_aliases={0: 2} if write_grad else {},
             interpret=self.interpret,
             compiler_params=plgpu.CompilerParams(num_warps=self.num_warps,
@@ -152,15 +173,31 @@ class PallasHead(common.Head):
         return self._call(z, y, coefs, bias, cw, write_grad=True)
 
 
+def _default_grid_size() -> Optional[int]:
+    sms = getattr(jax.devices()[0], "core_count", None)
+    return None if not sms else int(sms) * GPU_DEFAULTS["programs_per_sm"]
+
+
 def linear_cross_entropy(p: common.Prepared, opts: spec.LinearCrossEntropyOptions, *,
                          chunk_size=None, memory_budget=None, block_rows=None, block_v=None,
-                         num_warps=None, num_stages=None, interpret=None):
-    """Returns ``(loss, lse)``: loss reduced per ``opts.reduction`` (flat for "none")."""
+                         num_warps=None, num_stages=None, grid_size=None, interpret=None):
+    """Returns ``(loss, lse)``: loss reduced per ``opts.reduction`` (flat for "none").
+
+    Tuning: ``chunk_size`` / ``memory_budget`` (bytes of the one [chunk, V] logits buffer),
+    ``block_rows`` × ``block_v`` (the kernel's tile, powers of two), ``num_warps``,
+    ``num_stages`` (Triton), ``grid_size`` (programs of the persistent grid; default: SMs ×
+    ``GPU_DEFAULTS["programs_per_sm"]`` on a GPU, one program per row block when interpreted),
+    ``interpret`` (default: True unless JAX's default backend is a GPU).
+    """
     pick = lambda val, key: GPU_DEFAULTS[key] if val is None else val
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     elif not isinstance(interpret, bool):
         raise TypeError(f"interpret must be a bool or None, got {interpret!r}")
+    if grid_size is not None:
+        common.check_tuning("grid_size", grid_size)
+    elif not interpret:
+        grid_size = _default_grid_size()
     head = PallasHead(
         softcap=opts.softcap, smoothing=opts.uses_smoothing,
         block_rows=common.check_tuning("block_rows", pick(block_rows, "block_rows"),
@@ -170,7 +207,7 @@ def linear_cross_entropy(p: common.Prepared, opts: spec.LinearCrossEntropyOption
         num_warps=common.check_tuning("num_warps", pick(num_warps, "num_warps"),
                                       power_of_2=True, hi=32),
         num_stages=common.check_tuning("num_stages", pick(num_stages, "num_stages"), hi=8),
-        interpret=interpret)
+        grid_size=grid_size, interpret=interpret)
     plan = plan_token_chunks(p.problem.n, p.problem.v, bytes_per_element=p.x.dtype.itemsize,
                              budget_bytes=pick(memory_budget, "memory_budget"),
                              chunk_size=chunk_size)
