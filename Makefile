@@ -24,13 +24,13 @@ $(VENV)/.installed: requirements-cpu.txt
 env: $(ENV_DEP)
 
 test: $(ENV_DEP)
-	PYTHONPATH=$(CURDIR) $(PY) -m pytest -q $(PYTEST_ARGS)
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(PY) -m pytest -q $(PYTEST_ARGS)
 
 demo: $(ENV_DEP)
-	PYTHONPATH=$(CURDIR) $(PY) benchmarks/demo.py
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(PY) benchmarks/demo.py
 
 bench: $(ENV_DEP)
-	PYTHONPATH=$(CURDIR) $(PY) benchmarks/linear_cross_entropy.py
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(PY) benchmarks/linear_cross_entropy.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

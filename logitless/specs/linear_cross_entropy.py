@@ -154,11 +154,12 @@ def reference(x, W, y, *, bias=None, weight=None, options: LinearCrossEntropyOpt
     opts = options or LinearCrossEntropyOptions()
     x = np.asarray(x, np.float64)
     W = np.asarray(W, np.float64)
-    y = np.asarray(y).astype(np.int64)
+    y = np.asarray(y)
     n, v = x.shape[0], W.shape[0]
     check_shapes(x.shape, W.shape, y.shape, None if bias is None else np.shape(bias),
                  None if weight is None else np.shape(weight))
-    check_targets(y, v, opts.ignore_index)
+    check_targets(y, v, opts.ignore_index)  # before any cast: float targets are an error
+    y = y.astype(np.int64)
     w = np.ones(v) if weight is None else np.asarray(weight, np.float64)
     eps, zeta, s = opts.label_smoothing, opts.z_loss, opts.softcap
 

@@ -8,7 +8,6 @@ never below ``min_chunk`` (one chunk must exist even when the budget is tiny).
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Optional
 
 # Default budget for the one [chunk, V] logits block a fused loss may hold at a time.
@@ -61,4 +60,4 @@ def ceil_div(a: int, b: int) -> int:
 
 
 def next_power_of_2(x: int) -> int:
-    return 1 if x <= 1 else 1 << math.ceil(math.log2(x))
+    return 1 if x <= 1 else 1 << (x - 1).bit_length()  # exact for any int (no float log2)
