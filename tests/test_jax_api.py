@@ -1,0 +1,257 @@
+"""The JAX front door beyond the shared harness: the transformations (jit, grad,
+value_and_grad, vmap), the Flax (H, V) weight layout without a copy, argument errors naming the
+argument, out-of-range targets (eager error; NaN under jit), and the Triton lowering of the
+Pallas kernels for a GPU (checked on CPU by lowering for CUDA, at the TARGETS shapes)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+import jax.numpy as jnp  # noqa: E402
+
+import logitless.jax as lj  # noqa: E402
+from logitless.specs import linear_cross_entropy as spec  # noqa: E402
+
+from harness import SEED, rel_err  # noqa: E402
+
+BACKENDS = ["xla", "pallas"]
+TOL = 2e-5  # float32 inputs against the float64 spec (blocked fp32 reductions)
+
+
+def _problem(n=23, h=12, v=41, *, batch=(), bias=False, salt=0, dtype=jnp.float32):
+    rng = np.random.default_rng([SEED, salt, n, h, v])
+    x = rng.standard_normal((*batch, n, h))
+    w = rng.standard_normal((v, h)) * (2.0 / np.sqrt(h))
+    y = rng.integers(0, v, (*batch, n))
+    y[rng.random((*batch, n)) < 0.2] = -100
+    b = rng.standard_normal(v) * 0.3 if bias else None
+    j = lambda a: None if a is None else jnp.asarray(a, dtype)
+    return j(x), j(w), jnp.asarray(y, jnp.int32), j(b)
+
+
+def _ref(x, w, y, b=None, **opts):
+    f64 = lambda a: None if a is None else np.asarray(a, np.float64)
+    return spec.reference(f64(x), f64(w), np.asarray(y), bias=f64(b),
+                          options=spec.LinearCrossEntropyOptions(**opts))
+
+
+def _assert_close(a, r, tol=TOL):
+    a = np.asarray(a, np.float64)
+    assert np.isfinite(a).all()
+    assert rel_err(a, r) <= tol, rel_err(a, r)
+
+
+# --------------------------------------------------------------------- transformations
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_jit_grad_and_value_and_grad(backend):
+    x, w, y, b = _problem(bias=True)
+    f = lambda x, w, b: lj.linear_cross_entropy(x, w, y, linear_bias=b, backend=backend,
+                                                label_smoothing=0.1, chunk_size=8)
+    loss, (dx, dw, db) = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))(x, w, b)
+    ref = _ref(x, w, y, b, label_smoothing=0.1)
+    _assert_close(loss, ref["loss"])
+    _assert_close(dx, ref["dx"])
+    _assert_close(dw, ref["dw"])
+    _assert_close(db, ref["db"])
+    assert loss.dtype == jnp.float32 and dx.dtype == x.dtype and db.shape == b.shape
+    # jax.grad (not jitted by us) gives the same gradients
+    gx = jax.grad(f)(x, w, b)
+    np.testing.assert_allclose(np.asarray(gx), np.asarray(dx), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_none_reduction_and_lse_keep_the_label_shape(backend):
+    """(B, T, H) inputs: "none" losses and lse come back (B, T); per-token cotangents and an
+    lse cotangent reach the gradient (the backward recomputes with them)."""
+    x, w, y, _ = _problem(n=7, batch=(3,), salt=1)
+    rng = np.random.default_rng([SEED, 2])
+    g = jnp.asarray(rng.standard_normal((3, 7)), jnp.float32)
+    gl = jnp.asarray(rng.standard_normal((3, 7)), jnp.float32)
+
+    def f(x, w):
+        loss, lse = lj.linear_cross_entropy(x, w, y, reduction="none", return_lse=True,
+                                            z_loss=1e-2, backend=backend, chunk_size=5)
+        assert loss.shape == y.shape and lse.shape == y.shape
+        return jnp.sum(loss * g) + jnp.sum(lse * gl)
+
+    dx, dw = jax.jit(jax.grad(f, argnums=(0, 1)))(x, w)
+    ref = spec.reference(np.asarray(x, np.float64).reshape(21, -1), np.asarray(w, np.float64),
+                         np.asarray(y).reshape(-1),
+                         options=spec.LinearCrossEntropyOptions(reduction="none", z_loss=1e-2),
+                         grad_output=np.asarray(g).reshape(-1), grad_lse=np.asarray(gl).reshape(-1))
+    _assert_close(dx.reshape(21, -1), ref["dx"])
+    _assert_close(dw, ref["dw"])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_vmap_over_a_leading_batch_axis(backend):
+    """vmap of value_and_grad over sequences sharing one weight: each sequence is its own
+    mean (not one mean over the flattened batch), dW is per sequence."""
+    x, w, y, _ = _problem(n=9, batch=(2,), salt=3)
+    f = lambda x, w, y: lj.linear_cross_entropy(x, w, y, backend=backend, chunk_size=4)
+    loss, (dx, dw) = jax.jit(jax.vmap(jax.value_and_grad(f, argnums=(0, 1)),
+                                      in_axes=(0, None, 0)))(x, w, y)
+    assert loss.shape == (2,) and dx.shape == x.shape and dw.shape == (2, *w.shape)
+    for i in range(2):
+        ref = _ref(x[i], w, y[i])
+        _assert_close(loss[i], ref["loss"])
+        _assert_close(dx[i], ref["dx"])
+        _assert_close(dw[i], ref["dw"])
+
+
+def _eqns(jaxpr):
+    """Every equation of a jaxpr and of the jaxprs nested in its equations' parameters."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for p in eqn.params.values():
+            for sub in (p if isinstance(p, (tuple, list)) else (p,)):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from _eqns(inner)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_flax_hv_layout_uses_the_kernel_as_is(backend):
+    """A Flax Dense kernel (H, V) with weight_layout="hv": right values and an (H, V) gradient,
+    and nowhere in the traced program (forward, backward, nested loops) is the weight or its
+    gradient transposed or copied (the GEMMs read it through their dimension numbers)."""
+    x, w, y, _ = _problem(h=12, v=41, salt=4)
+    kernel = jnp.asarray(np.asarray(w).T)  # (H, V), as flax.linen.Dense stores it
+    f = lambda x, k: lj.linear_cross_entropy(x, k, y, weight_layout="hv", backend=backend,
+                                             chunk_size=8)
+    vg = jax.value_and_grad(f, argnums=(0, 1))
+    loss, (dx, dk) = jax.jit(vg)(x, kernel)
+    ref = _ref(x, w, y)
+    assert dk.shape == kernel.shape
+    _assert_close(loss, ref["loss"])
+    _assert_close(dx, ref["dx"])
+    _assert_close(dk.T, ref["dw"])
+    weight_shapes = {kernel.shape, kernel.shape[::-1]}
+    moved = [e for e in _eqns(jax.make_jaxpr(vg)(x, kernel).jaxpr)
+             if e.primitive.name in ("transpose", "copy", "copy_p")
+             and any(tuple(getattr(v.aval, "shape", ())) in weight_shapes for v in e.invars)]
+    assert not moved, moved
+
+
+def test_default_backend_on_cpu_is_xla():
+    if jax.default_backend() == "gpu":
+        pytest.skip("checks the CPU default")
+    assert lj.available_backends()[0] == "xla"
+    x, w, y, _ = _problem(salt=5)
+    a = lj.linear_cross_entropy(x, w, y)
+    _assert_close(a, _ref(x, w, y)["loss"])
+
+
+# ------------------------------------------------------------------------ bad arguments
+def _args():
+    x, w, y, b = _problem(n=5, h=4, v=7, bias=True, salt=6)
+    return dict(x=x, linear_weight=w, labels=y, linear_bias=b)
+
+
+BAD = [
+    (dict(x=np.arange(20).reshape(5, 4)), TypeError, "x must be float32"),
+    (dict(x=[[0.0] * 4] * 5), TypeError, "x must be a jax.Array"),
+    (dict(linear_weight=jnp.zeros((7, 4), jnp.bfloat16)), TypeError, "linear_weight dtype"),
+    (dict(linear_bias=jnp.zeros((7,), jnp.float16)), TypeError, "linear_bias dtype"),
+    (dict(linear_bias=jnp.zeros((6,))), ValueError, "linear_bias must have shape"),
+    (dict(labels=jnp.zeros((5,))), TypeError, "labels must hold integer"),
+    (dict(labels=jnp.zeros((5,), bool)), TypeError, "labels must hold integer"),
+    (dict(labels=jnp.zeros((4,), jnp.int32)), ValueError, "target must have shape"),
+    (dict(linear_weight=jnp.zeros((7, 5))), ValueError, "hidden size mismatch"),
+    (dict(linear_weight=jnp.zeros((7,))), ValueError, "linear_weight must be 2-D"),
+    (dict(weight=jnp.ones((6,))), ValueError, "weight (class weights) must have shape"),
+    (dict(weight=jnp.ones((7,), jnp.int32)), TypeError, "weight (class weights) must be a floating"),
+    (dict(reduction="avg"), ValueError, "reduction must be one of"),
+    (dict(label_smoothing=1.5), ValueError, "label_smoothing must be <= 1.0"),
+    (dict(softcap=0.0), ValueError, "softcap must be > 0"),
+    (dict(ignore_index=2**40), ValueError, "ignore_index must fit in int32"),
+    (dict(weight_layout="vhh"), ValueError, "weight_layout must be"),
+    (dict(backend="triton"), ValueError, "backend must be None or one of"),
+    (dict(backend="xla", block_v=64), TypeError, "unknown tuning keyword(s) ['block_v']"),
+    (dict(backend="pallas", blocks=64), TypeError, "it accepts ['chunk_size'"),
+    (dict(backend="pallas", block_v=48), ValueError, "block_v must be a power of two"),
+    (dict(backend="pallas", num_warps=64), ValueError, "num_warps must be a power of two"),
+    (dict(backend="pallas", grid_size=0), ValueError, "grid_size must be an int"),
+    (dict(backend="pallas", interpret="yes"), TypeError, "interpret must be a bool"),
+    (dict(backend="xla", chunk_size=0), ValueError, "chunk_size must be a positive int"),
+    (dict(backend="pallas", memory_budget=-1), ValueError, "memory_budget must be"),
+]
+
+
+@pytest.mark.parametrize("change,exc,message", BAD, ids=[m for _, _, m in BAD])
+def test_bad_arguments_raise_naming_the_argument(change, exc, message):
+    args = {**_args(), **change}
+    with pytest.raises(exc) as info:
+        lj.linear_cross_entropy(args.pop("x"), args.pop("linear_weight"), args.pop("labels"),
+                                **args)
+    assert message in str(info.value)
+
+
+# --------------------------------------------------------------------- targets out of range
+@pytest.mark.parametrize("bad", [7, 1000, -3])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_out_of_range_labels_raise_when_concrete(backend, bad):
+    x, w, y, _ = _problem(n=5, h=4, v=7, salt=7)
+    labels = np.asarray(y).astype(np.int64)  # NumPy int64 labels are accepted (made int32)
+    labels[2] = bad
+    with pytest.raises(ValueError, match=r"target out of range: .*\[0, 7\).*ignore_index=-100"):
+        lj.linear_cross_entropy(x, w, labels, backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_out_of_range_labels_under_jit_give_nan(backend):
+    """Traced labels cannot be checked without a host sync: a bad label poisons its token's
+    loss, the reduced loss and the gradients with NaN; other tokens' losses stay finite."""
+    x, w, y, _ = _problem(n=12, h=4, v=7, salt=8)
+    y = y.at[3].set(7).at[5].set(-3).at[9].set(2**30)  # past V, negative, far past V
+    bad = np.zeros(12, bool)
+    bad[[3, 5, 9]] = True
+
+    @jax.jit
+    def run(x, w, y):
+        mean, grads = jax.value_and_grad(
+            lambda x, w: lj.linear_cross_entropy(x, w, y, backend=backend, chunk_size=8),
+            argnums=(0, 1))(x, w)
+        none = lj.linear_cross_entropy(x, w, y, reduction="none", backend=backend, chunk_size=8)
+        return mean, grads, none
+
+    mean, (dx, dw), none = run(x, w, y)
+    assert np.isnan(float(mean))
+    assert np.isnan(np.asarray(dw)).any()
+    none = np.asarray(none)
+    assert np.isnan(none[bad]).all() and np.isfinite(none[~bad]).all()
+    clean = y.at[3].set(-100).at[5].set(-100).at[9].set(-100)
+    np.testing.assert_allclose(none[~bad], np.asarray(lj.linear_cross_entropy(
+        x, w, clean, reduction="none", backend=backend))[~bad], rtol=1e-6)
+
+
+# ---------------------------------------------------------------- GPU lowering, on CPU
+def _lower_for_cuda(n, h, v, dtype=jnp.bfloat16, **kw):
+    s = lambda *shape, dt=dtype: jax.ShapeDtypeStruct(shape, dt)
+
+    def f(x, w, b):
+        out = lj.linear_cross_entropy(x, w, jnp.zeros((n,), jnp.int32), linear_bias=b,
+                                      backend="pallas", interpret=False, **kw)
+        return out[0].sum() + out[1].sum() if isinstance(out, tuple) else out.sum()
+
+    traced = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2))).trace(s(n, h), s(v, h), s(v))
+    return traced.lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("n,h,v", [(16384, 4096, 128256), (8192, 2304, 256000)])
+def test_pallas_lowers_to_triton_at_the_target_shapes(n, h, v):
+    """The kernels lower through Pallas' Triton backend (power-of-two blocks, only supported
+    primitives, 64-bit offsets where a chunk passes 2³² bytes) with the GPU defaults and a
+    persistent grid; lowering needs no GPU. Abstract shapes: nothing is allocated."""
+    hlo = _lower_for_cuda(n, h, v, grid_size=132)
+    assert "xla.gpu.triton" in hlo
+    # a whole-batch chunk whose logits pass 2**32 bytes: Pallas must switch to 64-bit offsets
+    assert "xla.gpu.triton" in _lower_for_cuda(n, h, v, chunk_size=n)
+
+
+def test_pallas_lowers_to_triton_with_every_option():
+    hlo = _lower_for_cuda(300, 64, 1000, reduction="none", return_lse=True, z_loss=1e-3,
+                          label_smoothing=0.1, softcap=30.0, chunk_size=128, block_rows=2,
+                          block_v=256, grid_size=7)
+    assert hlo.count("xla.gpu.triton") >= 4  # forward and gradient kernels, full and tail chunks
