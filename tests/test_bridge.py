@@ -433,3 +433,36 @@ def test_stream_race_jax_producer_torch_consumer(sync):
         assert wrong == 0
     else:
         assert wrong > 0, "no race observed without the handshake: the test proves nothing"
+
+
+# ------------------------------------------------- backend="pallas" from PyTorch (the op)
+@pytest.mark.parametrize("layout", ["vh", "hv"])
+def test_pallas_backend_reads_inputs_in_place(gen, layout):
+    """x, W (either layout: a (V, H) weight or the transpose of an (H, V) one) and the bias
+    reach JAX without a copy -- the saved tensors of the op are the caller's memory -- and the
+    result is the one the plain PyTorch backend gives."""
+    import logitless.torch as lt
+    n, h, v = 13, 16, 67
+    x = rand(gen, n, h).requires_grad_()
+    w_store = rand(gen, v, h) if layout == "vh" else rand(gen, h, v)
+    w = (w_store if layout == "vh" else w_store.t()).requires_grad_()
+    b = rand(gen, v).requires_grad_()
+    y = torch.randint(0, v, (n,), generator=gen).to(torch.int32)
+    loss, lse = lt.linear_cross_entropy(x, w, y, linear_bias=b, return_lse=True,
+                                        backend="pallas")
+    saved = {t.data_ptr() for t in loss.grad_fn.saved_tensors}
+    assert {x.data_ptr(), w_store.data_ptr(), b.data_ptr(), y.data_ptr()} <= saved
+    ref, ref_lse = lt.linear_cross_entropy(x, w, y, linear_bias=b, return_lse=True,
+                                           backend="torch")
+    g = torch.autograd.grad(loss + lse.sum(), (x, w, b))
+    r = torch.autograd.grad(ref + ref_lse.sum(), (x, w, b))
+    np.testing.assert_allclose(as_np(loss), as_np(ref), rtol=1e-5)
+    for a, e in zip(g, r):
+        np.testing.assert_allclose(as_np(a), as_np(e), rtol=1e-4, atol=1e-5)
+
+
+def test_pallas_backend_refuses_float64(gen):
+    import logitless.torch as lt
+    x, w = rand(gen, 3, 4).double(), rand(gen, 5, 4).double()
+    with pytest.raises(TypeError, match="float64"):
+        lt.linear_cross_entropy(x, w, torch.tensor([0, 1, 2]), backend="pallas")
