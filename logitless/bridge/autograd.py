@@ -57,8 +57,14 @@ class _Plan:
     sources: Tuple = ()           # per residual leaf: ("in", k) | ("out", i) | ("res", j)
 
 
-def _is_diff_dtype(t: torch.Tensor) -> bool:
-    return t.is_floating_point() or t.is_complex()
+def _kind(t: Optional[torch.Tensor], name: str) -> Optional[str]:
+    """None (absent), "d" (differentiated: a floating tensor requiring grad) or "n" (constant)."""
+    if t is None:
+        return None
+    if t.requires_grad and t.is_complex():
+        raise TypeError(f"{name}: complex tensors requiring grad are not supported (PyTorch and "
+                        "JAX use conjugate conventions for complex gradients)")
+    return "d" if (t.requires_grad and t.is_floating_point()) else "n"
 
 
 def _merge(kinds, diff, other):
@@ -112,8 +118,8 @@ def _build_plan(fn, static, kinds) -> _Plan:
 class _Call:
     """Per-call state handed through ``Function.apply`` (not a tensor: autograd ignores it)."""
 
-    def __init__(self, plan: _Plan, kinds, exported, arrays):
-        self.plan, self.kinds = plan, kinds
+    def __init__(self, kinds, exported, arrays):
+        self.plan, self.kinds = None, kinds
         # Inputs in the order the plan numbers them ("in", k): differentiable, then constants.
         d = [i for i, k in enumerate(k for k in kinds if k) if k == "d"]
         n = [i for i, k in enumerate(k for k in kinds if k) if k == "n"]
@@ -199,12 +205,11 @@ class JaxFunction:
                 raise TypeError(f"{self.name}: positional argument {i} must be a torch.Tensor or "
                                 f"None, got {type(t).__name__}; pass Python values as keywords")
         static_key = self._static_key(static)
-        kinds = tuple(None if t is None else
-                      "d" if (t.requires_grad and _is_diff_dtype(t)) else "n" for t in tensors)
+        kinds = tuple(_kind(t, f"{self.name}: argument {i}") for i, t in enumerate(tensors))
         if not (torch.is_grad_enabled() and "d" in kinds):
             return self._forward_only(static_key, static, tensors)
         exported, arrays = zip(*(_export(t, None) for t in tensors if t is not None))
-        call = _Call(None, kinds, exported, arrays)
+        call = _Call(kinds, exported, arrays)
         call.plan = self._plan(static_key, static, kinds, call.diff + call.other)
         outs = _Bridge.apply(call, *tensors)
         return jax.tree_util.tree_unflatten(call.plan.out_tree, outs)
