@@ -38,10 +38,17 @@ def test_torch_compile_fullgraph_matches_eager():
     def step(x, w, y):
         return lt.linear_cross_entropy(x, w, y, **kw)
 
-    compiled = torch.compile(step, fullgraph=True)
-    xc, wc = x.clone().requires_grad_(), w.clone().requires_grad_()
-    loss = compiled(xc, wc, y)
-    loss.backward()
+    # No on-disk caches: a cached backward graph is keyed by the traced graph, not by our
+    # Python autograd code, so after an edit of that code it could replay the old one.
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+    with inductor_config.patch(fx_graph_cache=False), \
+            functorch_config.patch(enable_autograd_cache=False):
+        torch._dynamo.reset()
+        compiled = torch.compile(step, fullgraph=True)
+        xc, wc = x.clone().requires_grad_(), w.clone().requires_grad_()
+        loss = compiled(xc, wc, y)
+        loss.backward()
     for a, b in zip(ref, (loss.detach(), xc.grad, wc.grad)):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 

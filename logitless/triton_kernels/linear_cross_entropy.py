@@ -121,8 +121,9 @@ def _ones(like):
 
 
 # ----------------------------------------------------------------------------- sweeps
-def _forward(x, w, bias, y, cw, omega_sum, opts_t, cfg, grad_mode, accum_dtype):
-    """Token sweep: per-token loss and lse; with ``grad_mode`` also dX (and dW, db) for g = 1."""
+def _forward(x, w, bias, y, cw, omega_sum, opts_t, cfg, grad_mode, accum_dtype, g):
+    """Token sweep: per-token loss and lse; with ``grad_mode`` also dX (and dW, db) for the
+    uniform upstream gradient ``g`` (a (1,) device tensor)."""
     n, hdim = x.shape
     v = w.shape[0]
     dev = x.device
@@ -132,13 +133,12 @@ def _forward(x, w, bias, y, cw, omega_sum, opts_t, cfg, grad_mode, accum_dtype):
     full = grad_mode == FULL_GRAD
     dw = torch.empty(v, hdim, dtype=accum_dtype, device=dev) if full else x.new_empty(0)
     db = torch.empty(v, dtype=torch.float32, device=dev) if (full and bias is not None) else x.new_empty(0)
-    ones = _ones(x)
     buf = torch.empty(min(cfg.chunk, n), v, dtype=x.dtype, device=dev)
     for s in range(0, n, cfg.chunk):
         e = min(s + cfg.chunk, n)
         blk = _logits(x[s:e], w, bias, buf[: e - s])
         _rows(blk, e - s, v, 0, y[s:e], cw, omega_sum, lse[s:e], token_loss[s:e],
-              ones, None, opts_t, v, cfg, compute_lse=True, write_grad=bool(grad_mode))
+              g, None, opts_t, v, cfg, compute_lse=True, write_grad=bool(grad_mode))
         if grad_mode:
             torch.mm(blk, w, out=dx[s:e])
         if full:
@@ -211,19 +211,30 @@ def _fwd_op(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], y: t
             ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     cfg = Config(chunk, vocab_chunk, block_v, num_warps)
     opts_t = _opts_tuple(ignore_index, label_smoothing, z_loss, softcap)
-    accum = torch.float32 if accum_fp32 else x.dtype
-    token_loss, lse, dx, dw, db = _forward(x, w, bias, y, cw, _omega_sum(cw), opts_t, cfg,
-                                           grad_mode, accum)
     denom = torch.ones((), dtype=torch.float32, device=x.device)
+    if reduction == REDUCTIONS["mean"]:
+        denom = common.mean_denominator(common.token_weight_total(y, cw, ignore_index, torch.float32))
+    g = (1.0 / denom).reshape(1) if _folds_mean(reduction, x.dtype) else _ones(x)
+    accum = _accum_dtype(x.dtype, x.shape[0], chunk, accum_fp32)
+    token_loss, lse, dx, dw, db = _forward(x, w, bias, y, cw, _omega_sum(cw), opts_t, cfg,
+                                           grad_mode, accum, g)
     if reduction == REDUCTIONS["none"]:
         loss = token_loss
     else:
-        loss = token_loss.sum()
-        if reduction == REDUCTIONS["mean"]:
-            denom = common.mean_denominator(
-                common.token_weight_total(y, cw, ignore_index, torch.float32))
-            loss = loss / denom
+        loss = token_loss.sum() / denom
     return loss, lse, denom, dx, dw, db
+
+
+def _folds_mean(reduction, dtype):
+    """Whether the forward's gradients already carry the 1/Σω of "mean". They do (so dX is
+    rounded to the input dtype once, as in the naive path) except in fp16, where p/Σω would
+    underflow; there the backward applies it, at the cost of a second fp16 rounding of dX."""
+    return reduction == REDUCTIONS["mean"] and dtype != torch.float16
+
+
+def _accum_dtype(dtype, n, chunk, accum_fp32):
+    """dW accumulator: fp32 across chunks; a single chunk needs none (one GEMM, one rounding)."""
+    return dtype if (n <= chunk or not accum_fp32) else torch.float32
 
 
 @_fwd_op.register_fake
@@ -236,7 +247,7 @@ def _(x, w, bias, y, cw, reduction, ignore_index, label_smoothing, z_loss, softc
     loss = x.new_empty(n, **f32) if reduction == 0 else x.new_empty((), **f32)
     return (loss, x.new_empty(n, **f32), x.new_empty((), **f32),
             x.new_empty(n, hdim) if grad_mode else x.new_empty(0),
-            x.new_empty(v, hdim, dtype=torch.float32 if accum_fp32 else x.dtype) if full else x.new_empty(0),
+            x.new_empty(v, hdim, dtype=_accum_dtype(x.dtype, n, chunk, accum_fp32)) if full else x.new_empty(0),
             x.new_empty(v, **f32) if (full and bias is not None) else x.new_empty(0))
 
 
@@ -313,16 +324,19 @@ def _backward(ctx, g_loss, g_lse, _g_denom, _g_dx, _g_dw, _g_db):
     if uniform and g_loss is not None:
         scale = (g_loss.float() / denom).reshape(1)  # mean: g/Σω; sum: denom is 1
     if uniform and g_lse is None and a["grad_mode"] != NO_GRAD:
-        # The forward already holds the gradients for a unit upstream: scale them (exact).
+        # The forward already holds the gradients for the upstream 1 (or 1/Σω): scale them
+        # (exact in fp32; a no-op rounding for the usual upstream 1.0).
+        saved_scale = g_loss.float().reshape(1) if _folds_mean(a["reduction"], x.dtype) else scale
         gx = None
         if need_x:  # dx_saved is ours alone (the front door drops it): scale it in place
-            scale_inplace_op(dx_saved, scale, _interpret())
+            scale_inplace_op(dx_saved, saved_scale, _interpret())
             gx = dx_saved
         if a["grad_mode"] == FULL_GRAD:
-            gw = scale_cast_op(dw_saved, scale, w.dtype, _interpret()) if need_w else None
-            gb = (scale_cast_op(db_saved, scale, bias.dtype, _interpret())
+            gw = scale_cast_op(dw_saved, saved_scale, w.dtype, _interpret()) if need_w else None
+            gb = (scale_cast_op(db_saved, saved_scale, bias.dtype, _interpret())
                   if (need_b and bias is not None) else None)
             return (gx, gw, gb) + none
+        # low memory: dW and db from the vocabulary sweep, computed unscaled, times g/Σω
         _, gw, gb = _bwd_op(x, w, bias, y, cw, lse, _ones(x), None, scale, a["ignore_index"],
                             a["label_smoothing"], a["z_loss"], a["softcap"], False, need_w,
                             need_b, True, a["chunk"], a["vocab_chunk"], a["block_v"],
