@@ -16,7 +16,9 @@ Only one ``[chunk, V]`` buffer (logits, then their gradient) exists at a time.
 GPU: the kernel uses Pallas' Triton backend (``compiler_params`` from
 ``jax.experimental.pallas.triton``); masked loads/stores cover the ragged ends of rows and of
 the row blocks, and Pallas switches to 64-bit offsets when a buffer passes 2³² bytes. On other
-platforms it runs in interpret mode.
+platforms it runs in interpret mode (which, in jax 0.10, fails with ``jax_enable_x64`` on: its
+discharge of a masked store inside a loop mixes int32 and int64 indices; use
+``backend="xla"`` there).
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import functools
 from typing import Optional
 
 import jax
+import numpy as np
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -43,6 +46,15 @@ TUNING = ("chunk_size", "memory_budget", "block_rows", "block_v", "num_warps", "
 # re-reads its row from L2.
 GPU_DEFAULTS = dict(memory_budget=512 << 20, block_rows=1, block_v=4096, num_warps=8,
                     num_stages=2, programs_per_sm=1)
+
+
+# Index math in int32 whatever jax_enable_x64 says (offsets into buffers past 2**32 bytes are
+# widened by Pallas itself); loop counters, iotas and program ids then share one type.
+_I0 = np.int32(0)
+
+
+def _iota(n):
+    return jnp.arange(n, dtype=jnp.int32)
 
 
 def _rows_kernel(z_ref, y_ref, coef_ref, *refs, v, block_rows, block_v, grid_size, softcap,
@@ -64,7 +76,7 @@ def _rows_kernel(z_ref, y_ref, coef_ref, *refs, v, block_rows, block_v, grid_siz
     n_vblocks = ceil_div(v, block_v)
 
     def row_block(r0):
-        rmask = (r0 + jnp.arange(block_rows)) < n_rows
+        rmask = (r0 + _iota(block_rows)) < n_rows
         rows = pl.ds(r0, block_rows)
         y = plgpu.load(y_ref.at[rows], mask=rmask, other=-1)
         # coef_ref is the (6, C) coefficient array flattened: row k of it starts at k·C
@@ -75,7 +87,7 @@ def _rows_kernel(z_ref, y_ref, coef_ref, *refs, v, block_rows, block_v, grid_siz
 
         def block(j):
             """Capped logits of column block j (fp32), column mask, target indicator, w_v."""
-            cols = j * block_v + jnp.arange(block_v)
+            cols = j * block_v + _iota(block_v)
             cmask = cols < v
             span = pl.ds(j * block_v, block_v)
             z = plgpu.load(z_ref.at[rows, span], mask=rmask[:, None] & cmask[None, :],
@@ -101,7 +113,7 @@ def _rows_kernel(z_ref, y_ref, coef_ref, *refs, v, block_rows, block_v, grid_siz
 
         zeros = jnp.zeros((block_rows,), jnp.float32)
         init = (jnp.full((block_rows,), -jnp.inf, jnp.float32), zeros, zeros, zeros)
-        m, s, c_y, wc = lax.fori_loop(0, n_vblocks, sweep1, init)
+        m, s, c_y, wc = lax.fori_loop(_I0, np.int32(n_vblocks), sweep1, init)
         lse = m + jnp.log(s)
         loss = common.token_loss(lse, c_y, wc if smoothing else None, b, sm, smo, zw)
         plgpu.store(loss_ref.at[rows], loss, mask=rmask)
@@ -116,7 +128,7 @@ def _rows_kernel(z_ref, y_ref, coef_ref, *refs, v, block_rows, block_v, grid_siz
                             mask=rmask[:, None] & cmask[None, :])
                 return carry
 
-            lax.fori_loop(0, n_vblocks, sweep2, 0)
+            lax.fori_loop(_I0, np.int32(n_vblocks), sweep2, 0)
 
     pid = pl.program_id(0)
     n_row_blocks = ceil_div(n_rows, block_rows)
@@ -127,7 +139,7 @@ def _rows_kernel(z_ref, y_ref, coef_ref, *refs, v, block_rows, block_v, grid_siz
             row_block((pid + t * grid_size) * block_rows)
             return carry
 
-        lax.fori_loop(0, (n_row_blocks - pid + grid_size - 1) // grid_size, persistent, 0)
+        lax.fori_loop(_I0, (n_row_blocks - pid + grid_size - 1) // grid_size, persistent, 0)
 
 
 @dataclasses.dataclass(frozen=True)
