@@ -134,7 +134,8 @@ def stages(n, h, v, chunk):
         out["dw_addmm_f32"] = bench(lambda: torch.addmm(acc, buf.t(), x, out_dtype=torch.float32, out=acc))
         out["acc_to_bf16"] = bench(lambda: dwb.copy_(acc))
     out["copy_chunk"] = bench(lambda: buf.copy_(keep))
-    for bv, nw, pps in ((4096, 8, 4), (8192, 16, 2), (16384, 32, 1), (8192, 16, 1), (4096, 8, 2), (2048, 4, 8)):
+    configs = [(16384, 32, p) for p in (0.5, 0.75, 1, 1.5, 2)] + [(8192, 32, 1), (32768, 32, 1), (8192, 16, 1.5)]
+    for bv, nw, pps in configs:
         tlce.PROGRAMS_PER_SM = pps; tlce.LONG_ROW = 1 << 30
         c2 = Config(chunk, chunk, bv, nw)
 

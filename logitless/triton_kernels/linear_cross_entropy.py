@@ -41,10 +41,13 @@ LOW_MEMORY_BUDGET = 1 << 27  # 128 MiB: 512 tokens, or 4096 vocabulary rows for 
 REDUCTIONS = {"none": 0, "sum": 1, "mean": 2}
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Row-kernel launch (persistent grid). Measured on an H100 (benchmarks/triton_probe.py stages):
-# long rows stream fastest as one 32-warp program per SM with 16K-element blocks (1.11 ms per
-# bf16 [4096, 128256] chunk for both passes, vs 1.18 for 4 programs/SM x 8 warps x 4K); short
-# rows need several programs per SM to keep enough bytes in flight.
+# long rows stream fastest as one 32-warp program per SM with 32K-element blocks (1.04 ms per
+# bf16 [4096, 128256] chunk for both passes; 16K blocks 1.11; 4 programs/SM x 8 warps x 4K
+# 1.18; a plain copy of the chunk 0.71); short rows need several programs per SM to keep
+# enough bytes in flight.
 LONG_ROW = 16384
+LONG_ROW_BLOCK = 32768
+LONG_ROW_PROGRAMS_PER_SM = 1
 PROGRAMS_PER_SM = 4
 
 # grad_mode of the forward op
@@ -76,11 +79,12 @@ def _rows(buf, n_rows, n_cols, col_offset, y, cw, omega_sum, lse, loss, g, h, op
     if n_rows == 0:
         return
     long_row = n_cols >= LONG_ROW
-    block = cfg.block_v or (LONG_ROW if long_row else min(4096, next_power_of_2(n_cols)))
+    block = cfg.block_v or min(LONG_ROW_BLOCK if long_row else 4096, next_power_of_2(n_cols))
     num_warps = cfg.num_warps or (32 if long_row else max(1, min(8, block // 256)))
     if buf.is_cuda:
         sms = torch.cuda.get_device_properties(buf.device).multi_processor_count
-        grid = (min(n_rows, sms * (1 if long_row else PROGRAMS_PER_SM)),)
+        per_sm = LONG_ROW_PROGRAMS_PER_SM if long_row else PROGRAMS_PER_SM
+        grid = (min(n_rows, max(1, int(sms * per_sm))),)
     else:  # interpreter: programs run one after another; small blocks only cost Python time
         grid = (n_rows,)
         block = cfg.block_v or min(1024, next_power_of_2(n_cols))
