@@ -54,7 +54,8 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import common  # noqa: E402
-from benchmarks.linear_cross_entropy import GROUPS, SHAPES, Shape, _split_top_level, parse_shapes  # noqa: E402
+from benchmarks.linear_cross_entropy import (  # noqa: E402  (shapes shared with it)
+    GROUPS, SHAPES, Shape, _split_top_level, parse_shapes)
 
 OP = "jax_linear_cross_entropy"
 IGNORE_INDEX = -100
@@ -253,7 +254,8 @@ def bench_floor(shape: Shape, x, w, *, reps: int, warmup: int, seed: int):
     finally:
         del g, gemms
         gc.collect()
-    return {"status": "ok", "ms": t.median_ms, "tflops": common.tflops(shape.gemm_flops, t.median_ms),
+    return {"status": "ok", "ms": t.median_ms,
+            "tflops": common.tflops(shape.gemm_flops, t.median_ms),
             "timing": t.as_dict(), "gemms": ["x @ W.T", "G @ W", "G.T @ x"], "through": "XLA"}
 
 
@@ -383,7 +385,8 @@ def _brief(rec) -> str:
         return f"{rec['status']}: {rec.get('error', '')}"
     return (f"{common.fmt_ms(rec['ms'])} ms, {common.fmt_ratio(rec.get('ratio_to_floor'))} floor, "
             f"temp {common.fmt_bytes(rec.get('temp_bytes'))}, "
-            f"dx {common.fmt_err(rec.get('dx_rel_err'))}, dw {common.fmt_err(rec.get('dw_rel_err'))}")
+            f"dx {common.fmt_err(rec.get('dx_rel_err'))}, "
+            f"dw {common.fmt_err(rec.get('dw_rel_err'))}")
 
 
 # ----------------------------------------------------------------------------- run, report

@@ -27,8 +27,8 @@ import functools
 from typing import Optional
 
 import jax
-import numpy as np
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
@@ -160,15 +160,15 @@ class PallasHead(common.Head):
         n_row_blocks = ceil_div(n_rows, block_rows)
         grid_size = n_row_blocks if self.grid_size is None else min(self.grid_size, n_row_blocks)
         has_cw = cw is not None and self.smoothing  # class weights enter the kernel only here
-        inputs = [z, y, coefs.reshape(-1)] + ([bias] if bias is not None else []) + ([cw] if has_cw else [])
+        inputs = [z, y, coefs.reshape(-1)] + ([bias] if bias is not None else []) \
+            + ([cw] if has_cw else [])
         out_shape = [jax.ShapeDtypeStruct((n_rows,), jnp.float32)] * 2
         if write_grad:
             out_shape.append(jax.ShapeDtypeStruct(z.shape, z.dtype))
         kernel = functools.partial(
             _rows_kernel, v=v, block_rows=block_rows, block_v=block_v, grid_size=grid_size,
-            softcap=self.softcap,
-            smoothing=self.smoothing, has_bias=bias is not None, has_cw=has_cw,
-            write_grad=write_grad)
+            softcap=self.softcap, smoothing=self.smoothing, has_bias=bias is not None,
+            has_cw=has_cw, write_grad=write_grad)
         return pl.pallas_call(
             kernel, out_shape=tuple(out_shape), grid=(grid_size,),
             input_output_aliases={0: 2} if write_grad else {},
