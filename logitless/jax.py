@@ -95,3 +95,9 @@ def linear_cross_entropy(x, linear_weight, labels, *, linear_bias=None, weight=N
     if opts.reduction == "none":
         loss = jnp.reshape(loss, shape)
     return (loss, jnp.reshape(lse, shape)) if return_lse else loss
+
+
+# Tiled MLP and the fused SwiGLU (logitless/tiled_mlp_jax.py).
+from .tiled_mlp_jax import SwiGLUMLP, swiglu, tiled_mlp  # noqa: E402
+
+__all__ += ["tiled_mlp", "SwiGLUMLP", "swiglu"]

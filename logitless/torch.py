@@ -139,3 +139,9 @@ class LinearCrossEntropyLoss(torch.nn.Module):
 
     def extra_repr(self):
         return f"{self.options}, backend={self.backend!r}"
+
+
+# Tiled MLP and the fused SwiGLU (logitless/tiled_mlp_torch.py).
+from .tiled_mlp_torch import SwiGLUMLP, TiledMLP, swiglu, tiled_mlp  # noqa: E402
+
+__all__ += ["tiled_mlp", "TiledMLP", "SwiGLUMLP", "swiglu"]

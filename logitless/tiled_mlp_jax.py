@@ -1,0 +1,250 @@
+"""Tiled MLP for JAX: ``tiled_mlp``, the ready-made ``SwiGLUMLP`` and the fused ``swiglu``
+(see :mod:`logitless.specs.tiled_mlp` for the algorithm).
+
+``tiled_mlp(fn, params, x)`` is a ``jax.custom_vjp`` whose residuals are ``params`` and ``x``
+only. Its forward walks the shards in a ``lax.fori_loop`` (one traced shard; the ragged last
+one traced on its own) writing each into the output; its backward walks them again, taking
+``jax.vjp`` of ``fn`` on each shard, writing ``dx`` per shard and summing the parameter
+cotangents in a loop carry (fp32 for half-precision leaves by default). Only one shard's
+intermediates are live at a time, so the compiled temp memory is that of one shard plus the
+accumulators; and since the shard's output is unused in backward, XLA drops its last GEMM
+from the recompute.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from .pallas_kernels import swiglu as _pallas
+from .specs import tiled_mlp as spec
+
+__all__ = ["tiled_mlp", "SwiGLUMLP", "swiglu"]
+
+HALF_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+SWIGLU_BACKENDS = ("pallas", "xla")
+
+
+# ----------------------------------------------------------------------------- tiled_mlp
+def _walk(plan: spec.ShardPlan, first, body, carry):
+    """``carry = first(start, size)`` on the first shard (so it may create the carry), then
+    ``carry = body(start, size, carry)`` over the other full shards (a loop) and the tail."""
+    size, full, tail = plan.shard, plan.full_shards, plan.tail
+    carry = first(0, size if full else tail) if first is not None else carry
+    start = 1 if first is not None else 0
+    if full - start == 1:
+        carry = body(start * size, size, carry)
+    elif full - start > 1:
+        carry = lax.fori_loop(start, full, lambda i, c: body(i * size, size, c), carry)
+    if full and tail:
+        carry = body(full * size, tail, carry)
+    return carry
+
+
+def _accum_dtype(dtype, accum_fp32: bool, num_shards: int):
+    dtype = jnp.dtype(dtype)
+    return jnp.dtype(jnp.float32) if (accum_fp32 and num_shards > 1 and dtype in HALF_DTYPES) \
+        else dtype
+
+
+def _tiled(fn, plan: spec.ShardPlan, x_shape, x_dtype, accum_fp32: bool, out_spec):
+    n, hidden = plan.n, x_shape[-1]
+    h_out, out_dtype = out_spec.shape[-1], out_spec.dtype
+    shard_in = lambda size: spec.shard_shape(x_shape, size)
+    shard_out = lambda size: spec.shard_shape(x_shape, size)[:-1] + (h_out,)
+    tokens = lambda a, start, size: lax.dynamic_slice_in_dim(a, start, size, axis=0)
+
+    def forward(params, x):
+        x2 = jnp.reshape(x, (n, hidden))
+
+        def body(start, size, y2):
+            ys = fn(params, jnp.reshape(tokens(x2, start, size), shard_in(size)))
+            return lax.dynamic_update_slice_in_dim(
+                y2, jnp.reshape(ys, (size, h_out)).astype(out_dtype), start, 0)
+
+        y2 = _walk(plan, None, body, jnp.zeros((n, h_out), out_dtype))
+        return jnp.reshape(y2, tuple(x_shape[:-1]) + (h_out,))
+
+    @jax.custom_vjp
+    def f(params, x):
+        return forward(params, x)
+
+    def f_fwd(params, x):
+        return forward(params, x), (params, x)
+
+    def f_bwd(res, dy):
+        params, x = res
+        x2 = jnp.reshape(x, (n, hidden))
+        dy2 = jnp.reshape(dy, (n, h_out)).astype(out_dtype)
+
+        def shard_vjp(start, size):
+            shard_fn = lambda p, xs: fn(p, jnp.reshape(xs, shard_in(size)))
+            _, vjp = jax.vjp(shard_fn, params, tokens(x2, start, size))
+            return vjp(jnp.reshape(tokens(dy2, start, size), shard_out(size)))
+
+        def first(start, size):  # assigns the accumulators: no zero-fill, no read
+            dp, dxs = shard_vjp(start, size)
+            acc = jax.tree_util.tree_map(
+                lambda g: g.astype(_accum_dtype(g.dtype, accum_fp32, plan.num_shards)), dp)
+            dx2 = lax.dynamic_update_slice_in_dim(jnp.zeros((n, hidden), x2.dtype),
+                                                  dxs.astype(x2.dtype), start, 0)
+            return acc, dx2
+
+        def body(start, size, carry):
+            acc, dx2 = carry
+            dp, dxs = shard_vjp(start, size)
+            acc = jax.tree_util.tree_map(lambda a, g: a + g.astype(a.dtype), acc, dp)
+            return acc, lax.dynamic_update_slice_in_dim(dx2, dxs.astype(x2.dtype), start, 0)
+
+        acc, dx2 = _walk(plan, first, body, None)
+        dparams = jax.tree_util.tree_map(lambda a, p: a.astype(p.dtype), acc, params)
+        return dparams, jnp.reshape(dx2, x.shape)
+
+    f.defvjp(f_fwd, f_bwd)
+    return f
+
+
+def tiled_mlp(fn, params, x, *, num_shards: Optional[int] = None,
+              grad_accum_dtype=jnp.float32):
+    """``fn(params, x)`` computed shard by shard over the tokens, recomputed in backward.
+
+    Args:
+        fn: ``fn(params, x_shard) -> y_shard``, position-wise (``[..., n, H] -> [..., n,
+            H_out]``) and deterministic, e.g. a :class:`SwiGLUMLP`. It must get everything it
+            differentiates through ``params`` (a closed-over array gets no gradient).
+        params: a pytree of floating arrays.
+        x: ``[..., T, H]`` (e.g. ``[B, T, H]`` or ``[T, H]``). The ``B·T`` tokens are split
+            into ``num_shards`` shards of ``ceil(B·T / num_shards)`` consecutive tokens (the
+            last one shorter); ``fn`` sees each as ``[1, …, 1, n, H]``.
+        num_shards: default ``ceil(T / H)``.
+        grad_accum_dtype: ``jnp.float32`` (default) sums half-precision parameter cotangents
+            over shards in fp32; ``None`` sums in each leaf's dtype.
+
+    Works under ``jax.jit``, ``jax.grad``, ``jax.vjp`` and ``jax.vmap``.
+    """
+    if not callable(fn):
+        raise TypeError(f"fn must be callable as fn(params, x), got {type(fn).__name__}")
+    if not isinstance(x, (jax.Array, np.ndarray)):
+        raise TypeError(f"x must be a jax.Array, got {type(x).__name__}")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"x must be a floating array, got {x.dtype}")
+    if grad_accum_dtype is not None and jnp.dtype(grad_accum_dtype) != jnp.float32:
+        raise ValueError("grad_accum_dtype must be jnp.float32 or None (each leaf's own dtype), "
+                         f"got {grad_accum_dtype!r}")
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        if not hasattr(leaf, "dtype") or not jnp.issubdtype(leaf.dtype, jnp.floating):
+            raise TypeError(f"params{jax.tree_util.keystr(path)} must be a floating array, got "
+                            f"{getattr(leaf, 'dtype', type(leaf).__name__)}; pass anything "
+                            "else to fn by closure")
+    plan = spec.plan_shards(x.shape, num_shards)
+    probe = jax.ShapeDtypeStruct(spec.shard_shape(x.shape, max(plan.shard, 1)), x.dtype)
+    out_spec = jax.eval_shape(fn, params, probe)
+    if not isinstance(out_spec, jax.ShapeDtypeStruct):
+        raise TypeError(f"fn must return one array, got {out_spec}")
+    if tuple(out_spec.shape[:-1]) != probe.shape[:-1]:
+        raise ValueError(f"fn must be position-wise: a shard of shape {list(probe.shape)} gave "
+                         f"an output of shape {list(out_spec.shape)}")
+    if plan.n == 0:
+        return fn(params, x)
+    return _tiled(fn, plan, tuple(x.shape), x.dtype, grad_accum_dtype is not None,
+                  out_spec)(params, x)
+
+
+# ----------------------------------------------------------------------------- SwiGLU
+def _compute_dtype(dtype):
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+@jax.custom_vjp
+def _swiglu_xla(gate, up):
+    c = _compute_dtype(gate.dtype)
+    return _pallas.swiglu_math(gate.astype(c), up.astype(c)).astype(gate.dtype)
+
+
+def _swiglu_xla_fwd(gate, up):
+    return _swiglu_xla(gate, up), (gate, up)
+
+
+def _swiglu_xla_bwd(res, dh):
+    gate, up = res
+    c = _compute_dtype(gate.dtype)
+    dg, du = _pallas.swiglu_grad_math(dh.astype(c), gate.astype(c), up.astype(c))
+    return dg.astype(gate.dtype), du.astype(up.dtype)
+
+
+_swiglu_xla.defvjp(_swiglu_xla_fwd, _swiglu_xla_bwd)
+
+
+def swiglu(gate, up, *, backend: Optional[str] = None, **tuning):
+    """``silu(gate) * up``, differentiable, computed in fp32 and rounded once; only ``gate`` and
+    ``up`` are saved for backward.
+
+    ``backend``: ``None`` ("pallas" when JAX's default backend is a GPU, else "xla"),
+    ``"pallas"`` (the Pallas kernels; ``tuning``: ``block_rows``, ``block_cols``,
+    ``num_warps``, ``interpret``) or ``"xla"`` (the same math in jnp, fused by XLA).
+    """
+    if backend is None:
+        backend = "pallas" if jax.default_backend() == "gpu" else "xla"
+    if backend not in SWIGLU_BACKENDS:
+        raise ValueError(f"backend must be None or one of {SWIGLU_BACKENDS}, got {backend!r}")
+    if backend == "pallas":
+        return _pallas.swiglu(gate, up, **tuning)
+    if tuning:
+        raise TypeError(f"backend='xla' takes no tuning keywords, got {sorted(tuning)}")
+    _pallas.check_pair(gate, up)
+    return _swiglu_xla(gate, up)
+
+
+def _dense(x, p):
+    y = jnp.dot(x, p["kernel"])
+    return y + p["bias"] if "bias" in p else y
+
+
+@dataclasses.dataclass(frozen=True)
+class SwiGLUMLP:
+    """Llama's MLP, ``down(silu(gate(x)) * up(x))``, as a pure function of its parameters.
+
+    ``params = mlp.init(key, dtype)`` is ``{"gate_proj": {"kernel": (H, I)[, "bias": (I,)]},
+    "up_proj": ..., "down_proj": {"kernel": (I, H)[, "bias": (H,)]}}`` (Flax ``Dense``
+    layout: the transpose of PyTorch's ``nn.Linear`` weight). ``mlp(params, x)`` applies it;
+    ``lj.tiled_mlp(mlp, params, x)`` applies it tiled. ``backend`` picks the SwiGLU's.
+    """
+
+    hidden_size: int
+    intermediate_size: int
+    bias: bool = False
+    backend: Optional[str] = None
+
+    def __post_init__(self):
+        for name in ("hidden_size", "intermediate_size"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if self.backend is not None and self.backend not in SWIGLU_BACKENDS:
+            raise ValueError(f"backend must be None or one of {SWIGLU_BACKENDS}, "
+                             f"got {self.backend!r}")
+
+    def init(self, key, dtype=jnp.float32):
+        """Parameters drawn like ``nn.Linear``'s: uniform in ±1/√fan_in."""
+        h, i = self.hidden_size, self.intermediate_size
+        shapes = {"gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+        params = {}
+        for k, (name, (fan_in, fan_out)) in zip(jax.random.split(key, 3), shapes.items()):
+            bound = 1.0 / math.sqrt(fan_in)
+            kk, kb = jax.random.split(k)
+            p = {"kernel": jax.random.uniform(kk, (fan_in, fan_out), dtype, -bound, bound)}
+            if self.bias:
+                p["bias"] = jax.random.uniform(kb, (fan_out,), dtype, -bound, bound)
+            params[name] = p
+        return params
+
+    def __call__(self, params, x):
+        gate = _dense(x, params["gate_proj"])
+        up = _dense(x, params["up_proj"])
+        return _dense(swiglu(gate, up, backend=self.backend), params["down_proj"])

@@ -1,0 +1,454 @@
+"""Tiled MLP for PyTorch: ``tiled_mlp``, ``TiledMLP``, the ready-made ``SwiGLUMLP`` and the
+fused ``swiglu`` (see :mod:`logitless.specs.tiled_mlp` for the algorithm).
+
+Two implementations behind one entry point:
+
+* **generic** (any ``nn.Module`` MLP): an ``autograd.Function`` whose inputs are ``x`` *and
+  the module's parameters*. Forward runs the shards under ``no_grad``; backward recomputes
+  each shard through ``torch.func.functional_call`` with *detached aliases* of the parameters
+  (same storage, separate autograd leaves) and ``torch.autograd.backward(..., inputs=...)``.
+  Each alias's per-shard gradient is added into an accumulator the moment it is ready (a
+  post-accumulate hook), so one parameter's shard gradient exists at a time. The real
+  parameters never enter the shard graphs: their gradient hooks (DDP's reducer, FSDP,
+  ``register_hook``) fire once, with the summed gradient the Function returns, and autograd
+  adds it to any ``.grad`` left by earlier micro-batches. Autocast state is recorded in
+  forward and re-entered for the recompute.
+* **fused SwiGLU** (a :class:`SwiGLUMLP` without hooks or overrides): two
+  ``torch.library`` ops. The backward recomputes only the gate/up GEMMs (the shard's output is
+  never needed), writes ``h``, ``dh``, ``d gate`` and ``d up`` into three shard-sized buffers
+  reused for every shard, and accumulates each weight gradient *in place* with cuBLAS
+  (``addmm`` into the accumulator; fp32 straight from bf16 operands on CUDA): no per-shard
+  gradient temporaries. 11 GEMMs instead of the generic path's 12.
+
+``grad_accum_dtype`` (default ``torch.float32``): the dtype in which half-precision parameter
+gradients are summed over shards; ``None`` sums in each parameter's dtype (saves an fp32
+copy of the parameters, adds one rounding per shard). One shard needs no accumulator.
+Nothing here synchronizes with the host: the shard plan depends on shapes only.
+The MLP must be position-wise and deterministic (no dropout): backward recomputes it.
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import _torch_common as common
+from .specs import tiled_mlp as spec
+
+try:  # the Triton SwiGLU (CUDA, or the interpreter); the torch formula below otherwise
+    from .triton_kernels import swiglu as _triton_swiglu
+except ImportError:  # no Triton installed
+    _triton_swiglu = None
+
+__all__ = ["tiled_mlp", "TiledMLP", "SwiGLUMLP", "swiglu"]
+
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
+# ----------------------------------------------------------------------------- SwiGLU
+def _compute_dtype(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _swiglu_forward_torch(gate, up, out=None):
+    """The Triton kernel's math in torch ops: fp32 (fp64 for fp64), one rounding."""
+    g = gate.to(_compute_dtype(gate.dtype))
+    h = F.silu(g).mul_(up.to(g.dtype))
+    return h.to(gate.dtype) if out is None else out.copy_(h)
+
+
+def _swiglu_backward_torch(grad_h, gate, up, *, grad_gate=None, grad_up=None):
+    g = gate.to(_compute_dtype(gate.dtype))
+    dh = grad_h.to(g.dtype)
+    s = torch.sigmoid(g)
+    silu = g * s
+    dg = dh * up.to(g.dtype) * (s + silu * (1.0 - s))
+    du = dh.mul_(silu)
+    dg = dg.to(gate.dtype) if grad_gate is None else grad_gate.copy_(dg)
+    du = du.to(gate.dtype) if grad_up is None else grad_up.copy_(du)
+    return dg, du
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    return (_triton_swiglu is not None and t.dtype in _triton_swiglu.SUPPORTED_DTYPES
+            and (t.is_cuda or _triton_swiglu.interpreted()))
+
+
+def _swiglu_kernels(t: torch.Tensor):
+    """(forward, backward) launchers for tensors like ``t``: Triton where it runs, else torch."""
+    if _use_triton(t):
+        return _triton_swiglu.swiglu_forward, _triton_swiglu.swiglu_backward
+    return _swiglu_forward_torch, _swiglu_backward_torch
+
+
+class _SwiGLUTorch(torch.autograd.Function):
+    """The torch-formula SwiGLU with the kernel's memory use: saves only gate and up."""
+
+    @staticmethod
+    def forward(ctx, gate, up):
+        ctx.save_for_backward(gate, up)
+        return _swiglu_forward_torch(gate, up)
+
+    @staticmethod
+    def backward(ctx, grad_h):
+        gate, up = ctx.saved_tensors
+        return _swiglu_backward_torch(grad_h, gate, up)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up``, differentiable, computed in fp32 and rounded once to the inputs'
+    dtype. The Triton kernel (``logitless::swiglu``) on CUDA, the same math in torch ops
+    elsewhere; only ``gate`` and ``up`` are saved for backward."""
+    for name, t in (("gate", gate), ("up", up)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating tensor, got {t.dtype}")
+    if up.shape != gate.shape:
+        raise ValueError(f"up has shape {list(up.shape)} but gate has {list(gate.shape)}")
+    if up.dtype != gate.dtype:
+        raise TypeError(f"up dtype {up.dtype} does not match gate dtype {gate.dtype}")
+    if up.device != gate.device:
+        raise ValueError(f"up is on {up.device} but gate is on {gate.device}")
+    if _use_triton(gate):
+        return _triton_swiglu.swiglu(gate, up)
+    return _SwiGLUTorch.apply(gate, up)
+
+
+class SwiGLUMLP(nn.Module):
+    """Llama's MLP: ``down_proj(silu(gate_proj(x)) * up_proj(x))`` with the fused SwiGLU.
+
+    Parameter names and layouts are those of Hugging Face's ``LlamaMLP`` (``gate_proj``,
+    ``up_proj``: ``[intermediate, hidden]``; ``down_proj``: ``[hidden, intermediate]``), so
+    its state dict loads as is. Wrapped in :class:`TiledMLP` (or passed to
+    :func:`tiled_mlp`) it runs the fused tiled path.
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, *, bias: bool = False,
+                 device=None, dtype=None):
+        super().__init__()
+        for name, v in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        kw = dict(bias=bias, device=device, dtype=dtype)
+        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, **kw)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, **kw)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+
+    def extra_repr(self):
+        return (f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, "
+                f"bias={self.gate_proj.bias is not None}")
+
+
+# ----------------------------------------------------------------------------- fused tiled SwiGLU
+def _linear_into(x, w, b, out):
+    """out = x·wᵀ (+ b) through cuBLAS, in place."""
+    if b is None:
+        return torch.mm(x, w.t(), out=out)
+    return torch.addmm(b, x, w.t(), out=out)
+
+
+def _accum_dtype(p: torch.Tensor, accum_fp32: bool, num_shards: int):
+    return torch.float32 if (accum_fp32 and num_shards > 1 and p.dtype in HALF_DTYPES) else p.dtype
+
+
+def _sum_tokens_(acc, t, first):
+    """acc (+)= Σ_tokens t, summed in acc's dtype."""
+    if first:
+        torch.sum(t, 0, dtype=acc.dtype, out=acc)
+    else:
+        acc += t.sum(0, dtype=acc.dtype)
+
+
+@torch.library.custom_op("logitless::tiled_swiglu_mlp", mutates_args=())
+def _tiled_swiglu_fwd(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+                      w_down: torch.Tensor, b_gate: Optional[torch.Tensor],
+                      b_up: Optional[torch.Tensor], b_down: Optional[torch.Tensor],
+                      shard: int, accum_fp32: bool) -> torch.Tensor:
+    """``y (N, H_out)`` for ``x (N, H)``, shard by shard; keeps nothing. (``accum_fp32`` is
+    for the backward.)"""
+    n = x.shape[0]
+    y = torch.empty(n, w_down.shape[0], dtype=x.dtype, device=x.device)
+    plan = spec.ShardPlan(n=n, shard=shard)
+    if n == 0:
+        return y
+    fwd, _ = _swiglu_kernels(x)
+    rows = min(shard, n)
+    gbuf = torch.empty(rows, w_gate.shape[0], dtype=x.dtype, device=x.device)
+    ubuf = torch.empty_like(gbuf)
+    for s, e in plan.bounds():
+        g, u = gbuf[: e - s], ubuf[: e - s]
+        _linear_into(x[s:e], w_gate, b_gate, g)
+        _linear_into(x[s:e], w_up, b_up, u)
+        fwd(g, u, out=g)  # h over g
+        _linear_into(g, w_down, b_down, y[s:e])
+    return y
+
+
+@_tiled_swiglu_fwd.register_fake
+def _(x, w_gate, w_up, w_down, b_gate, b_up, b_down, shard, accum_fp32):
+    return x.new_empty(x.shape[0], w_down.shape[0])
+
+
+@torch.library.custom_op("logitless::tiled_swiglu_mlp_backward", mutates_args=())
+def _tiled_swiglu_bwd(dy: torch.Tensor, x: torch.Tensor, w_gate: torch.Tensor,
+                      w_up: torch.Tensor, w_down: torch.Tensor, b_gate: Optional[torch.Tensor],
+                      b_up: Optional[torch.Tensor], b_down: Optional[torch.Tensor], shard: int,
+                      needs: List[bool], accum_fp32: bool) -> List[torch.Tensor]:
+    """Gradients of ``(x, w_gate, w_up, w_down, b_gate, b_up, b_down)`` (an empty tensor for
+    each one not in ``needs``), recomputing gate and up per shard."""
+    n = x.shape[0]
+    plan = spec.ShardPlan(n=n, shard=shard)
+    k = max(plan.num_shards, 1)
+    params = (w_gate, w_up, w_down, b_gate, b_up, b_down)
+    needs = [bool(f) and (i == 0 or params[i - 1] is not None) for i, f in enumerate(needs)]
+    need_x, need_wg, need_wu, need_wd, need_bg, need_bu, need_bd = needs
+    need_dh = need_x or need_wg or need_wu or need_bg or need_bu  # anything behind the SwiGLU
+    if n == 0 or not (need_dh or need_wd or need_bd):
+        return [x.new_zeros(t.shape) if f else x.new_empty(0)
+                for f, t in zip(needs, (x,) + params)]
+    acc = [None if not f else torch.empty(p.shape, dtype=_accum_dtype(p, accum_fp32, k),
+                                          device=p.device)
+           for f, p in zip(needs[1:], params)]
+    dwg, dwu, dwd, dbg, dbu, dbd = acc
+    dx = torch.empty_like(x) if need_x else None
+    fwd, bwd = _swiglu_kernels(x)
+    rows = min(shard, n)
+    gbuf = torch.empty(rows, w_gate.shape[0], dtype=x.dtype, device=x.device)
+    ubuf, hbuf = torch.empty_like(gbuf), torch.empty_like(gbuf)
+    for i, (s, e) in enumerate(plan.bounds()):
+        first = i == 0
+        xs, dys = x[s:e], dy[s:e]
+        g, u, h = gbuf[: e - s], ubuf[: e - s], hbuf[: e - s]
+        _linear_into(xs, w_gate, b_gate, g)
+        _linear_into(xs, w_up, b_up, u)
+        if need_wd:
+            fwd(g, u, out=h)
+            common.accumulate_mm_(dwd, dys.t(), h, first=first)
+        if need_bd:
+            _sum_tokens_(dbd, dys, first)
+        if not need_dh:
+            continue
+        torch.mm(dys, w_down, out=h)                # dh (h is no longer needed)
+        bwd(h, g, u, grad_gate=g, grad_up=u)         # d gate over g, d up over u
+        if need_wg:
+            common.accumulate_mm_(dwg, g.t(), xs, first=first)
+        if need_wu:
+            common.accumulate_mm_(dwu, u.t(), xs, first=first)
+        if need_bg:
+            _sum_tokens_(dbg, g, first)
+        if need_bu:
+            _sum_tokens_(dbu, u, first)
+        if need_x:
+            torch.mm(g, w_gate, out=dx[s:e])
+            torch.addmm(dx[s:e], u, w_up, out=dx[s:e])
+    del dwg, dwu, dwd, dbg, dbu, dbd, gbuf, ubuf, hbuf, g, u, h
+    out = [dx if need_x else x.new_empty(0)]
+    for j, p in enumerate(params):  # the fp32 accumulators, cast and freed one at a time
+        a, acc[j] = acc[j], None
+        out.append(x.new_empty(0) if a is None else a if a.dtype == p.dtype else a.to(p.dtype))
+        del a
+    return out
+
+
+@_tiled_swiglu_bwd.register_fake
+def _(dy, x, w_gate, w_up, w_down, b_gate, b_up, b_down, shard, needs, accum_fp32):
+    params = (w_gate, w_up, w_down, b_gate, b_up, b_down)
+    out = [x.new_empty(x.shape) if needs[0] else x.new_empty(0)]
+    for f, p in zip(needs[1:], params):
+        out.append(p.new_empty(p.shape) if (f and p is not None) else x.new_empty(0))
+    return out
+
+
+def _fused_setup_context(ctx, inputs, output):
+    x, w_gate, w_up, w_down, b_gate, b_up, b_down, shard, accum_fp32 = inputs
+    ctx.save_for_backward(x, w_gate, w_up, w_down, b_gate, b_up, b_down)
+    ctx.shard, ctx.accum_fp32 = shard, accum_fp32
+
+
+def _fused_backward(ctx, dy):
+    saved = ctx.saved_tensors
+    needs = list(ctx.needs_input_grad[:7])
+    grads = _tiled_swiglu_bwd(dy.contiguous(), *saved, ctx.shard, needs, ctx.accum_fp32)
+    return tuple(g if f else None for g, f in zip(grads, needs)) + (None, None)
+
+
+_tiled_swiglu_fwd.register_autograd(_fused_backward, setup_context=_fused_setup_context)
+
+
+def _fused_swiglu_parts(mlp) -> Optional[tuple]:
+    """The weights of a plain :class:`SwiGLUMLP` (no hooks, no overridden forward), or None."""
+    if type(mlp).forward is not SwiGLUMLP.forward or mlp._forward_hooks or \
+            mlp._forward_pre_hooks:
+        return None
+    lins = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+    if any(type(m).forward is not nn.Linear.forward or m._forward_hooks or m._forward_pre_hooks
+           for m in lins):
+        return None
+    return tuple(m.weight for m in lins) + tuple(m.bias for m in lins)
+
+
+# ----------------------------------------------------------------------------- generic path
+class _GenericRun:
+    """Static configuration of one generic tiled call (held by the autograd context)."""
+
+    def __init__(self, mlp, names, plan, x_shape, accum_fp32, autocast):
+        self.mlp, self.names, self.plan = mlp, names, plan
+        self.x_shape, self.accum_fp32, self.autocast = tuple(x_shape), accum_fp32, autocast
+
+    def shard_view(self, x2, s, e):
+        return x2[s:e].view(spec.shard_shape(self.x_shape, e - s))
+
+    def forward(self, x):
+        x2 = x.reshape(self.plan.n, self.x_shape[-1])
+        y2 = None
+        for s, e in self.plan.bounds():
+            ys = _check_output(self.mlp(self.shard_view(x2, s, e)), self.x_shape, e - s)
+            if y2 is None:
+                y2 = ys.new_empty(self.plan.n, ys.shape[-1])
+            y2[s:e] = ys.reshape(e - s, -1)
+        if y2 is None:  # no tokens: the output's width comes from a trial on an empty shard
+            ys = _check_output(self.mlp(self.shard_view(x2, 0, 0)), self.x_shape, 0)
+            y2 = ys.new_empty(0, ys.shape[-1])
+        return y2.view(self.x_shape[:-1] + (y2.shape[-1],))
+
+    def backward(self, x, params, dy, need_x, need_params):
+        x2 = x.detach().reshape(self.plan.n, self.x_shape[-1])
+        dy2 = dy.reshape(self.plan.n, dy.shape[-1])
+        k = self.plan.num_shards
+        acc = [None] * len(params)
+        aliases = {}
+        for i, (name, p, need) in enumerate(zip(self.names, params, need_params)):
+            alias = p.detach().requires_grad_(need)
+            if need:
+                alias.register_post_accumulate_grad_hook(self._accumulator(acc, i, p, k))
+            aliases[name] = alias
+        wanted = [aliases[n] for n, need in zip(self.names, need_params) if need]
+        dx2 = torch.empty_like(x2) if need_x else None
+        dev = x.device.type
+        with torch.enable_grad(), torch.autocast(dev, enabled=self.autocast[0],
+                                                 dtype=self.autocast[1]):
+            for s, e in self.plan.bounds():
+                xs = self.shard_view(x2, s, e).detach().requires_grad_(need_x)
+                ys = torch.func.functional_call(self.mlp, aliases, (xs,))
+                inputs = ([xs] if need_x else []) + wanted
+                if ys.requires_grad:
+                    torch.autograd.backward(ys, dy2[s:e].view(ys.shape), inputs=inputs)
+                if need_x:
+                    if xs.grad is None:
+                        dx2[s:e].zero_()
+                    else:
+                        dx2[s:e] = xs.grad.reshape(e - s, -1)
+        grads = [None if a is None else a.to(p.dtype) for a, p in zip(acc, params)]
+        return (None if dx2 is None else dx2.view(x.shape)), grads
+
+    def _accumulator(self, acc, i, p, k):
+        wide = _accum_dtype(p, self.accum_fp32, k)
+
+        def hook(alias):
+            g, alias.grad = alias.grad, None
+            if acc[i] is None:
+                acc[i] = g if g.dtype == wide else g.to(wide)
+            else:
+                acc[i].add_(g)
+        return hook
+
+
+def _check_output(ys, x_shape, tokens):
+    if not isinstance(ys, torch.Tensor):
+        raise TypeError(f"the MLP must return one tensor, got {type(ys).__name__}")
+    want = spec.shard_shape(x_shape, tokens)[:-1]
+    if tuple(ys.shape[:-1]) != want:
+        raise ValueError(f"the MLP must be position-wise: a shard of shape "
+                         f"{list(want) + [x_shape[-1]]} gave an output of shape {list(ys.shape)}")
+    return ys
+
+
+class _TiledFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, run: _GenericRun, x, *params):
+        ctx.run = run
+        ctx.save_for_backward(x, *params)
+        return run.forward(x)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):
+        x, *params = ctx.saved_tensors
+        dx, grads = ctx.run.backward(x, params, dy, ctx.needs_input_grad[1],
+                                     ctx.needs_input_grad[2:])
+        return (None, dx, *grads)
+
+
+# ----------------------------------------------------------------------------- entry points
+def _check_accum(grad_accum_dtype):
+    if grad_accum_dtype is not None and grad_accum_dtype != torch.float32:
+        raise ValueError("grad_accum_dtype must be torch.float32 or None (each parameter's own "
+                         f"dtype), got {grad_accum_dtype!r}")
+    return grad_accum_dtype is not None
+
+
+def tiled_mlp(mlp: nn.Module, x: torch.Tensor, *, num_shards: Optional[int] = None,
+              grad_accum_dtype: Optional[torch.dtype] = torch.float32) -> torch.Tensor:
+    """``mlp(x)`` computed shard by shard over the tokens, recomputed in backward.
+
+    Args:
+        mlp: a position-wise, deterministic ``nn.Module`` (``[..., n, H] -> [..., n, H_out]``).
+            A :class:`SwiGLUMLP` runs the fused path; anything else the generic one.
+        x: ``[..., T, H]`` (e.g. ``[B, T, H]`` or ``[T, H]``). The ``B·T`` tokens are split
+            into ``num_shards`` shards of ``ceil(B·T / num_shards)`` consecutive tokens (the
+            last one shorter); the MLP sees each as ``[1, …, 1, n, H]``.
+        num_shards: default ``ceil(T / H)``.
+        grad_accum_dtype: ``torch.float32`` (default) sums half-precision parameter gradients
+            over shards in fp32 and rounds once; ``None`` sums in each parameter's dtype.
+
+    Returns:
+        ``[..., T, H_out]``. Each parameter's gradient reaches autograd once per backward.
+    """
+    if not isinstance(mlp, nn.Module):
+        raise TypeError(f"mlp must be a torch.nn.Module, got {type(mlp).__name__}")
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise TypeError(f"x must be a floating tensor, got {x.dtype}")
+    plan = spec.plan_shards(x.shape, num_shards)
+    accum_fp32 = _check_accum(grad_accum_dtype)
+    dev = x.device.type
+    autocast = torch.is_autocast_enabled(dev)
+    parts = None if autocast else _fused_swiglu_parts(mlp)
+    if parts is not None and all(p is None or (p.dtype == x.dtype and p.device == x.device)
+                                 for p in parts):
+        y2 = _tiled_swiglu_fwd(x.reshape(plan.n, x.shape[-1]), *parts, plan.shard, accum_fp32)
+        return y2.view(x.shape[:-1] + (y2.shape[-1],))
+    named = list(mlp.named_parameters())
+    run = _GenericRun(mlp, [n for n, _ in named], plan, x.shape, accum_fp32,
+                      (autocast, torch.get_autocast_dtype(dev) if autocast else None))
+    return _TiledFunction.apply(run, x, *(p for _, p in named))
+
+
+class TiledMLP(nn.Module):
+    """Module form of :func:`tiled_mlp`: ``TiledMLP(mlp)(x) == tiled_mlp(mlp, x)``. The wrapped
+    module is the submodule ``mlp`` (its parameters are this module's, under ``mlp.``)."""
+
+    def __init__(self, mlp: nn.Module, num_shards: Optional[int] = None, *,
+                 grad_accum_dtype: Optional[torch.dtype] = torch.float32):
+        super().__init__()
+        if not isinstance(mlp, nn.Module):
+            raise TypeError(f"mlp must be a torch.nn.Module, got {type(mlp).__name__}")
+        if num_shards is not None:
+            spec.plan_shards((1, 1), num_shards)  # validates it
+        _check_accum(grad_accum_dtype)
+        self.mlp, self.num_shards, self.grad_accum_dtype = mlp, num_shards, grad_accum_dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return tiled_mlp(self.mlp, x, num_shards=self.num_shards,
+                         grad_accum_dtype=self.grad_accum_dtype)
+
+    def extra_repr(self):
+        return f"num_shards={self.num_shards}, grad_accum_dtype={self.grad_accum_dtype}"
