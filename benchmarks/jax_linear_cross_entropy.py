@@ -18,7 +18,8 @@ bf16 ``G [N, V]``, one jitted program), timed the same way in the same run; with
 installed the same three GEMMs through cuBLAS (``torch.mm``) are timed too (``cublas_floor``).
 
 Candidates: ``naive`` (bf16 logits, upcast, log-softmax cross-entropy: what a user writes),
-``logitless-pallas``, ``logitless-xla``, and when importable ``tokamax-chunked-xla`` (tokamax's
+``logitless-pallas``, ``logitless-pallas-fp32logits`` (the logits GEMM writes float32: no bf16
+rounding of the logits, for more memory traffic), ``logitless-xla``, and when importable ``tokamax-chunked-xla`` (tokamax's
 ``linear_softmax_cross_entropy_loss(implementation="chunked_xla")``, weight as (H, V)) and
 ``jax-cce``. The peers have no ignore_index: they get the same labels with the ignored ones
 replaced by random classes, and their errors are measured against a reference for those labels.
@@ -91,13 +92,14 @@ def _naive(**kw):
     return loss
 
 
-def _logitless(backend):
+def _logitless(backend, **fixed):
     def make(**kw):
         import logitless.jax as lj
+        tuning = {**fixed, **kw}
 
         def loss(x, w, y):
             return lj.linear_cross_entropy(x, w, y, ignore_index=IGNORE_INDEX, backend=backend,
-                                           **kw)
+                                           **tuning)
         return loss
     return make
 
@@ -128,6 +130,9 @@ def _no_kwargs(name, kw):
 CANDIDATES = {c.name: c for c in (
     Candidate("logitless-pallas", "logitless.jax backend='pallas' (interpreted on CPU)",
               _logitless("pallas")),
+    Candidate("logitless-pallas-fp32logits", "logitless.jax backend='pallas', fp32_logits=True "
+              "(float32 logits buffer, bf16 gradient buffer)",
+              _logitless("pallas", fp32_logits=True)),
     Candidate("logitless-xla", "logitless.jax backend='xla' (chunked plain JAX)",
               _logitless("xla")),
     Candidate("naive", "x @ W.T in bf16, astype(float32), logsumexp cross-entropy", _naive),

@@ -171,10 +171,10 @@ def grad_logits(c, lse, is_target, class_w, b, sm, smo, zw, g, h, *, softcap, sm
 
 
 # ------------------------------------------------------------------- GEMMs of either layout
-def logits(xc, w, layout):
-    """(C, V) raw logits in the input dtype (fp32 accumulation inside the GEMM)."""
+def logits(xc, w, layout, dtype=None):
+    """(C, V) raw logits in ``dtype`` (default: the input dtype; fp32 accumulation inside)."""
     dims = (((1,), (1,)), ((), ())) if layout == "vh" else (((1,), (0,)), ((), ()))
-    return lax.dot_general(xc, w, dims, preferred_element_type=xc.dtype)
+    return lax.dot_general(xc, w, dims, preferred_element_type=dtype or xc.dtype)
 
 
 def grad_input(dz, w, layout):
@@ -194,10 +194,14 @@ class Head:
     """What a backend does with one chunk of raw logits ``z`` (C, V) in the input dtype.
 
     ``loss_lse(z, y, coefs, bias, cw)`` -> (loss (C,), lse (C,)) in float32;
-    ``loss_lse_grad(z, y, coefs, bias, cw)`` -> (loss, lse, dz) with dz (C, V) in z's dtype,
-    using the G/H rows of ``coefs`` (6, C). ``bias`` is added to ``z`` by the head. Heads are
-    hashable (they are static configuration of the traced program).
+    ``loss_lse_grad(z, y, coefs, bias, cw, grad_dtype)`` -> (loss, lse, dz) with dz (C, V) in
+    ``grad_dtype`` (the input dtype, which the dX/dW GEMMs take), using the G/H rows of
+    ``coefs`` (6, C). ``bias`` is added to ``z`` by the head. ``logits_dtype`` says in which
+    dtype the driver's GEMM hands ``z`` over (None: the input dtype). Heads are hashable
+    (they are static configuration of the traced program).
     """
+
+    logits_dtype = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,7 +241,7 @@ def _forward(st: _Static, x, w, bias, y, cw):
 
     def body(start, size, carry):
         tok, lse = carry
-        z = logits(_tokens(x, start, size), w, st.layout)
+        z = logits(_tokens(x, start, size), w, st.layout, st.head.logits_dtype)
         l_c, lse_c = st.head.loss_lse(z, _tokens(y, start, size),
                                       _tokens(coefs, start, size, axis=1), bias, cw)
         return (lax.dynamic_update_slice_in_dim(tok, l_c, start, 0),
@@ -262,9 +266,10 @@ def _grads(st: _Static, x, w, bias, y, cw, coefs):
     def body(start, size, carry):
         tok, lse, dx, dw, db = carry
         xc = _tokens(x, start, size)
-        z = logits(xc, w, st.layout)
+        z = logits(xc, w, st.layout, st.head.logits_dtype)
         l_c, lse_c, dz = st.head.loss_lse_grad(z, _tokens(y, start, size),
-                                               _tokens(coefs, start, size, axis=1), bias, cw)
+                                               _tokens(coefs, start, size, axis=1), bias, cw,
+                                               x.dtype)
         dx = lax.dynamic_update_slice_in_dim(dx, grad_input(dz, w, st.layout), start, 0)
         # the first chunk assigns the fp32 accumulators: no zero-fill, no read of [V, H] zeros
         dw_c = grad_weight(dz, xc, st.layout)

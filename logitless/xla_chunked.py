@@ -47,14 +47,14 @@ class XlaHead(common.Head):
         loss, lse, _ = self._stats(self._capped(z, bias), y, coefs, cw)
         return loss, lse
 
-    def loss_lse_grad(self, z, y, coefs, bias, cw):
+    def loss_lse_grad(self, z, y, coefs, bias, cw, grad_dtype):
         c = self._capped(z, bias)
         loss, lse, is_target = self._stats(c, y, coefs, cw)
         k = coefs
         dz = common.grad_logits(c, lse, is_target, cw, k[common.B], k[common.SM],
                                 k[common.SMO], k[common.ZW], k[common.G], k[common.H],
                                 softcap=self.softcap, smoothing=self.smoothing)
-        return loss, lse, dz.astype(z.dtype)
+        return loss, lse, dz.astype(grad_dtype)
 
 
 def linear_cross_entropy(p: common.Prepared, opts: spec.LinearCrossEntropyOptions, *,

@@ -38,7 +38,7 @@ from ..specs import linear_cross_entropy as spec
 from ..specs.tiling import ceil_div, next_power_of_2, plan_token_chunks
 
 TUNING = ("chunk_size", "memory_budget", "block_rows", "block_v", "num_warps", "num_stages",
-          "grid_size", "interpret")
+          "grid_size", "fp32_logits", "interpret")
 
 # Every GPU-specific default in one place. The chunk budget covers the one [chunk, V] logits
 # buffer; the float32 dW accumulator (V·H·4 bytes) comes on top of it. ``programs_per_sm``
@@ -63,8 +63,8 @@ def _rows_kernel(z_ref, y_ref, coef_ref, *refs, v, block_rows, block_v, grid_siz
     walks each row's vocabulary in ``block_v`` columns: sweep 1 forward, sweep 2 (the gradient)
     backward, so that it starts on the columns sweep 1 read last (still in cache).
 
-    refs: [bias (V,)], [class weights (V,) f32], loss (C,) f32, lse (C,) f32, [dz (C, V)
-    aliasing z]. Every load is masked, so ragged row / vocabulary ends never read out of
+    refs: [bias (V,)], [class weights (V,) f32], loss (C,) f32, lse (C,) f32, [dz (C, V),
+    aliasing z unless z is float32 logits of half-precision inputs]. Every load is masked, so ragged row / vocabulary ends never read out of
     bounds; masked logits read as 0 (finite) and are excluded from the reductions.
     """
     refs = list(refs)
@@ -152,8 +152,13 @@ class PallasHead(common.Head):
     num_stages: int
     grid_size: Optional[int]  # None: one program per row block
     interpret: bool
+    fp32_logits: bool = False
 
-    def _call(self, z, y, coefs, bias, cw, write_grad):
+    @property
+    def logits_dtype(self):
+        return jnp.float32 if self.fp32_logits else None
+
+    def _call(self, z, y, coefs, bias, cw, grad_dtype=None):
         n_rows, v = z.shape
         block_rows = min(self.block_rows, next_power_of_2(n_rows))
         block_v = min(self.block_v, next_power_of_2(v))
@@ -162,16 +167,19 @@ class PallasHead(common.Head):
         has_cw = cw is not None and self.smoothing  # class weights enter the kernel only here
         inputs = [z, y, coefs.reshape(-1)] + ([bias] if bias is not None else []) \
             + ([cw] if has_cw else [])
+        write_grad = grad_dtype is not None
         out_shape = [jax.ShapeDtypeStruct((n_rows,), jnp.float32)] * 2
         if write_grad:
-            out_shape.append(jax.ShapeDtypeStruct(z.shape, z.dtype))
+            out_shape.append(jax.ShapeDtypeStruct(z.shape, grad_dtype))
+        # the gradient overwrites the logits buffer in place when their dtypes agree
+        in_place = write_grad and jnp.dtype(grad_dtype) == z.dtype
         kernel = functools.partial(
             _rows_kernel, v=v, block_rows=block_rows, block_v=block_v, grid_size=grid_size,
             softcap=self.softcap, smoothing=self.smoothing, has_bias=bias is not None,
             has_cw=has_cw, write_grad=write_grad)
         return pl.pallas_call(
             kernel, out_shape=tuple(out_shape), grid=(grid_size,),
-            input_output_aliases={0: 2} if write_grad else {},
+            input_output_aliases={0: 2} if in_place else {},
             interpret=self.interpret,
             compiler_params=plgpu.CompilerParams(num_warps=self.num_warps,
                                                  num_stages=self.num_stages),
@@ -179,10 +187,10 @@ class PallasHead(common.Head):
         )(*inputs)
 
     def loss_lse(self, z, y, coefs, bias, cw):
-        return self._call(z, y, coefs, bias, cw, write_grad=False)
+        return self._call(z, y, coefs, bias, cw)
 
-    def loss_lse_grad(self, z, y, coefs, bias, cw):
-        return self._call(z, y, coefs, bias, cw, write_grad=True)
+    def loss_lse_grad(self, z, y, coefs, bias, cw, grad_dtype):
+        return self._call(z, y, coefs, bias, cw, grad_dtype)
 
 
 def _default_grid_size() -> Optional[int]:
@@ -192,13 +200,17 @@ def _default_grid_size() -> Optional[int]:
 
 def linear_cross_entropy(p: common.Prepared, opts: spec.LinearCrossEntropyOptions, *,
                          chunk_size=None, memory_budget=None, block_rows=None, block_v=None,
-                         num_warps=None, num_stages=None, grid_size=None, interpret=None):
+                         num_warps=None, num_stages=None, grid_size=None, fp32_logits=False,
+                         interpret=None):
     """Returns ``(loss, lse)``: loss reduced per ``opts.reduction`` (flat for "none").
 
     Tuning: ``chunk_size`` / ``memory_budget`` (bytes of the one [chunk, V] logits buffer),
     ``block_rows`` × ``block_v`` (the kernel's tile, powers of two), ``num_warps``,
     ``num_stages`` (Triton), ``grid_size`` (programs of the persistent grid; default: SMs ×
     ``GPU_DEFAULTS["programs_per_sm"]`` on a GPU, one program per row block when interpreted),
+    ``fp32_logits`` (the logits GEMM writes float32 and the kernel writes the bf16/fp16
+    gradient to a second buffer: the loss math sees unrounded logits, for 3 bytes more per
+    [chunk, V] element of memory and traffic; no effect for float32 inputs),
     ``interpret`` (default: True unless JAX's default backend is a GPU).
     """
     pick = lambda val, key: GPU_DEFAULTS[key] if val is None else val
@@ -206,6 +218,8 @@ def linear_cross_entropy(p: common.Prepared, opts: spec.LinearCrossEntropyOption
         interpret = jax.default_backend() != "gpu"
     elif not isinstance(interpret, bool):
         raise TypeError(f"interpret must be a bool or None, got {interpret!r}")
+    if not isinstance(fp32_logits, bool):
+        raise TypeError(f"fp32_logits must be a bool, got {fp32_logits!r}")
     if grid_size is not None:
         common.check_tuning("grid_size", grid_size)
     elif not interpret:
@@ -219,8 +233,9 @@ def linear_cross_entropy(p: common.Prepared, opts: spec.LinearCrossEntropyOption
         num_warps=common.check_tuning("num_warps", pick(num_warps, "num_warps"),
                                       power_of_2=True, hi=32),
         num_stages=common.check_tuning("num_stages", pick(num_stages, "num_stages"), hi=8),
-        grid_size=grid_size, interpret=interpret)
-    plan = plan_token_chunks(p.problem.n, p.problem.v, bytes_per_element=p.x.dtype.itemsize,
+        grid_size=grid_size, interpret=interpret, fp32_logits=fp32_logits)
+    bytes_per = p.x.dtype.itemsize + (4 if fp32_logits and p.x.dtype.itemsize < 4 else 0)
+    plan = plan_token_chunks(p.problem.n, p.problem.v, bytes_per_element=bytes_per,
                              budget_bytes=pick(memory_budget, "memory_budget"),
                              chunk_size=chunk_size)
     return common.chunked_linear_cross_entropy(p, opts, plan, head)
