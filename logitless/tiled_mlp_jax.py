@@ -202,8 +202,11 @@ def swiglu(gate, up, *, backend: Optional[str] = None, **tuning):
 
 
 def _dense(x, p):
-    y = jnp.dot(x, p["kernel"])
-    return y + p["bias"] if "bias" in p else y
+    if "bias" not in p:
+        return jnp.dot(x, p["kernel"])
+    # the bias added to the fp32 product: one rounding, as in a GEMM epilogue (torch's addmm)
+    y = jnp.dot(x, p["kernel"], preferred_element_type=jnp.float32)
+    return (y + p["bias"].astype(jnp.float32)).astype(jnp.result_type(x, p["kernel"]))
 
 
 @dataclasses.dataclass(frozen=True)

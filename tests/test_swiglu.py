@@ -1,0 +1,244 @@
+"""The fused SwiGLU ``silu(gate) * up`` (forward and backward) against the float64 spec, on
+both sides: the Triton kernel (interpreted on CPU) and its torch fallback, the Pallas kernel
+(interpret mode on CPU) and its XLA twin; and torch vs JAX on the very same inputs.
+
+Tolerance as in the shared harness: each output's relative error against float64 within
+``FACTOR`` × the naive path's (``F.silu(g) * u`` / ``jax.nn.silu(g) * u`` in the input dtype,
+which round twice), never below the dtype's floor. The kernels compute in fp32 and round once.
+"""
+import zlib
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import jax
+import jax.numpy as jnp
+
+import logitless.jax as lj
+import logitless.torch as lt
+from harness import FACTOR, FLOOR, NP_DTYPES, SEED, rel_err
+from logitless import tiled_mlp_torch
+from logitless.specs import tiled_mlp as spec
+from logitless.triton_kernels import swiglu as tk
+
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+DTYPES = ("float32", "bfloat16", "float16")
+SHAPES = [(37, 97), (1, 1), (3, 5, 1031)]  # odd, a single element, 3-D with prime cols
+# Small tiles: a grid of several row and column blocks, ragged at both ends.
+SMALL_TILES = dict(block_rows=4, block_cols=32)
+
+
+def _inputs(shape, dtype, salt=0):
+    """gate, up, dh rounded to ``dtype`` (float32 arrays holding the rounded values). Gates
+    span ±8 so both tails of the sigmoid are exercised."""
+    rng = np.random.default_rng([SEED, salt, zlib.crc32(f"{shape}{dtype}".encode())])
+    dt = NP_DTYPES[dtype]
+    r = lambda scale: (rng.standard_normal(shape) * scale).astype(dt).astype(np.float32)
+    return r(3.0), r(1.0), r(1.0)
+
+
+def _reference(g, u, dh):
+    h = spec.swiglu(g, u)
+    dg, du = spec.swiglu_grad(dh, g, u)
+    return dict(h=h, dg=dg, du=du)
+
+
+def _torch_run(fn, g, u, dh, dtype):
+    t = lambda a: torch.tensor(a, dtype=getattr(torch, dtype), device=DEV).requires_grad_()
+    gt, ut = t(g), t(u)
+    h = fn(gt, ut)
+    h.backward(torch.tensor(dh, dtype=h.dtype, device=DEV))
+    f = lambda a: a.detach().double().cpu().numpy()
+    return dict(h=f(h), dg=f(gt.grad), du=f(ut.grad))
+
+
+def _jax_run(fn, g, u, dh, dtype):
+    a = lambda v: jnp.asarray(v, jnp.dtype(dtype))
+    h, vjp = jax.vjp(fn, a(g), a(u))
+    dg, du = vjp(a(dh))
+    f = lambda v: np.asarray(v, np.float64)
+    return dict(h=f(h), dg=f(dg), du=f(du))
+
+
+def _naive_torch(g, u):
+    return F.silu(g) * u
+
+
+def _naive_jax(g, u):
+    # each op's result rounded to the dtype, as a GPU materializes it (XLA on CPU may not)
+    fi = jnp.finfo(g.dtype)
+    rp = lambda a: jax.lax.reduce_precision(a, exponent_bits=fi.nexp, mantissa_bits=fi.nmant)
+    return rp(rp(jax.nn.silu(g)) * u)
+
+
+def _check(out, ref, naive, dtype):
+    for key, r in ref.items():
+        a = out[key]
+        assert a.shape == r.shape, key
+        assert np.isfinite(a).all(), f"{key}: non-finite values"
+        err = rel_err(a, r)
+        tol = max(FACTOR * rel_err(naive[key], r), FLOOR[dtype])
+        assert err <= tol, f"{key}: rel err {err:.3g} > tol {tol:.3g}"
+
+
+TORCH_IMPLS = {"triton": tk.swiglu, "torch-fallback": tiled_mlp_torch._SwiGLUTorch.apply}
+JAX_IMPLS = {"pallas": lambda g, u: lj.swiglu(g, u, backend="pallas"),
+             "xla": lambda g, u: lj.swiglu(g, u, backend="xla")}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_torch_swiglu_matches_float64(shape, dtype):
+    g, u, dh = _inputs(shape, dtype)
+    ref = _reference(g, u, dh)
+    naive = _torch_run(_naive_torch, g, u, dh, dtype)
+    for name, fn in TORCH_IMPLS.items():
+        out = _torch_run(fn, g, u, dh, dtype)
+        _check(out, ref, naive, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_jax_swiglu_matches_float64(shape, dtype):
+    g, u, dh = _inputs(shape, dtype)
+    ref = _reference(g, u, dh)
+    naive = _jax_run(_naive_jax, g, u, dh, dtype)
+    for name, fn in JAX_IMPLS.items():
+        out = _jax_run(jax.jit(fn), g, u, dh, dtype)
+        _check(out, ref, naive, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_torch_and_jax_kernels_agree(dtype):
+    """Triton vs Pallas on the same inputs: the same fp32 math (their sigmoids differ by a
+    few fp32 ulps), rounded once. Elementwise, d gate may differ relatively more where
+    silu'(g) crosses 0 (cancellation), so the check is on the norm: a fraction of an ulp of
+    the output dtype (rounding flips on a few elements), a few fp32 ulps."""
+    g, u, dh = _inputs((29, 300), dtype, salt=1)
+    a = _torch_run(tk.swiglu, g, u, dh, dtype)
+    b = _jax_run(JAX_IMPLS["pallas"], g, u, dh, dtype)
+    eps = float(ml_dtypes.finfo(NP_DTYPES[dtype]).eps)
+    for key in a:
+        diff = rel_err(a[key], b[key])
+        assert diff <= (4 * eps if dtype == "float32" else eps / 4), f"{key}: {diff:.3g}"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_small_tiles_ragged_grid(dtype):
+    g, u, dh = _inputs((37, 97), dtype, salt=5)
+    ref = _reference(g, u, dh)
+    naive = _torch_run(_naive_torch, g, u, dh, dtype)
+
+    def triton_small(a, b):
+        class Fn(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, a, b):
+                ctx.save_for_backward(a, b)
+                return tk.swiglu_forward(a, b, **SMALL_TILES)
+
+            @staticmethod
+            def backward(ctx, dh):
+                return tk.swiglu_backward(dh, *ctx.saved_tensors, **SMALL_TILES)
+        return Fn.apply(a, b)
+
+    _check(_torch_run(triton_small, g, u, dh, dtype), ref, naive, dtype)
+    pallas_small = lambda a, b: lj.swiglu(a, b, backend="pallas", **SMALL_TILES)
+    _check(_jax_run(jax.jit(pallas_small), g, u, dh, dtype), ref, naive, dtype)
+
+
+def test_triton_strided_views_and_in_place_outputs():
+    """gate/up as the two halves of one [rows, 2I] projection (row-strided views, no copies);
+    the backward written over gate and up themselves."""
+    g, u, dh = _inputs((19, 77), "float32", salt=2)
+    both = torch.tensor(np.concatenate([g, u], axis=1), device=DEV)
+    gv, uv = both[:, :77], both[:, 77:]
+    assert not gv.is_contiguous()
+    ref = _reference(g, u, dh)
+    h = tk.swiglu_forward(gv, uv)
+    np.testing.assert_allclose(h.cpu().numpy(), ref["h"], rtol=1e-6, atol=1e-7)
+    dht = torch.tensor(dh, device=DEV)
+    dg, du = tk.swiglu_backward(dht, gv, uv, grad_gate=gv, grad_up=uv)
+    assert dg.data_ptr() == gv.data_ptr() and du.data_ptr() == uv.data_ptr()
+    np.testing.assert_allclose(both[:, :77].cpu().numpy(), ref["dg"], rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(both[:, 77:].cpu().numpy(), ref["du"], rtol=1e-6, atol=1e-7)
+
+
+def test_nan_propagates():
+    g = torch.tensor([[0.5, float("nan"), -2.0]], device=DEV)
+    u = torch.ones_like(g)
+    h = lt.swiglu(g, u)
+    assert torch.isnan(h[0, 1]) and torch.isfinite(h[0, [0, 2]]).all()
+    hj = lj.swiglu(jnp.asarray(g.cpu().numpy()), jnp.ones((1, 3)), backend="pallas")
+    assert np.isnan(hj[0, 1]) and np.isfinite(np.asarray(hj)[0, [0, 2]]).all()
+
+
+def test_front_doors_pick_an_implementation():
+    g, u, _ = (a.astype(np.float64) for a in _inputs((5, 7), "float32"))
+    # float64 (no Triton kernel): the torch formula, computed in float64
+    gt, ut = torch.tensor(g), torch.tensor(u)
+    np.testing.assert_allclose(lt.swiglu(gt, ut).numpy(), spec.swiglu(g, u), rtol=1e-15)
+    gt, ut = gt.float().to(DEV), ut.float().to(DEV)
+    torch.testing.assert_close(lt.swiglu(gt, ut), tk.swiglu(gt, ut), rtol=0, atol=0)
+
+
+def test_torch_compile_traces_the_op():
+    g, u, dh = (torch.tensor(a, device=DEV) for a in _inputs((8, 40), "float32", salt=3))
+    compiled = torch.compile(lambda a, b: lt.swiglu(a, b) * 2.0, backend="aot_eager",
+                             fullgraph=True)
+    ga, ua = g.clone().requires_grad_(), u.clone().requires_grad_()
+    compiled(ga, ua).backward(dh)
+    gb, ub = g.clone().requires_grad_(), u.clone().requires_grad_()
+    (lt.swiglu(gb, ub) * 2.0).backward(dh)
+    torch.testing.assert_close(ga.grad, gb.grad, rtol=0, atol=0)
+    torch.testing.assert_close(ua.grad, ub.grad, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("bad, exc, message", [
+    (dict(up=torch.ones(3, 5)), ValueError, "up has shape"),
+    (dict(up=torch.ones(3, 4, dtype=torch.float64)), TypeError, "up dtype"),
+    (dict(gate=torch.ones(3, 4, dtype=torch.int32)), TypeError, "gate must be a floating"),
+    (dict(up=np.ones((3, 4))), TypeError, "up must be a torch.Tensor"),
+])
+def test_torch_bad_arguments(bad, exc, message):
+    args = {**dict(gate=torch.ones(3, 4), up=torch.ones(3, 4)), **bad}
+    with pytest.raises(exc, match=message):
+        lt.swiglu(args["gate"], args["up"])
+
+
+def test_jax_bad_arguments():
+    with pytest.raises(ValueError, match="up has shape"):
+        lj.swiglu(jnp.ones((3, 4)), jnp.ones((3, 5)))
+    with pytest.raises(ValueError, match="block_cols must be a power of two"):
+        lj.swiglu(jnp.ones((3, 4)), jnp.ones((3, 4)), backend="pallas", block_cols=48)
+    with pytest.raises(ValueError, match="backend must be"):
+        lj.swiglu(jnp.ones((3, 4)), jnp.ones((3, 4)), backend="triton")
+
+
+def test_pallas_lowers_to_triton_at_the_target_shape():
+    """The Pallas kernels lower through the Triton backend for CUDA with the GPU defaults at
+    the Llama-3-8B MLP shape (T=32768, I=14336, bf16); no GPU needed, nothing allocated."""
+    s = jax.ShapeDtypeStruct((32768, 14336), jnp.bfloat16)
+
+    def f(g, u):
+        return jnp.sum(lj.swiglu(g, u, backend="pallas", interpret=False).astype(jnp.float32))
+
+    traced = jax.jit(jax.value_and_grad(f, argnums=(0, 1))).trace(s, s)
+    hlo = traced.lower(lowering_platforms=("cuda",)).as_text()
+    assert hlo.count("xla.gpu.triton") >= 2  # forward and backward kernels
+
+
+@gpu
+def test_gpu_large_rows_and_inductor():
+    g, u, dh = (torch.tensor(a, device="cuda", dtype=torch.bfloat16)
+                for a in _inputs((4096, 14336), "bfloat16", salt=4))
+    ref = _reference(*(a.float().cpu().numpy() for a in (g, u, dh)))
+    out = _torch_run(tk.swiglu, *(a.float().cpu().numpy() for a in (g, u, dh)), "bfloat16")
+    naive = _torch_run(_naive_torch, *(a.float().cpu().numpy() for a in (g, u, dh)), "bfloat16")
+    _check(out, ref, naive, "bfloat16")
+    compiled = torch.compile(lambda a, b: lt.swiglu(a, b), fullgraph=True)
+    torch.testing.assert_close(compiled(g, u), lt.swiglu(g, u), rtol=0, atol=0)

@@ -1,0 +1,567 @@
+"""Tiled MLP: the spec, the PyTorch paths (fused SwiGLU ops, generic autograd.Function), the
+JAX custom_vjp, against the float64 reference and each other; the PyTorch semantics that
+peers get wrong (gradient hooks fire once, earlier micro-batch gradients kept, checkpoint,
+frozen parameters, autocast); the JAX compiled temp memory of one shard.
+
+Tolerance as in the shared harness: relative error against float64 within ``FACTOR`` × the
+naive untiled MLP's error in the same dtype (``F.silu(g) * u`` with autograd / jnp with
+autodiff), never below the dtype's floor. The DDP test is in test_tiled_mlp_ddp.py.
+"""
+from __future__ import annotations
+
+import dataclasses
+import zlib
+from typing import Optional
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import jax
+import jax.numpy as jnp
+
+import logitless.jax as lj
+import logitless.torch as lt
+from harness import FACTOR, FLOOR, NP_DTYPES, SEED, rel_err
+from logitless.specs import tiled_mlp as spec
+
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+NAMES = {"w_gate": "gate_proj.weight", "w_up": "up_proj.weight", "w_down": "down_proj.weight",
+         "b_gate": "gate_proj.bias", "b_up": "up_proj.bias", "b_down": "down_proj.bias"}
+
+
+# ----------------------------------------------------------------------------- cases
+@dataclasses.dataclass(frozen=True)
+class Case:
+    shape: tuple                 # x: [..., T, H]
+    i: int                       # intermediate size
+    dtype: str = "float32"
+    bias: bool = False
+    num_shards: Optional[int] = None
+    accum_fp32: bool = True
+
+    @property
+    def id(self):
+        s = f"{'x'.join(map(str, self.shape))}-I{self.i}-{self.dtype}-S{self.num_shards}"
+        return s + ("-bias" if self.bias else "") + ("" if self.accum_fp32 else "-accum_param")
+
+
+CASES = [
+    Case((2, 53, 24), 70, "bfloat16", bias=True, num_shards=4),  # B·T=106: 27,27,27,25
+    Case((53, 24), 70, "float32"),                                # default ceil(53/24) = 3
+    Case((1, 40, 16), 48, "float16", num_shards=7),               # shards of 6, last 4
+    Case((7, 16), 33, "float32", bias=True, num_shards=1),        # one shard
+    Case((2, 30, 16), 40, "bfloat16", num_shards=5, accum_fp32=False),
+]
+
+
+def make_inputs(case: Case, salt=0):
+    """x, parameters (torch layout) and dy, rounded to the case dtype (as float32 arrays)."""
+    rng = np.random.default_rng([SEED, salt, zlib.crc32(case.id.encode())])
+    dt = NP_DTYPES[case.dtype]
+    h = case.shape[-1]
+    r = lambda shape, scale: (rng.standard_normal(shape) * scale).astype(dt).astype(np.float32)
+    # gate/up pre-activations of std ~2: both tails of the sigmoid matter
+    p = {"w_gate": r((case.i, h), 2 / np.sqrt(h)), "w_up": r((case.i, h), 1 / np.sqrt(h)),
+         "w_down": r((h, case.i), 1 / np.sqrt(case.i))}
+    if case.bias:
+        p.update(b_gate=r(case.i, 0.5), b_up=r(case.i, 0.5), b_down=r(h, 0.5))
+    return r(case.shape, 1.0), p, r(case.shape, 1.0)
+
+
+def reference(x, p, dy, num_shards=None):
+    return spec.swiglu_mlp_reference(x, p, dy, num_shards=num_shards)
+
+
+def check(case_dtype, out, ref, naive):
+    for key, r in ref.items():
+        a = np.asarray(out[key], np.float64)
+        assert a.shape == r.shape, f"{key}: shape {a.shape} != {r.shape}"
+        assert np.isfinite(a).all(), f"{key}: non-finite values"
+        err = rel_err(a, r)
+        tol = max(FACTOR * rel_err(naive[key], r), FLOOR[case_dtype])
+        assert err <= tol, f"{key}: rel err {err:.3g} > tol {tol:.3g}"
+
+
+# ----------------------------------------------------------------------------- torch runners
+class LlamaMLP(nn.Module):
+    """The plain MLP a user has (no logitless inside): the generic path's subject."""
+
+    def __init__(self, h, i, bias=False, dtype=None):
+        super().__init__()
+        self.gate_proj = nn.Linear(h, i, bias=bias, dtype=dtype)
+        self.up_proj = nn.Linear(h, i, bias=bias, dtype=dtype)
+        self.down_proj = nn.Linear(i, h, bias=bias, dtype=dtype)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def torch_module(cls, case, p, device=DEV):
+    m = cls(case.shape[-1], case.i, bias=case.bias, dtype=getattr(torch, case.dtype)).to(device)
+    with torch.no_grad():
+        for k, v in p.items():
+            m.get_parameter(NAMES[k]).copy_(torch.tensor(v))
+    return m
+
+
+def torch_run(case, x, p, dy, *, cls=lt.SwiGLUMLP, tiled=True):
+    dt = getattr(torch, case.dtype)
+    m = torch_module(cls, case, p)
+    xt = torch.tensor(x, dtype=dt, device=DEV).requires_grad_()
+    if tiled:
+        y = lt.tiled_mlp(m, xt, num_shards=case.num_shards,
+                         grad_accum_dtype=torch.float32 if case.accum_fp32 else None)
+    else:
+        y = m(xt)
+    y.backward(torch.tensor(dy, dtype=dt, device=DEV))
+    f = lambda t: t.detach().double().cpu().numpy()
+    out = {"y": f(y), "dx": f(xt.grad)}
+    out.update({"d" + k: f(m.get_parameter(NAMES[k]).grad) for k in p})
+    return out
+
+
+# ----------------------------------------------------------------------------- jax runners
+def jax_params(p, dtype):
+    a = lambda v: jnp.asarray(v, jnp.dtype(dtype))
+    out = {}
+    for proj in ("gate", "up", "down"):
+        d = {"kernel": a(p["w_" + proj].T)}
+        if "b_" + proj in p:
+            d["bias"] = a(p["b_" + proj])
+        out[proj + "_proj"] = d
+    return out
+
+
+def _rounded(a):
+    """``a`` rounded to its dtype's grid, as a GPU materializes it (XLA on CPU may keep more)."""
+    fi = jnp.finfo(a.dtype)
+    return jax.lax.reduce_precision(a, exponent_bits=fi.nexp, mantissa_bits=fi.nmant)
+
+
+def naive_jax_mlp(params, x):
+    dense = lambda v, q: _rounded(v @ q["kernel"] + q["bias"] if "bias" in q else v @ q["kernel"])
+    g, u = dense(x, params["gate_proj"]), dense(x, params["up_proj"])
+    return dense(_rounded(_rounded(jax.nn.silu(g)) * u), params["down_proj"])
+
+
+def jax_run(case, x, p, dy, fn, tiled=True):
+    dt = jnp.dtype(case.dtype)
+    params = jax_params(p, case.dtype)
+
+    def apply(params, x):
+        if not tiled:
+            return fn(params, x)
+        return lj.tiled_mlp(fn, params, x, num_shards=case.num_shards,
+                            grad_accum_dtype=jnp.float32 if case.accum_fp32 else None)
+
+    def fwd_bwd(params, x, dy):  # one program: the forward and the vjp
+        y, vjp = jax.vjp(apply, params, x)
+        return (y,) + vjp(dy)
+
+    y, dp, dx = jax.jit(fwd_bwd)(params, jnp.asarray(x, dt), jnp.asarray(dy, dt))
+    f = lambda a: np.asarray(a, np.float64)
+    out = {"y": f(y), "dx": f(dx)}
+    for k in p:
+        kind, proj = k.split("_")
+        out["d" + k] = f(dp[proj + "_proj"]["kernel" if kind == "w" else "bias"]).T
+    return out
+
+
+# ----------------------------------------------------------------------------- spec
+def test_plan_shards():
+    plan = spec.plan_shards((2, 53, 24), 4)
+    assert (plan.n, plan.shard, plan.num_shards, plan.full_shards, plan.tail) == (106, 27, 4, 3, 25)
+    assert plan.bounds() == [(0, 27), (27, 54), (54, 81), (81, 106)]
+    assert spec.plan_shards((32768, 4096)).num_shards == 8  # ceil(T / H)
+    assert spec.plan_shards((4, 32768, 4096)).shard == 4 * 4096  # default counts T, not B·T
+    assert spec.plan_shards((10, 4), 6).bounds() == [(0, 2), (2, 4), (4, 6), (6, 8), (8, 10)]
+    assert spec.plan_shards((3, 8), 100).shard == 1  # at least one token per shard
+    assert spec.plan_shards((0, 8)).bounds() == []
+    assert spec.shard_shape((2, 53, 24), 27) == (1, 27, 24)
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="num_shards"):
+            spec.plan_shards((5, 4), bad)
+    with pytest.raises(ValueError, match=r"\[\.\.\., T, H\]"):
+        spec.plan_shards((5,))
+
+
+@pytest.mark.parametrize("num_shards", [1, 3, 106])
+def test_spec_reference_matches_float64_autodiff(num_shards):
+    """The tiled float64 reference == autograd of the untiled MLP in float64 (torch)."""
+    case = Case((2, 53, 24), 70, bias=True)
+    x, p, dy = make_inputs(case, salt=1)
+    ref = reference(x, p, dy, num_shards=num_shards)
+    t = {k: torch.tensor(v, dtype=torch.float64, requires_grad=True) for k, v in p.items()}
+    xt = torch.tensor(x, dtype=torch.float64, requires_grad=True)
+    y = F.linear(F.silu(F.linear(xt, t["w_gate"], t["b_gate"])) *
+                 F.linear(xt, t["w_up"], t["b_up"]), t["w_down"], t["b_down"])
+    y.backward(torch.tensor(dy, dtype=torch.float64))
+    want = {"y": y, "dx": xt.grad, **{"d" + k: v.grad for k, v in t.items()}}
+    assert set(want) == set(ref)
+    for k, v in want.items():
+        np.testing.assert_allclose(ref[k], v.detach().numpy(), rtol=1e-12, atol=1e-12, err_msg=k)
+
+
+# ----------------------------------------------------------------------------- torch: accuracy
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_torch_fused_matches_float64(case):
+    x, p, dy = make_inputs(case)
+    naive = torch_run(case, x, p, dy, cls=LlamaMLP, tiled=False)
+    check(case.dtype, torch_run(case, x, p, dy), reference(x, p, dy), naive)
+
+
+@pytest.mark.parametrize("case", CASES[:2] + CASES[4:], ids=lambda c: c.id)
+def test_torch_generic_matches_float64(case):
+    x, p, dy = make_inputs(case)
+    naive = torch_run(case, x, p, dy, cls=LlamaMLP, tiled=False)
+    check(case.dtype, torch_run(case, x, p, dy, cls=LlamaMLP), reference(x, p, dy), naive)
+
+
+def test_fp32_accumulation_beats_param_dtype_accumulation():
+    """With many shards, summing bf16 per-shard weight gradients in bf16 loses accuracy;
+    the fp32 default stays within the harness tolerance of the untiled MLP."""
+    case = Case((1, 128, 16), 32, "bfloat16", num_shards=16)
+    x, p, dy = make_inputs(case, salt=2)
+    ref = reference(x, p, dy)
+    naive = torch_run(case, x, p, dy, cls=LlamaMLP, tiled=False)
+    fp32 = torch_run(case, x, p, dy)
+    bf16 = torch_run(dataclasses.replace(case, accum_fp32=False), x, p, dy)
+    check(case.dtype, fp32, ref, naive)
+    for k in ("dw_gate", "dw_up", "dw_down"):
+        assert rel_err(fp32[k], ref[k]) < rel_err(bf16[k], ref[k]), k
+
+
+# ----------------------------------------------------------------------------- torch: semantics
+def _small(cls=lt.SwiGLUMLP, dtype=torch.float32, bias=True, seed=0):
+    torch.manual_seed(SEED + seed)
+    m = cls(16, 40, bias=bias, dtype=dtype).to(DEV)
+    x = torch.randn(2, 21, 16, dtype=dtype, device=DEV)
+    return m, x
+
+
+def _grads(m, x, fn, dy=None):
+    m.zero_grad(set_to_none=True)
+    x = x.detach().requires_grad_()
+    y = fn(x)
+    y.backward(torch.ones_like(y) if dy is None else dy)
+    return y.detach(), x.grad, {n: p.grad for n, p in m.named_parameters()}
+
+
+@pytest.mark.parametrize("cls", [lt.SwiGLUMLP, LlamaMLP], ids=["fused", "generic"])
+def test_each_parameter_hook_fires_once_with_the_full_gradient(cls):
+    m, x = _small(cls)
+    _, _, untiled = _grads(m, x, m)
+    calls = {n: [] for n, _ in m.named_parameters()}
+    for n, p in m.named_parameters():
+        p.register_hook(lambda g, n=n: calls[n].append(("hook", g.clone())))
+        p.register_post_accumulate_grad_hook(lambda p, n=n: calls[n].append(("post", None)))
+    _grads(m, x, lambda x: lt.tiled_mlp(m, x, num_shards=5))
+    for n, p in m.named_parameters():
+        assert [c[0] for c in calls[n]] == ["hook", "post"], n
+        torch.testing.assert_close(calls[n][0][1], untiled[n], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("cls", [lt.SwiGLUMLP, LlamaMLP], ids=["fused", "generic"])
+def test_micro_batches_accumulate_into_existing_grads(cls):
+    m, x = _small(cls, seed=1)
+    x2 = torch.randn_like(x)
+    tiled = lambda x: lt.tiled_mlp(m, x, num_shards=3)
+    _, _, g1 = _grads(m, x, tiled)
+    _, _, g2 = _grads(m, x2, tiled)
+    m.zero_grad(set_to_none=True)
+    for xb in (x, x2):  # two micro-batches, no zero_grad between them
+        tiled(xb.requires_grad_()).sum().backward()
+    for n, p in m.named_parameters():
+        torch.testing.assert_close(p.grad, g1[n] + g2[n], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+@pytest.mark.parametrize("cls", [lt.SwiGLUMLP, LlamaMLP], ids=["fused", "generic"])
+def test_under_activation_checkpointing(cls, use_reentrant):
+    m, x = _small(cls, seed=2)
+    tiled = lambda x: lt.tiled_mlp(m, x, num_shards=4)
+    want = _grads(m, x, tiled)
+    got = _grads(m, x, lambda x: checkpoint(tiled, x, use_reentrant=use_reentrant))
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+    torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
+    for n in want[2]:
+        torch.testing.assert_close(got[2][n], want[2][n], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("cls", [lt.SwiGLUMLP, LlamaMLP], ids=["fused", "generic"])
+def test_frozen_parameters_and_input(cls):
+    m, x = _small(cls, seed=3)
+    _, _, full = _grads(m, x, m)
+    frozen = ("gate_proj.weight", "down_proj.bias")
+    for n in frozen:
+        m.get_parameter(n).requires_grad_(False)
+    m.zero_grad(set_to_none=True)
+    y = lt.tiled_mlp(m, x, num_shards=3)  # x needs no gradient either
+    y.sum().backward()
+    for n, p in m.named_parameters():
+        if n in frozen:
+            assert p.grad is None, n
+        else:
+            torch.testing.assert_close(p.grad, full[n], rtol=1e-5, atol=1e-6)
+
+
+def test_only_the_input_needs_a_gradient():
+    m, x = _small(seed=4)
+    _, dx, _ = _grads(m, x, m)
+    m.requires_grad_(False)
+    xg = x.detach().requires_grad_()
+    lt.tiled_mlp(m, xg, num_shards=3).sum().backward()
+    torch.testing.assert_close(xg.grad, dx, rtol=1e-5, atol=1e-6)
+
+
+def test_module_form_and_shard_shapes_seen_by_the_mlp():
+    seen = []
+
+    class Recording(LlamaMLP):
+        def forward(self, x):
+            seen.append((tuple(x.shape), torch.is_grad_enabled()))
+            return super().forward(x)
+
+    m, x = _small(Recording, seed=5)
+    wrapper = lt.TiledMLP(m, num_shards=4)
+    assert [n for n, _ in wrapper.named_parameters()][0] == "mlp.gate_proj.weight"
+    y, _, grads = _grads(m, x, wrapper)
+    fwd = [((1, 11, 16), False)] * 3 + [((1, 9, 16), False)]  # 42 tokens: 11, 11, 11, 9
+    assert seen == fwd + [(s, True) for s, _ in fwd]  # forward, then the recompute
+    seen.clear()
+    want = _grads(m, x, m)
+    torch.testing.assert_close(y, want[0], rtol=1e-6, atol=1e-6)
+    for n in grads:
+        torch.testing.assert_close(grads[n], want[2][n], rtol=1e-5, atol=1e-6)
+
+
+def test_generic_path_recomputes_under_the_forward_autocast_state():
+    states = []
+
+    class Recording(LlamaMLP):
+        def forward(self, x):
+            states.append(torch.is_autocast_enabled(x.device.type))
+            return super().forward(x)
+
+    m, x = _small(Recording, seed=6)
+    with torch.autocast(DEV, dtype=torch.bfloat16):
+        y = lt.tiled_mlp(m, x.requires_grad_(), num_shards=2)
+    assert y.dtype == torch.bfloat16
+    y.float().sum().backward()  # outside autocast
+    assert states == [True] * 4
+    assert x.grad.dtype == torch.float32 and m.gate_proj.weight.grad.dtype == torch.float32
+
+
+def test_fused_path_is_taken_only_for_a_plain_swiglu_mlp(monkeypatch):
+    from logitless import tiled_mlp_torch as tmt
+    calls = []
+    real = tmt._TiledFunction.apply
+    monkeypatch.setattr(tmt._TiledFunction, "apply", lambda *a: calls.append(1) or real(*a))
+    m, x = _small(seed=7)
+    lt.tiled_mlp(m, x, num_shards=2)
+    assert calls == []  # fused
+    m.register_forward_hook(lambda mod, inp, out: None)
+    lt.tiled_mlp(m, x, num_shards=2)
+    assert calls == [1]  # a hook must run: generic
+
+
+def test_empty_sequence():
+    for cls in (lt.SwiGLUMLP, LlamaMLP):
+        m, _ = _small(cls)
+        x = torch.randn(2, 0, 16, device=DEV, requires_grad=True)
+        y = lt.tiled_mlp(m, x)
+        assert y.shape == (2, 0, 16)
+        y.sum().backward()
+        assert x.grad.shape == x.shape
+        assert all(p.grad is None or not p.grad.any() for p in m.parameters())
+
+
+def test_torch_compile_fullgraph_traces_the_fused_path():
+    m, x = _small(seed=8)
+    wrapper = lt.TiledMLP(m, num_shards=3)
+    want = _grads(m, x, wrapper)
+    compiled = torch.compile(wrapper, backend="aot_eager", fullgraph=True)
+    got = _grads(m, x, compiled)
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+    torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
+    for n in want[2]:
+        torch.testing.assert_close(got[2][n], want[2][n], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("call, exc, message", [
+    (lambda m, x: lt.tiled_mlp(m, x, num_shards=0), ValueError, "num_shards"),
+    (lambda m, x: lt.tiled_mlp(m, x[0, 0]), ValueError, r"\[\.\.\., T, H\]"),
+    (lambda m, x: lt.tiled_mlp(m.forward, x), TypeError, "mlp must be a torch.nn.Module"),
+    (lambda m, x: lt.tiled_mlp(m, x.long()), TypeError, "x must be a floating"),
+    (lambda m, x: lt.tiled_mlp(m, x, grad_accum_dtype=torch.bfloat16), ValueError,
+     "grad_accum_dtype"),
+    (lambda m, x: lt.TiledMLP(m, num_shards=-2), ValueError, "num_shards"),
+    (lambda m, x: lt.tiled_mlp(_SumOverTokens(), x), ValueError, "position-wise"),
+    (lambda m, x: lt.SwiGLUMLP(16, 0), ValueError, "intermediate_size"),
+])
+def test_torch_bad_arguments(call, exc, message):
+    m, x = _small(LlamaMLP)
+    with pytest.raises(exc, match=message):
+        call(m, x)
+
+
+class _SumOverTokens(nn.Module):
+    def forward(self, x):
+        return x.sum(-2)
+
+
+# ----------------------------------------------------------------------------- JAX
+@pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[4]], ids=lambda c: c.id)
+def test_jax_tiled_swiglu_matches_float64(case):
+    """The XLA SwiGLU inside (the Pallas one: the parity test below). The tolerance scale is
+    the naive PyTorch MLP's error (no compile; the naive JAX path, rounded as on a GPU, has
+    the same error: see the parity test, which takes both)."""
+    x, p, dy = make_inputs(case)
+    naive = torch_run(case, x, p, dy, cls=LlamaMLP, tiled=False)
+    check(case.dtype, jax_run(case, x, p, dy, lj.SwiGLUMLP(case.shape[-1], case.i,
+                                                            bias=case.bias, backend="xla")),
+          reference(x, p, dy), naive)
+
+
+def test_jax_jit_grad_vmap_of_any_fn_equal_untiled():
+    """A plain jnp MLP (not ours) tiled with the default shard count, under jit, grad and
+    vmap over a leading axis."""
+    mlp = naive_jax_mlp
+    params = jax_params(make_inputs(Case((21, 16), 40, bias=True))[1], "float32")
+    x = jax.random.normal(jax.random.PRNGKey(SEED % 1000), (3, 2, 21, 16))
+    loss = lambda f: lambda p, x: jnp.sum(jnp.sin(f(p, x)))
+    tiled = lambda p, x: lj.tiled_mlp(mlp, p, x)  # ceil(21 / 16) = 2 shards
+    want = jax.jit(jax.grad(loss(mlp), argnums=(0, 1)))(params, x)
+    got = jax.jit(jax.grad(loss(tiled), argnums=(0, 1)))(params, x)
+    vm = jax.jit(jax.vmap(jax.grad(loss(tiled), argnums=1), in_axes=(None, 0)))(params, x)
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(vm, want[1], rtol=2e-5, atol=2e-6)
+
+
+def test_jax_grad_accum_dtype_option():
+    mlp = lj.SwiGLUMLP(8, 16)
+    params = mlp.init(jax.random.PRNGKey(2), jnp.bfloat16)
+    x = jax.random.normal(jax.random.PRNGKey(3), (64, 8), jnp.bfloat16)
+
+    def grads(accum):
+        f = lambda p: jnp.sum(lj.tiled_mlp(mlp, p, x, num_shards=8,
+                                           grad_accum_dtype=accum).astype(jnp.float32))
+        return jax.jit(jax.grad(f))(params)
+
+    g32, g16 = grads(jnp.float32), grads(None)
+    assert all(a.dtype == jnp.bfloat16 for a in jax.tree_util.tree_leaves(g32))
+    assert any(np.any(np.asarray(a) != np.asarray(b)) for a, b in
+               zip(jax.tree_util.tree_leaves(g32), jax.tree_util.tree_leaves(g16)))
+
+
+def _temp_bytes(t, tiled, *, h=32, i=512, shard=64):
+    mlp = lj.SwiGLUMLP(h, i, backend="xla")
+    params = jax.eval_shape(mlp.init, jax.random.PRNGKey(0))
+    x = jax.ShapeDtypeStruct((t, h), jnp.float32)
+
+    def loss(p, x):
+        y = lj.tiled_mlp(mlp, p, x, num_shards=t // shard) if tiled else mlp(p, x)
+        return jnp.sum(y * y)
+
+    compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(params, x).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+
+def test_jax_temp_memory_is_one_shards():
+    """XLA's compiled temp memory of jit(grad) grows with T·H (the output and dx buffers),
+    not with T·I: the [shard, I] intermediates exist once. The untiled MLP's grows ~T·I."""
+    h, i = 32, 512
+    small, big = _temp_bytes(256, True), _temp_bytes(2048, True)
+    untiled = _temp_bytes(2048, False)
+    growth = big - small
+    assert growth <= 3 * (2048 - 256) * h * 4, (small, big)
+    assert growth < 0.1 * (2048 - 256) * i * 4, (small, big)
+    assert big < untiled / 4, (big, untiled)
+
+
+def test_jax_bad_arguments():
+    mlp = lj.SwiGLUMLP(16, 32)
+    p = mlp.init(jax.random.PRNGKey(0))
+    x = jnp.ones((10, 16))
+    with pytest.raises(ValueError, match="num_shards"):
+        lj.tiled_mlp(mlp, p, x, num_shards=0)
+    with pytest.raises(TypeError, match="x must be a floating"):
+        lj.tiled_mlp(mlp, p, x.astype(jnp.int32))
+    with pytest.raises(ValueError, match="position-wise"):
+        lj.tiled_mlp(lambda p, x: x.sum(-2), p, x)
+    with pytest.raises(TypeError, match=r"params\['n'\] must be a floating"):
+        lj.tiled_mlp(lambda p, x: x, {"n": jnp.int32(3)}, x)
+    with pytest.raises(ValueError, match="grad_accum_dtype"):
+        lj.tiled_mlp(mlp, p, x, grad_accum_dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match="hidden_size"):
+        lj.SwiGLUMLP(0, 4)
+
+
+# ----------------------------------------------------------------------------- parity
+@pytest.mark.parametrize("case", CASES[:1], ids=lambda c: c.id)
+def test_torch_and_jax_agree(case):
+    """The same inputs through PyTorch (fused tiled path) and JAX (tiled, Pallas SwiGLU): each
+    agrees with float64, and they agree with each other within the looser of the two naive
+    paths' tolerances."""
+    x, p, dy = make_inputs(case, salt=9)
+    ref = reference(x, p, dy)
+    naive = [torch_run(case, x, p, dy, cls=LlamaMLP, tiled=False),
+             jax_run(case, x, p, dy, naive_jax_mlp, tiled=False)]
+    a = torch_run(case, x, p, dy)
+    b = jax_run(case, x, p, dy, lj.SwiGLUMLP(case.shape[-1], case.i, bias=case.bias,
+                                             backend="pallas"))
+    for key, r in ref.items():
+        tol = max(max(FACTOR * rel_err(nv[key], r) for nv in naive), FLOOR[case.dtype])
+        assert rel_err(a[key], r) <= tol and rel_err(b[key], r) <= tol, key
+        assert rel_err(a[key], b[key]) <= tol, f"{key}: torch vs jax {rel_err(a[key], b[key]):.3g}"
+
+
+# ----------------------------------------------------------------------------- GPU
+@gpu
+@pytest.mark.parametrize("accum", [torch.float32, None])
+def test_gpu_llama_like_shape_and_no_host_sync(accum):
+    torch.manual_seed(SEED)
+    h, i, t = 1024, 2816, 4096
+    m = lt.SwiGLUMLP(h, i, dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(1, t, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(1, t, h, device="cuda", dtype=torch.bfloat16)
+    ref = LlamaMLP(h, i, dtype=torch.float64).cuda()
+    naive = LlamaMLP(h, i, dtype=torch.bfloat16).cuda()
+    with torch.no_grad():
+        for a, b in zip(ref.parameters(), m.parameters()):
+            a.copy_(b)
+        for a, b in zip(naive.parameters(), m.parameters()):
+            a.copy_(b)
+    x64 = x.detach().double().requires_grad_()
+    ref(x64).backward(dy.double())
+    xn = x.detach().clone().requires_grad_()
+    naive(xn).backward(dy)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        y = lt.tiled_mlp(m, x, num_shards=4, grad_accum_dtype=accum)
+        y.backward(dy)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    e = lambda a, b: ((a.double() - b).norm() / b.norm()).item()
+    assert e(x.grad, x64.grad) <= max(FACTOR * e(xn.grad, x64.grad), FLOOR["bfloat16"])
+    for (n, p), r, nv in zip(m.named_parameters(), ref.parameters(), naive.parameters()):
+        assert e(p.grad, r.grad) <= max(FACTOR * e(nv.grad, r.grad), FLOOR["bfloat16"]), n
+
+
+@gpu
+def test_gpu_inductor_compile():
+    m, x = _small(dtype=torch.bfloat16, seed=9)
+    wrapper = lt.TiledMLP(m, num_shards=3)
+    want = _grads(m, x, wrapper)
+    got = _grads(m, x, torch.compile(wrapper, fullgraph=True))
+    torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
+    for n in want[2]:
+        torch.testing.assert_close(got[2][n], want[2][n], rtol=0, atol=0)

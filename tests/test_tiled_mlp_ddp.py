@@ -1,0 +1,163 @@
+"""A real DistributedDataParallel run: 2 processes on CPU, gloo backend.
+
+The same model (a linear layer, then an MLP) runs untiled, tiled through the fused SwiGLU
+path, and tiled through the generic path (a plain MLP module), each wrapped in DDP, for two
+micro-batches: the first under ``no_sync()``, the second synchronized. Checks:
+
+* no DDP error (each parameter is marked ready once per backward), and the averaged
+  gradients are the same on both ranks (bitwise) and equal the untiled model's;
+* they equal the mean over ranks of *both* micro-batches' local gradients (computed without
+  DDP): the no_sync micro-batch's gradients were kept;
+* a negative control, the usual tiling (per-shard ``backward`` through the real parameters,
+  as peers do), does hit DDP's "marked ready only once" error, so the test can fail.
+"""
+import os
+import socket
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+WORLD = 2
+H, I, B, T, SHARDS = 16, 40, 2, 24, 3
+
+
+class PlainMLP(nn.Module):
+    """A user's own MLP module: the generic tiled path."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate_proj = nn.Linear(H, I)
+        self.up_proj = nn.Linear(H, I)
+        self.down_proj = nn.Linear(I, H)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class PerShardBackward(torch.autograd.Function):
+    """The common tiling of peers: backward runs ``autograd.backward`` per shard through the
+    module's real parameters, so each parameter's hooks fire once per shard."""
+
+    @staticmethod
+    def forward(ctx, x, mlp):
+        ctx.mlp = mlp
+        ctx.save_for_backward(x)
+        with torch.no_grad():
+            return torch.cat([mlp(s) for s in x.chunk(SHARDS, dim=-2)], dim=-2)
+
+    @staticmethod
+    def backward(ctx, dy):
+        (x,) = ctx.saved_tensors
+        dxs = []
+        for xs, dys in zip(x.chunk(SHARDS, dim=-2), dy.chunk(SHARDS, dim=-2)):
+            xs = xs.detach().requires_grad_()
+            with torch.enable_grad():
+                torch.autograd.backward(ctx.mlp(xs), dys)
+            dxs.append(xs.grad)
+        return torch.cat(dxs, dim=-2), None
+
+
+class Model(nn.Module):
+    def __init__(self, kind):
+        super().__init__()
+        import logitless.torch as lt
+        torch.manual_seed(1234)  # the same weights in every process and for every kind
+        self.kind = kind
+        self.inp = nn.Linear(H, H)
+        self.mlp = PlainMLP() if kind in ("generic", "per-shard") else lt.SwiGLUMLP(H, I, bias=True)
+
+    def forward(self, x):
+        import logitless.torch as lt
+        h = self.inp(x)
+        if self.kind == "untiled":
+            return self.mlp(h)
+        if self.kind == "per-shard":
+            return PerShardBackward.apply(h, self.mlp)
+        return lt.tiled_mlp(self.mlp, h, num_shards=SHARDS)
+
+
+def _batches(rank):
+    g = torch.Generator().manual_seed(100 + rank)  # different data on each rank
+    return [torch.randn(B, T, H, generator=g) for _ in range(2)]
+
+
+def _loss(model, x):
+    return model(x).square().mean()
+
+
+def _worker(rank, port, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    results = {}
+    try:
+        batches = _batches(rank)
+        for kind in ("untiled", "fused", "generic", "per-shard"):
+            # local gradients of both micro-batches, no DDP: the expected sums
+            local = Model(kind if kind != "per-shard" else "generic")
+            for x in batches:
+                _loss(local, x).backward()
+            expected = {}
+            for n, p in local.named_parameters():
+                g = p.grad.clone()
+                dist.all_reduce(g)
+                expected[n] = g / WORLD
+            model = DDP(Model(kind))
+            try:
+                with model.no_sync():
+                    _loss(model, batches[0]).backward()
+                _loss(model, batches[1]).backward()
+                grads = {n[len("module."):]: p.grad.clone() for n, p in model.named_parameters()}
+                results[kind] = dict(grads=grads, expected=expected, error=None)
+            except RuntimeError as e:
+                results[kind] = dict(grads=None, expected=expected, error=str(e))
+            # realign the ranks after a failure mid-backward (a reducer may be left waiting)
+            dist.barrier()
+    except Exception:  # noqa: BLE001 - reported by the parent
+        results["crash"] = traceback.format_exc()
+    finally:
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.destroy_process_group()
+
+
+def _free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ddp_results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ddp")
+    mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=True)
+    res = [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
+    for r in res:
+        assert "crash" not in r, r["crash"]
+    return res
+
+
+@pytest.mark.parametrize("kind", ["fused", "generic"])
+def test_ddp_tiled_equals_untiled_and_keeps_no_sync_grads(ddp_results, kind):
+    for rank, res in enumerate(ddp_results):
+        tiled, untiled = res[kind], res["untiled"]
+        assert tiled["error"] is None, f"rank {rank}: DDP error: {tiled['error']}"
+        assert untiled["error"] is None, untiled["error"]
+        for n, g in tiled["grads"].items():
+            # both micro-batches' gradients, averaged over the ranks
+            torch.testing.assert_close(g, tiled["expected"][n], rtol=1e-5, atol=1e-7,
+                                       msg=lambda m: f"rank {rank} {n}: {m}")
+            torch.testing.assert_close(g, untiled["grads"][n], rtol=1e-5, atol=1e-7,
+                                       msg=lambda m: f"rank {rank} {n} vs untiled: {m}")
+            # the all-reduced gradient is the same on every rank
+            torch.testing.assert_close(g, ddp_results[0][kind]["grads"][n], rtol=0, atol=0)
+
+
+def test_negative_control_per_shard_backward_breaks_ddp(ddp_results):
+    for res in ddp_results:
+        err = res["per-shard"]["error"]
+        assert err is not None and "only once" in err, err
