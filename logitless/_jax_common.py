@@ -171,22 +171,35 @@ def grad_logits(c, lse, is_target, class_w, b, sm, smo, zw, g, h, *, softcap, sm
 
 
 # ------------------------------------------------------------------- GEMMs of either layout
+def _precision(*arrays):
+    """float32 GEMMs in full float32, as PyTorch does by default: XLA's DEFAULT precision on a
+    GPU rounds float32 operands to TF32-like precision (~3e-4 relative error). Half-precision
+    operands are exact either way, so they keep DEFAULT (and its fast paths)."""
+    if any(a.dtype == jnp.float32 for a in arrays):
+        return lax.Precision.HIGHEST
+    return None
+
+
 def logits(xc, w, layout, dtype=None):
     """(C, V) raw logits in ``dtype`` (default: the input dtype; fp32 accumulation inside)."""
     dims = (((1,), (1,)), ((), ())) if layout == "vh" else (((1,), (0,)), ((), ()))
-    return lax.dot_general(xc, w, dims, preferred_element_type=dtype or xc.dtype)
+    return lax.dot_general(xc, w, dims, preferred_element_type=dtype or xc.dtype,
+                           precision=_precision(xc, w))
 
 
 def grad_input(dz, w, layout):
     dims = (((1,), (0,)), ((), ())) if layout == "vh" else (((1,), (1,)), ((), ()))
-    return lax.dot_general(dz, w, dims, preferred_element_type=dz.dtype)
+    return lax.dot_general(dz, w, dims, preferred_element_type=dz.dtype,
+                           precision=_precision(dz, w))
 
 
 def grad_weight(dz, xc, layout):
     """dzᵀ·x as (V, H) (or x ᵀ·dz as (H, V) for "hv"), in float32."""
+    dims = (((0,), (0,)), ((), ()))
+    prec = _precision(dz, xc)
     if layout == "vh":
-        return lax.dot_general(dz, xc, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-    return lax.dot_general(xc, dz, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        return lax.dot_general(dz, xc, dims, preferred_element_type=jnp.float32, precision=prec)
+    return lax.dot_general(xc, dz, dims, preferred_element_type=jnp.float32, precision=prec)
 
 
 # ------------------------------------------------------------------------ chunked driver
