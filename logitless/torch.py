@@ -145,3 +145,8 @@ class LinearCrossEntropyLoss(torch.nn.Module):
 from .tiled_mlp_torch import SwiGLUMLP, TiledMLP, swiglu, tiled_mlp  # noqa: E402
 
 __all__ += ["tiled_mlp", "TiledMLP", "SwiGLUMLP", "swiglu"]
+
+# Fused linear JSD for distillation (logitless/_torch_jsd.py).
+from ._torch_jsd import LinearJSDLoss, linear_jsd  # noqa: E402
+
+__all__ += ["linear_jsd", "LinearJSDLoss"]

@@ -1,24 +1,29 @@
 """The shared reference harness: every backend of every op joins by registering one callable.
 
-A backend is ``run(case, inputs) -> dict`` of float64 NumPy arrays (``loss``, ``dx``, ``dw``,
-and ``lse`` / ``db`` when the case asks for them). The harness draws fresh random inputs,
-rounds them to the case's dtype (so every backend sees the very same values), runs the
-float64 spec reference and the backend's *naive* framework path, and requires each output's
-relative error to stay within ``FACTOR`` × the naive path's error in that dtype (with a small
-per-dtype floor, since a naive fp32 error can be ~0 by luck). NaN never passes, and a
-reference that is exactly zero (all tokens ignored) must be matched exactly.
+Shared here, for every op: the seed (fresh per session, printed, replayable), the backend
+registry keyed by op, the tolerance rule and the comparison. What is op-specific -- the case
+dataclass, drawing inputs, the float64 reference, the curated case matrix -- lives in one
+module per op (``op_linear_cross_entropy``, ``op_linear_jsd``), which describes itself as an
+:class:`Op`.
+
+A backend is ``run(case, inputs) -> dict`` of float64 NumPy arrays (the keys the op's
+reference returns). The harness draws fresh random inputs, rounds them to the case's dtype
+(so every backend sees the very same values), runs the float64 spec reference and the
+backend's *naive* framework path, and requires each output's relative error to stay within
+``FACTOR`` × the naive path's error in that dtype (with a small per-dtype floor, since a naive
+fp32 error can be ~0 by luck). NaN never passes, and a reference that is exactly zero (all
+tokens ignored) must be matched exactly.
 """
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 import zlib
-from typing import Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 import ml_dtypes
 import numpy as np
-
-from logitless.specs import linear_cross_entropy as spec
 
 NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 FACTOR = 2.0
@@ -29,113 +34,64 @@ FLOOR = {"float32": 1e-5, "bfloat16": 1e-3, "float16": 2e-4}
 SEED = int(os.environ.get("LOGITLESS_TEST_SEED", np.random.SeedSequence().entropy % (2**31)))
 
 
+def rng_for(case_id: str, salt: int = 0) -> np.random.Generator:
+    """The generator for one case's inputs: the session seed, a salt and the case id.
+    crc32, not hash(): str hashes are salted per process, which would defeat replaying a seed."""
+    return np.random.default_rng([SEED, salt, zlib.crc32(case_id.encode())])
+
+
+# ----------------------------------------------------------------------------- ops
 @dataclasses.dataclass(frozen=True)
-class Case:
-    n: int
-    h: int
-    v: int
-    dtype: str = "float32"
-    reduction: str = "mean"
-    label_smoothing: float = 0.0
-    z_loss: float = 0.0
-    softcap: Optional[float] = None
-    bias: bool = False
-    class_weight: bool = False
-    ignore: str = "some"          # "none" | "some" | "all"
-    lse_grad: bool = False        # return_lse, with a random upstream gradient on lse
-    chunk_size: Optional[int] = None  # small chunks exercise the multi-chunk paths
+class Op:
+    """What the harness needs to know about one op (each ``op_*`` module defines ``OP``)."""
 
-    @property
-    def id(self) -> str:
-        parts = [f"{self.n}x{self.h}x{self.v}", self.dtype, self.reduction]
-        for f, short in (("label_smoothing", "ls"), ("z_loss", "z"), ("softcap", "cap")):
-            val = getattr(self, f)
-            if val:
-                parts.append(f"{short}{val}")
-        parts += [f for f in ("bias", "class_weight", "lse_grad") if getattr(self, f)]
-        if self.ignore != "some":
-            parts.append(f"ignore-{self.ignore}")
-        if self.chunk_size:
-            parts.append(f"chunk{self.chunk_size}")
-        return "-".join(parts)
-
-    def options(self) -> spec.LinearCrossEntropyOptions:
-        return spec.LinearCrossEntropyOptions(
-            reduction=self.reduction, label_smoothing=self.label_smoothing, z_loss=self.z_loss,
-            softcap=self.softcap, return_lse=self.lse_grad)
+    name: str
+    make_inputs: Callable[[Any, int], Any]          # (case, salt) -> inputs
+    reference: Callable[[Any, Any], Dict[str, np.ndarray]]  # (case, inputs) -> float64 outputs
+    cases: Callable[[], List[Any]]                  # the curated matrix every backend passes
 
 
-@dataclasses.dataclass
-class Inputs:
-    x: np.ndarray                  # (N, H) in the case dtype
-    w: np.ndarray                  # (V, H) in the case dtype
-    y: np.ndarray                  # (N,) int64
-    bias: Optional[np.ndarray]     # (V,) in the case dtype
-    class_weight: Optional[np.ndarray]  # (V,) float32
-    grad_output: np.ndarray        # () or (N,) float32
-    grad_lse: Optional[np.ndarray]  # (N,) float32
-    ignore_index: int = -100
-
-
-def make_inputs(case: Case, salt: int = 0) -> Inputs:
-    # crc32, not hash(): str hashes are salted per process, which would defeat replaying a seed
-    rng = np.random.default_rng([SEED, salt, zlib.crc32(case.id.encode())])
-    dt = NP_DTYPES[case.dtype]
-    x = rng.standard_normal((case.n, case.h))
-    # logits of std ~3: peaked enough that softmax tails matter, as in trained LMs
-    w = rng.standard_normal((case.v, case.h)) * (3.0 / np.sqrt(case.h))
-    y = rng.integers(0, case.v, case.n)
-    if case.ignore == "some":
-        y[rng.random(case.n) < 0.2] = -100
-    elif case.ignore == "all":
-        y[:] = -100
-    bias = (rng.standard_normal(case.v) * 0.5).astype(dt) if case.bias else None
-    cw = rng.uniform(0.25, 2.0, case.v).astype(np.float32) if case.class_weight else None
-    g = rng.uniform(0.5, 2.0, case.n if case.reduction == "none" else ()).astype(np.float32)
-    if case.reduction == "none":
-        g *= rng.choice([-1.0, 1.0], case.n).astype(np.float32)
-    gl = rng.standard_normal(case.n).astype(np.float32) if case.lse_grad else None
-    return Inputs(x=x.astype(dt), w=w.astype(dt), y=y, bias=bias, class_weight=cw,
-                  grad_output=np.asarray(g), grad_lse=gl)
-
-
-def reference(case: Case, inp: Inputs) -> Dict[str, np.ndarray]:
-    f64 = lambda a: None if a is None else np.asarray(a, np.float64)
-    r = spec.reference(f64(inp.x), f64(inp.w), inp.y, bias=f64(inp.bias),
-                       weight=f64(inp.class_weight), options=case.options(),
-                       grad_output=f64(inp.grad_output), grad_lse=f64(inp.grad_lse))
-    out = dict(loss=np.asarray(r["loss"]), dx=r["dx"], dw=r["dw"])
-    if case.lse_grad:
-        out["lse"] = r["lse"]
-    if case.bias:
-        out["db"] = r["db"]
-    return out
-
-
+# ----------------------------------------------------------------------------- backends
 @dataclasses.dataclass(frozen=True)
 class Backend:
     name: str
-    run: Callable[[Case, Inputs], Dict[str, np.ndarray]]
-    naive: str                      # the backend whose error scales the tolerance
+    run: Callable[[Any, Any], Dict[str, np.ndarray]]
+    naive: str                      # the backend (same op) whose error scales the tolerance
     dtypes: Tuple[str, ...] = ("float32", "bfloat16", "float16")
-    requires: Tuple[str, ...] = ()  # importable modules needed (skip reason otherwise)
+    requires: Tuple[str, ...] = ()  # importable modules needed
+    op: str = "linear_cross_entropy"
 
 
-BACKENDS: Dict[str, Backend] = {}
+REGISTRY: Dict[str, Dict[str, Backend]] = {}
 
 
 def register(backend: Backend) -> Backend:
-    BACKENDS[backend.name] = backend
+    REGISTRY.setdefault(backend.op, {})[backend.name] = backend
     return backend
 
 
+def backends(op: str) -> Dict[str, Backend]:
+    """The backends registered for ``op`` (a live dict: later registrations show up)."""
+    return REGISTRY.setdefault(op, {})
+
+
+def under_test(op: str) -> List[str]:
+    """Every registered backend of ``op`` but the naive reference paths."""
+    return [name for name in backends(op) if not name.startswith("naive")]
+
+
+def missing_modules(backend: Backend) -> List[str]:
+    return [m for m in backend.requires if importlib.util.find_spec(m) is None]
+
+
+# ----------------------------------------------------------------------------- comparison
 def rel_err(a, r) -> float:
     a = np.asarray(a, np.float64)
     r = np.asarray(r, np.float64)
     return float(np.linalg.norm((a - r).ravel()) / np.linalg.norm(r.ravel()))
 
 
-def compare(case: Case, out, ref, naive) -> Dict[str, Tuple[float, float]]:
+def compare(case, out, ref, naive) -> Dict[str, Tuple[float, float]]:
     """Assert ``out`` matches ``ref``; returns {key: (err, tol)} for reporting."""
     assert set(out) >= set(ref), f"backend returned {sorted(out)}, expected {sorted(ref)}"
     report = {}
@@ -154,31 +110,17 @@ def compare(case: Case, out, ref, naive) -> Dict[str, Tuple[float, float]]:
     return report
 
 
-def cases_linear_cross_entropy():
-    """The curated matrix every linear-CE backend must pass (small: CI runs it interpreted)."""
-    base = dict(n=37, h=33, v=97)  # N, H odd; V prime
-    out = []
-    for dtype in ("float32", "bfloat16", "float16"):
-        for red in ("mean", "sum", "none"):
-            out.append(Case(**base, dtype=dtype, reduction=red))
-    singles = [dict(bias=True), dict(class_weight=True), dict(label_smoothing=0.1),
-               dict(z_loss=1e-3), dict(softcap=4.0), dict(lse_grad=True)]
-    for dtype in ("float32", "bfloat16"):
-        for opt in singles:
-            out.append(Case(**base, dtype=dtype, **opt))
-    everything = dict(bias=True, class_weight=True, label_smoothing=0.2, z_loss=1e-2,
-                      softcap=5.0, lse_grad=True)
-    for dtype in ("float32", "bfloat16", "float16"):
-        for red in ("mean", "sum", "none"):
-            out.append(Case(**base, dtype=dtype, reduction=red, **everything))
-    out += [
-        Case(n=1, h=16, v=61, ignore="none"),                         # N = 1
-        Case(n=1, h=16, v=61, dtype="bfloat16", reduction="none", **everything),
-        Case(n=130, h=48, v=509, dtype="bfloat16", chunk_size=48, **everything),  # many chunks
-        Case(n=130, h=48, v=509, reduction="none", chunk_size=48, class_weight=True),
-        Case(n=64, h=64, v=1031, dtype="bfloat16", label_smoothing=0.1),  # wider V, prime
-    ]
-    for red in ("mean", "sum", "none"):  # every token ignored: loss 0, zero grads, no NaN
-        out.append(Case(**base, reduction=red, ignore="all", **{**everything, "lse_grad": False}))
-    out.append(Case(**base, dtype="bfloat16", ignore="all", **everything))  # only lse has grad
-    return out
+def check_backend(op: Op, name: str, case, salt: int = 0) -> Dict[str, Tuple[float, float]]:
+    """The shared test body: ``name`` (a backend of ``op``) against the float64 reference, with
+    the naive path's error setting the tolerance. Fails (never skips) when a module is missing."""
+    be = backends(op.name)[name]
+    missing = missing_modules(be)
+    if missing:
+        raise AssertionError(f"backend {name!r} needs {missing}, which the test environment lacks")
+    if case.dtype not in be.dtypes:
+        raise AssertionError(f"backend {name!r} does not declare dtype {case.dtype}")
+    inp = op.make_inputs(case, salt)
+    ref = op.reference(case, inp)
+    naive = backends(op.name)[be.naive].run(case, inp)
+    out = be.run(case, inp)
+    return compare(case, out, ref, naive)

@@ -22,8 +22,10 @@ import harness
 import backends  # noqa: F401  (registers the backends)
 from backends_jax import _pallas_test_tuning
 from backends_torch import _torch_collect, _torch_inputs
-from harness import (BACKENDS, FACTOR, FLOOR, Case, cases_linear_cross_entropy, compare,
-                     make_inputs, reference, rel_err)
+from harness import FACTOR, FLOOR, backends, compare, rel_err
+from op_linear_cross_entropy import cases_linear_cross_entropy, make_inputs, reference
+
+BACKENDS = backends("linear_cross_entropy")
 
 PYTORCH_SIDE = ("torch", "triton", "bridge-pallas")
 JAX_SIDE = ("xla", "pallas")

@@ -1,0 +1,231 @@
+r"""Fused linear JSD (distillation): the one definition every backend implements.
+
+Inputs (after flattening the leading dims): student ``x_s (N, H_s)``, ``W_s (V, H_s)``;
+teacher ``x_t (N, H_t)``, ``W_t (V, H_t)`` (``H_s`` and ``H_t`` may differ, ``V`` may not);
+optional targets ``y (N,)``, used only to skip tokens (``ignore_index``) and by the optional
+hard-label term. Options: ``β`` (beta), ``T`` (temperature), ``w_h`` (hard_loss_weight),
+``ignore_index``, ``reduction``.
+
+Forward, per token i (all arithmetic in fp32 or wider)::
+
+    z_iv = x_s,i · W_s,v       ζ_iv = x_t,i · W_t,v       student / teacher logits
+    a_iv = z_iv / T            b_iv = ζ_iv / T
+    log Q_iv = a_iv − lse_v(a_i)      Q = softmax(student / T)
+    log P_iv = b_iv − lse_v(b_i)      P = softmax(teacher / T)
+
+    0 < β < 1:  M = β·P + (1−β)·Q
+                J_i = β·KL(P‖M) + (1−β)·KL(Q‖M)
+                    = Σ_v β·P_v·(log P_v − log M_v) + (1−β)·Q_v·(log Q_v − log M_v)
+    β = 0:      J_i = KL(P‖Q) = Σ_v P_v·(log P_v − log Q_v)        (forward KL)
+    β = 1:      J_i = KL(Q‖P) = Σ_v Q_v·(log Q_v − log P_v)        (reverse KL)
+
+    ce_i = lse_v(z_i) − z_{i,y_i}     hard-label cross-entropy, on the raw logits (no T)
+    m_i  = 0 if y_i == ignore_index else 1     (1 for every token when no targets are given)
+    l_i  = m_i · (J_i + w_h · ce_i)
+
+This is Liger-Kernel's generalized JSD (``LigerFusedLinearJSD``; its hard-label term is that
+of ``LigerFusedLinearJSDLoss`` with ``weight_soft_loss = 1``): no T² factor, the teacher is a
+constant. **The endpoints are defined, not inherited**: the general formula degenerates at
+β = 0 (M = Q, so J = KL(Q‖Q) = 0) and at β = 1 (M = P, J = 0). For small β,
+J_β = β·KL(P‖Q) + O(β²), so the β = 0 case is lim J_β/β (and β = 1 is lim J_β/(1−β)): the
+stated KLs, exactly as Liger special-cases them, and the loss is discontinuous in β there.
+
+Reductions::
+
+    "none": l_i        "sum": Σ_i l_i        "mean": Σ_i l_i / Σ_i m_i
+
+and ``mean`` of a batch whose tokens are all ignored (Σ m = 0) is 0, never NaN.
+
+Backward (the student's logits only; the teacher gets no gradient). Let g_i be the upstream
+gradient of token i's loss — ``g`` for "sum", ``g/Σm`` for "mean" (0 when Σm = 0), ``g_i`` for
+"none". With ∂/∂z = (1/T)·∂/∂a and ∂Q_u/∂a_v = Q_u·(δ_uv − Q_v)::
+
+    0 < β < 1:  ∂J/∂Q_v = (1−β)·ℓ_v,   ℓ_v = log Q_v − log M_v      (P held fixed)
+                ∂J/∂a_v = (1−β)·Q_v·(ℓ_v − K),   K = Σ_u Q_u·ℓ_u = KL(Q‖M)
+    β = 0:      ∂J/∂a_v = Q_v − P_v
+    β = 1:      ∂J/∂a_v = Q_v·(λ_v − K'),   λ_v = log Q_v − log P_v,   K' = Σ_u Q_u·λ_u = KL(Q‖P) = J
+    ∂ce/∂z_v  = S_v − [v = y],   S = softmax(z)  (= Q when T = 1)
+
+    dz_iv = g_i · m_i · ( (1/T)·∂J_i/∂a_iv + w_h·(S_iv − [v = y_i]) )
+    dX_s = dz · W_s        dW_s = dzᵀ · X_s
+
+(The general case: J = β·Σ P log P + (1−β)·Σ Q log Q − Σ M log M, since Σ_v M_v log M_v =
+Σ_v (β P_v + (1−β) Q_v) log M_v; differentiating in Q_v gives (1−β)(log Q_v + 1 − log M_v − 1).)
+Ignored tokens have m = 0: zero loss, zero gradient.
+
+Precision note for implementations: J is a difference of nearly equal quantities when student
+and teacher agree, and its gradient has no exact dominant term (unlike cross-entropy's
+−onehot), so logits rounded to bf16 by the GEMM (|z|·2⁻⁹ absolute) move the gradient by
+~1e-2 relative. The reference GEMMs therefore produce fp32 logits (see the backends).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from typing import Optional, Sequence, Tuple
+
+import numpy as np
+
+from .linear_cross_entropy import (REDUCTIONS, _check_real, check_targets,
+                                   reduction_denominator)
+
+__all__ = ["LinearJSDOptions", "Problem", "check_shapes", "reference", "token_mask"]
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearJSDOptions:
+    """The loss options, validated once here; backends read them, never re-check them."""
+
+    beta: float = 0.5
+    temperature: float = 1.0
+    ignore_index: int = -100
+    reduction: str = "mean"
+    hard_loss_weight: float = 0.0
+
+    def __post_init__(self):
+        _check_real("beta", self.beta, lo=0.0, hi=1.0)
+        _check_real("temperature", self.temperature, lo=0.0, lo_open=True)
+        _check_real("hard_loss_weight", self.hard_loss_weight, lo=0.0)
+        if self.reduction not in REDUCTIONS:
+            raise ValueError(f"reduction must be one of {REDUCTIONS}, got {self.reduction!r}")
+        if isinstance(self.ignore_index, bool) or not isinstance(self.ignore_index, numbers.Integral):
+            raise TypeError(f"ignore_index must be an int, got {self.ignore_index!r}")
+        object.__setattr__(self, "ignore_index", int(self.ignore_index))
+        for name in ("beta", "temperature", "hard_loss_weight"):
+            object.__setattr__(self, name, float(getattr(self, name)))
+
+    @property
+    def kind(self) -> str:
+        """``"forward_kl"`` (β = 0), ``"reverse_kl"`` (β = 1) or ``"jsd"`` (0 < β < 1)."""
+        return "forward_kl" if self.beta == 0.0 else "reverse_kl" if self.beta == 1.0 else "jsd"
+
+    @property
+    def has_hard_loss(self) -> bool:
+        return self.hard_loss_weight > 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """Sizes of one call after flattening; ``batch_shape`` is the inputs' leading shape."""
+
+    n: int
+    h_s: int
+    h_t: int
+    v: int
+    batch_shape: Tuple[int, ...]
+
+
+def check_shapes(student_input_shape: Sequence[int], student_weight_shape: Sequence[int],
+                 teacher_input_shape: Sequence[int], teacher_weight_shape: Sequence[int],
+                 target_shape: Optional[Sequence[int]] = None, *,
+                 options: Optional[LinearJSDOptions] = None) -> Problem:
+    """Shape rules shared by every front door; errors name the offending argument.
+
+    ``student_input (..., H_s)``, ``student_weight (V, H_s)``, ``teacher_input (..., H_t)`` with
+    the same leading dims, ``teacher_weight (V, H_t)``, ``target (...)`` (optional; required
+    when ``options.hard_loss_weight > 0``).
+    """
+    xs, ws = tuple(student_input_shape), tuple(student_weight_shape)
+    xt, wt = tuple(teacher_input_shape), tuple(teacher_weight_shape)
+    for name, shape in (("student_input", xs), ("teacher_input", xt)):
+        if len(shape) < 1:
+            raise ValueError(f"{name} must have at least 1 dimension (..., H), got shape {shape}")
+    for name, shape in (("student_weight", ws), ("teacher_weight", wt)):
+        if len(shape) != 2:
+            raise ValueError(f"{name} must be 2-D (V, H), got shape {shape}")
+    v, h_s = ws
+    if xs[-1] != h_s:
+        raise ValueError(f"hidden size mismatch: student_input has H={xs[-1]} but student_weight "
+                         f"(V, H) has shape {ws}")
+    if wt[0] != v:
+        raise ValueError(f"vocabulary mismatch: student_weight has V={v} but teacher_weight "
+                         f"has shape {wt}")
+    h_t = wt[1]
+    if xt[-1] != h_t:
+        raise ValueError(f"hidden size mismatch: teacher_input has H={xt[-1]} but teacher_weight "
+                         f"(V, H) has shape {wt}")
+    if xt[:-1] != xs[:-1]:
+        raise ValueError(f"teacher_input must have the leading shape of student_input "
+                         f"{xs[:-1]}, got {xt[:-1]}")
+    if v < 1 or h_s < 1 or h_t < 1:
+        raise ValueError(f"weights must have V >= 1 and H >= 1, got student_weight {ws} and "
+                         f"teacher_weight {wt}")
+    if target_shape is not None and tuple(target_shape) != xs[:-1]:
+        raise ValueError(f"target must have shape student_input.shape[:-1] = {xs[:-1]}, "
+                         f"got {tuple(target_shape)}")
+    if target_shape is None and options is not None and options.has_hard_loss:
+        raise ValueError("hard_loss_weight > 0 needs target (the hard labels)")
+    n = math.prod(xs[:-1])  # plain Python (not NumPy) so torch.compile traces it
+    return Problem(n=n, h_s=int(h_s), h_t=int(h_t), v=int(v), batch_shape=xs[:-1])
+
+
+def token_mask(y, n: int, ignore_index: int):
+    """m (N,) float64: 0 for ignored tokens, 1 otherwise (all ones without targets)."""
+    return np.ones(n) if y is None else (np.asarray(y) != ignore_index).astype(np.float64)
+
+
+def _log_softmax(u):
+    mx = u.max(axis=1, keepdims=True)
+    return u - (mx + np.log(np.exp(u - mx).sum(axis=1, keepdims=True)))
+
+
+def reference(x_s, W_s, x_t, W_t, y=None, *, options: LinearJSDOptions = None,
+              grad_output=None):
+    """Float64 forward and *analytic* backward (the formulas above, not autodiff).
+
+    ``grad_output`` is the upstream gradient of the loss (a scalar for "mean"/"sum", ``(N,)``
+    for "none"; default ones). Returns a dict with ``loss`` (reduced), ``token_loss (N,)``
+    (l_i), ``jsd (N,)`` (J_i), ``ce (N,)`` (ce_i, zeros without targets), ``grad_logits (N, V)``
+    (dz), ``dx (N, H_s)`` and ``dw (V, H_s)``.
+    """
+    opts = options or LinearJSDOptions()
+    x_s, W_s = np.asarray(x_s, np.float64), np.asarray(W_s, np.float64)
+    x_t, W_t = np.asarray(x_t, np.float64), np.asarray(W_t, np.float64)
+    check_shapes(x_s.shape, W_s.shape, x_t.shape, W_t.shape,
+                 None if y is None else np.shape(y), options=opts)
+    n, v = x_s.shape[0], W_s.shape[0]
+    if y is not None:
+        check_targets(y, v, opts.ignore_index)
+        y = np.asarray(y).astype(np.int64)
+    beta, T = opts.beta, opts.temperature
+
+    z = x_s @ W_s.T
+    logq = _log_softmax(z / T)
+    logp = _log_softmax((x_t @ W_t.T) / T)
+    q, p = np.exp(logq), np.exp(logp)
+    with np.errstate(divide="ignore"):  # log β or log(1−β) at the endpoints, unused there
+        if opts.kind == "forward_kl":
+            jsd = (p * (logp - logq)).sum(axis=1)
+            da = q - p
+        elif opts.kind == "reverse_kl":
+            lam = logq - logp
+            jsd = (q * lam).sum(axis=1)
+            da = q * (lam - jsd[:, None])
+        else:
+            logm = np.logaddexp(np.log(beta) + logp, np.log1p(-beta) + logq)
+            ell = logq - logm
+            kl_qm = (q * ell).sum(axis=1)
+            jsd = beta * (p * (logp - logm)).sum(axis=1) + (1 - beta) * kl_qm
+            da = (1 - beta) * q * (ell - kl_qm[:, None])
+
+    m = token_mask(y, n, opts.ignore_index)
+    ce = np.zeros(n)
+    dce = np.zeros_like(z)
+    if y is not None:
+        y_safe = np.where(m > 0, y, 0)
+        logs = _log_softmax(z)
+        ce = -logs[np.arange(n), y_safe] * m
+        dce = np.exp(logs)
+        dce[np.arange(n), y_safe] -= 1.0
+    token_loss = m * (jsd + opts.hard_loss_weight * ce)
+
+    denom = reduction_denominator(m.sum(), opts.reduction)
+    loss = token_loss if opts.reduction == "none" else token_loss.sum() / denom
+    if grad_output is None:
+        grad_output = np.ones(n) if opts.reduction == "none" else 1.0
+    g = np.asarray(grad_output, np.float64)
+    g_tok = g if opts.reduction == "none" else np.full(n, g / denom)
+    dz = (g_tok * m)[:, None] * (da / T + opts.hard_loss_weight * dce)
+    return dict(loss=loss, token_loss=token_loss, jsd=jsd, ce=ce, grad_logits=dz,
+                dx=dz @ W_s, dw=dz.T @ x_s)

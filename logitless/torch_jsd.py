@@ -1,0 +1,141 @@
+"""``backend="torch"`` for linear JSD: the spec in plain PyTorch ops, chunked over tokens.
+
+What CPU-only users get, and the fallback anywhere Triton is missing. Forward keeps only the
+per-token losses; backward recomputes each chunk's two logits blocks (fp32, as the spec
+requires) and writes dX per chunk while dW accumulates in place in fp32.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import _torch_common as common
+from . import _torch_jsd as jsd_common
+from .specs import linear_jsd as spec
+from .specs.tiling import plan_token_chunks
+
+TUNING = ("chunk_size", "memory_budget")
+# Live [chunk, V] float32 temporaries of one chunk (two logits blocks, log-probabilities,
+# probabilities, log M, the gradient): the plan budgets this many per token and vocab entry.
+_TEMPORARIES = 8
+
+
+def _acc_dtype(x):
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def chunk_terms(zs, zt, y, opts: spec.LinearJSDOptions, want_grad: bool):
+    """Per-token loss l_i / m_i (J_i + w_h·ce_i) and, if wanted, ∂(J + w_h·ce)/∂z (C, V) for a
+    chunk of fp32/fp64 student and teacher logits (the spec's formulas, row-wise)."""
+    beta, t = opts.beta, opts.temperature
+    logq = torch.log_softmax(zs / t, dim=1)
+    logp = torch.log_softmax(zt / t, dim=1)
+    q = logq.exp()
+    da = None
+    if opts.kind == "forward_kl":
+        p = logp.exp()
+        loss = (p * (logp - logq)).sum(1)
+        if want_grad:
+            da = q - p
+    elif opts.kind == "reverse_kl":
+        lam = logq - logp
+        loss = (q * lam).sum(1)
+        if want_grad:
+            da = q * (lam - loss[:, None])
+    else:
+        logm = torch.logaddexp(logp + math.log(beta), logq + math.log1p(-beta))
+        ell = logq - logm
+        kl_qm = (q * ell).sum(1)
+        loss = beta * (logp.exp() * (logp - logm)).sum(1) + (1 - beta) * kl_qm
+        if want_grad:
+            da = (1 - beta) * q * (ell - kl_qm[:, None])
+    dz = None if da is None else da.div_(t)
+    if opts.has_hard_loss:
+        y_safe = torch.where(y != opts.ignore_index, y, torch.zeros_like(y)).long()
+        logs = torch.log_softmax(zs, dim=1)
+        loss = loss - opts.hard_loss_weight * logs.gather(1, y_safe[:, None])[:, 0]
+        if want_grad:
+            dce = logs.exp_()
+            dce.scatter_add_(1, y_safe[:, None], -torch.ones_like(dce[:, :1]))
+            dz.add_(dce, alpha=opts.hard_loss_weight)
+    return loss, dz
+
+
+def _mask(y, n, opts, like):
+    if y is None:
+        return torch.ones(n, dtype=like.dtype, device=like.device)
+    return (y != opts.ignore_index).to(like.dtype)
+
+
+class _ChunkedLinearJSD(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, xs, ws, xt, wt, y, opts, plan):
+        acc = _acc_dtype(xs)
+        n = xs.shape[0]
+        token_loss = torch.empty(n, dtype=acc, device=xs.device)
+        for s, e in plan.bounds():
+            if e <= s:
+                continue
+            loss_c, _ = chunk_terms(jsd_common.logits_f32(xs[s:e], ws).to(acc),
+                                    jsd_common.logits_f32(xt[s:e], wt).to(acc),
+                                    None if y is None else y[s:e], opts, want_grad=False)
+            token_loss[s:e] = loss_c
+        token_loss *= _mask(y, n, opts, token_loss)
+        denom = None
+        if opts.reduction == "none":
+            loss = token_loss
+        else:
+            loss = token_loss.sum()
+            if opts.reduction == "mean":
+                denom = jsd_common.mean_denominator(y, n, opts.ignore_index, xs).to(acc)
+                loss = loss / denom
+        ctx.opts, ctx.plan, ctx.has_y = opts, plan, y is not None
+        ctx.save_for_backward(xs, ws, xt, wt, y, denom)
+        ctx.set_materialize_grads(False)
+        return loss
+
+    @staticmethod
+    def backward(ctx, g_loss):
+        xs, ws, xt, wt, y, denom = ctx.saved_tensors
+        opts, plan = ctx.opts, ctx.plan
+        need_x, need_w = ctx.needs_input_grad[:2]
+        none = (None,) * 5
+        if g_loss is None or not (need_x or need_w):
+            return (None, None) + none
+        acc = _acc_dtype(xs)
+        n, v = xs.shape[0], ws.shape[0]
+        g = g_loss.to(acc)
+        if opts.reduction == "none":
+            g_tok = g
+        else:
+            g_tok = (g / denom if denom is not None else g).expand(n)
+        g_tok = g_tok * _mask(y, n, opts, g_tok)
+        dx = torch.empty(xs.shape, dtype=xs.dtype, device=xs.device) if need_x else None
+        dw = torch.empty(v, xs.shape[1], dtype=acc, device=xs.device) if need_w else None
+        first = True
+        for s, e in plan.bounds():
+            if e <= s:
+                continue
+            _, dz = chunk_terms(jsd_common.logits_f32(xs[s:e], ws).to(acc),
+                                jsd_common.logits_f32(xt[s:e], wt).to(acc),
+                                None if y is None else y[s:e], opts, want_grad=True)
+            dz_low = dz.mul_(g_tok[s:e, None]).to(xs.dtype)
+            del dz
+            if dx is not None:
+                torch.mm(dz_low, ws, out=dx[s:e])
+            if dw is not None:
+                common.accumulate_mm_(dw, dz_low.t(), xs[s:e], first=first)
+            first = False
+        if dw is not None and first:  # no tokens at all
+            dw.zero_()
+        return (dx, None if dw is None else dw.to(ws.dtype)) + none
+
+
+def linear_jsd(p: jsd_common.Prepared, opts: spec.LinearJSDOptions, *, chunk_size=None,
+               memory_budget=None):
+    """Returns the loss reduced per ``opts.reduction`` (flat ``(N,)`` for "none")."""
+    bytes_per = _TEMPORARIES * torch.finfo(_acc_dtype(p.xs)).bits // 8
+    plan = plan_token_chunks(p.problem.n, p.problem.v, bytes_per_element=bytes_per,
+                             budget_bytes=memory_budget, chunk_size=chunk_size)
+    return _ChunkedLinearJSD.apply(p.xs, p.ws, p.xt, p.wt, p.y, opts, plan)

@@ -1,0 +1,99 @@
+"""PyTorch backends of linear JSD joining the shared harness (and the naive torch path)."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from harness import Backend, register
+
+OP = "linear_jsd"
+
+
+def torch_device():
+    import torch
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def torch_inputs(case, inp):
+    """Tensors on the test device; the teacher's also require grad, so that a gradient leaking
+    into them is caught."""
+    import torch
+    dev = torch_device()
+    t = lambda a, dt: torch.tensor(np.asarray(a, np.float32), dtype=getattr(torch, dt), device=dev)
+    xs, ws = t(inp.xs, case.dtype).requires_grad_(), t(inp.ws, case.dtype).requires_grad_()
+    xt, wt = t(inp.xt, case.t_dtype).requires_grad_(), t(inp.wt, case.t_dtype).requires_grad_()
+    y = None if inp.y is None else torch.tensor(inp.y, device=dev)
+    g = torch.tensor(np.asarray(inp.grad_output, np.float32), device=dev)
+    return xs, ws, xt, wt, y, g
+
+
+def torch_collect(loss, xs, ws, xt, wt, g):
+    import torch
+    torch.autograd.backward([loss], [g.to(loss.dtype)])
+    assert xt.grad is None and wt.grad is None, "the teacher must get no gradient"
+    f = lambda a: a.detach().double().cpu().numpy()
+    return dict(loss=f(loss), dx=f(xs.grad), dw=f(ws.grad))
+
+
+def jsd_runner(backend, **fixed_tuning):
+    def run(case, inp):
+        import logitless.torch as lt
+        xs, ws, xt, wt, y, g = torch_inputs(case, inp)
+        tuning = dict(fixed_tuning)
+        if case.chunk_size:
+            tuning["chunk_size"] = case.chunk_size
+        loss = lt.linear_jsd(xs, ws, xt, wt, y, beta=case.beta, temperature=case.temperature,
+                             ignore_index=inp.ignore_index, reduction=case.reduction,
+                             hard_loss_weight=case.hard_loss_weight, backend=backend, **tuning)
+        return torch_collect(loss, xs, ws, xt, wt, g)
+    return run
+
+
+def naive_torch_jsd(case, inp):
+    """A careful user's version: both logits materialized in fp32, F.kl_div / F.cross_entropy,
+    autograd (see op_linear_jsd for why fp32)."""
+    import torch
+    import torch.nn.functional as F
+    xs, ws, xt, wt, y, g = torch_inputs(case, inp)
+    zs = xs.float() @ ws.float().t()
+    with torch.no_grad():
+        zt = xt.float() @ wt.float().t()
+    logq = F.log_softmax(zs / case.temperature, dim=-1)
+    logp = F.log_softmax(zt / case.temperature, dim=-1)
+    kl = lambda inp_, tgt: F.kl_div(inp_, tgt, reduction="none", log_target=True).sum(-1)
+    b = case.beta
+    if b == 0:
+        tok = kl(logq, logp)
+    elif b == 1:
+        tok = kl(logp, logq)
+    else:
+        logm = torch.logsumexp(torch.stack([logq + math.log(1 - b), logp + math.log(b)]), dim=0)
+        tok = b * kl(logm, logp) + (1 - b) * kl(logm, logq)
+    n = zs.shape[0]
+    mask = torch.ones(n, device=zs.device) if y is None else (y != inp.ignore_index).float()
+    if case.hard_loss_weight:
+        tok = tok + case.hard_loss_weight * F.cross_entropy(
+            zs, y, ignore_index=inp.ignore_index, reduction="none")
+    tok = tok * mask
+    if case.reduction == "none":
+        loss = tok
+    elif case.reduction == "sum":
+        loss = tok.sum()
+    else:
+        loss = tok.sum() / mask.sum().clamp_min(1.0)
+    return torch_collect(loss, xs, ws, xt, wt, g)
+
+
+def _triton_split_tuning():
+    """Rows split over several programs (blocks of 32 columns): on a GPU the fused kernel's
+    barriers; in the interpreter (which runs programs one by one) the three-launch path."""
+    return dict(block_v=32)
+
+
+register(Backend("naive-torch", naive_torch_jsd, naive="naive-torch", requires=("torch",), op=OP))
+register(Backend("torch", jsd_runner("torch"), naive="naive-torch", requires=("torch",), op=OP))
+register(Backend("triton", jsd_runner("triton"), naive="naive-torch",
+                 requires=("torch", "triton"), op=OP))
+register(Backend("triton-split", jsd_runner("triton", **_triton_split_tuning()),
+                 naive="naive-torch", requires=("torch", "triton"), op=OP))

@@ -1,0 +1,127 @@
+"""Linear cross-entropy in the shared harness: the case, inputs, float64 reference and the
+curated case matrix every linear-CE backend must pass (see :mod:`harness`)."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, Optional
+
+import numpy as np
+
+from harness import NP_DTYPES, Op, rng_for
+from logitless.specs import linear_cross_entropy as spec
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    n: int
+    h: int
+    v: int
+    dtype: str = "float32"
+    reduction: str = "mean"
+    label_smoothing: float = 0.0
+    z_loss: float = 0.0
+    softcap: Optional[float] = None
+    bias: bool = False
+    class_weight: bool = False
+    ignore: str = "some"          # "none" | "some" | "all"
+    lse_grad: bool = False        # return_lse, with a random upstream gradient on lse
+    chunk_size: Optional[int] = None  # small chunks exercise the multi-chunk paths
+
+    @property
+    def id(self) -> str:
+        parts = [f"{self.n}x{self.h}x{self.v}", self.dtype, self.reduction]
+        for f, short in (("label_smoothing", "ls"), ("z_loss", "z"), ("softcap", "cap")):
+            val = getattr(self, f)
+            if val:
+                parts.append(f"{short}{val}")
+        parts += [f for f in ("bias", "class_weight", "lse_grad") if getattr(self, f)]
+        if self.ignore != "some":
+            parts.append(f"ignore-{self.ignore}")
+        if self.chunk_size:
+            parts.append(f"chunk{self.chunk_size}")
+        return "-".join(parts)
+
+    def options(self) -> spec.LinearCrossEntropyOptions:
+        return spec.LinearCrossEntropyOptions(
+            reduction=self.reduction, label_smoothing=self.label_smoothing, z_loss=self.z_loss,
+            softcap=self.softcap, return_lse=self.lse_grad)
+
+
+@dataclasses.dataclass
+class Inputs:
+    x: np.ndarray                  # (N, H) in the case dtype
+    w: np.ndarray                  # (V, H) in the case dtype
+    y: np.ndarray                  # (N,) int64
+    bias: Optional[np.ndarray]     # (V,) in the case dtype
+    class_weight: Optional[np.ndarray]  # (V,) float32
+    grad_output: np.ndarray        # () or (N,) float32
+    grad_lse: Optional[np.ndarray]  # (N,) float32
+    ignore_index: int = -100
+
+
+def make_inputs(case: Case, salt: int = 0) -> Inputs:
+    rng = rng_for(case.id, salt)
+    dt = NP_DTYPES[case.dtype]
+    x = rng.standard_normal((case.n, case.h))
+    # logits of std ~3: peaked enough that softmax tails matter, as in trained LMs
+    w = rng.standard_normal((case.v, case.h)) * (3.0 / np.sqrt(case.h))
+    y = rng.integers(0, case.v, case.n)
+    if case.ignore == "some":
+        y[rng.random(case.n) < 0.2] = -100
+    elif case.ignore == "all":
+        y[:] = -100
+    bias = (rng.standard_normal(case.v) * 0.5).astype(dt) if case.bias else None
+    cw = rng.uniform(0.25, 2.0, case.v).astype(np.float32) if case.class_weight else None
+    g = rng.uniform(0.5, 2.0, case.n if case.reduction == "none" else ()).astype(np.float32)
+    if case.reduction == "none":
+        g *= rng.choice([-1.0, 1.0], case.n).astype(np.float32)
+    gl = rng.standard_normal(case.n).astype(np.float32) if case.lse_grad else None
+    return Inputs(x=x.astype(dt), w=w.astype(dt), y=y, bias=bias, class_weight=cw,
+                  grad_output=np.asarray(g), grad_lse=gl)
+
+
+def reference(case: Case, inp: Inputs) -> Dict[str, np.ndarray]:
+    f64 = lambda a: None if a is None else np.asarray(a, np.float64)
+    r = spec.reference(f64(inp.x), f64(inp.w), inp.y, bias=f64(inp.bias),
+                       weight=f64(inp.class_weight), options=case.options(),
+                       grad_output=f64(inp.grad_output), grad_lse=f64(inp.grad_lse))
+    out = dict(loss=np.asarray(r["loss"]), dx=r["dx"], dw=r["dw"])
+    if case.lse_grad:
+        out["lse"] = r["lse"]
+    if case.bias:
+        out["db"] = r["db"]
+    return out
+
+
+def cases_linear_cross_entropy():
+    """The curated matrix every linear-CE backend must pass (small: CI runs it interpreted)."""
+    base = dict(n=37, h=33, v=97)  # N, H odd; V prime
+    out = []
+    for dtype in ("float32", "bfloat16", "float16"):
+        for red in ("mean", "sum", "none"):
+            out.append(Case(**base, dtype=dtype, reduction=red))
+    singles = [dict(bias=True), dict(class_weight=True), dict(label_smoothing=0.1),
+               dict(z_loss=1e-3), dict(softcap=4.0), dict(lse_grad=True)]
+    for dtype in ("float32", "bfloat16"):
+        for opt in singles:
+            out.append(Case(**base, dtype=dtype, **opt))
+    everything = dict(bias=True, class_weight=True, label_smoothing=0.2, z_loss=1e-2,
+                      softcap=5.0, lse_grad=True)
+    for dtype in ("float32", "bfloat16", "float16"):
+        for red in ("mean", "sum", "none"):
+            out.append(Case(**base, dtype=dtype, reduction=red, **everything))
+    out += [
+        Case(n=1, h=16, v=61, ignore="none"),                         # N = 1
+        Case(n=1, h=16, v=61, dtype="bfloat16", reduction="none", **everything),
+        Case(n=130, h=48, v=509, dtype="bfloat16", chunk_size=48, **everything),  # many chunks
+        Case(n=130, h=48, v=509, reduction="none", chunk_size=48, class_weight=True),
+        Case(n=64, h=64, v=1031, dtype="bfloat16", label_smoothing=0.1),  # wider V, prime
+    ]
+    for red in ("mean", "sum", "none"):  # every token ignored: loss 0, zero grads, no NaN
+        out.append(Case(**base, reduction=red, ignore="all", **{**everything, "lse_grad": False}))
+    out.append(Case(**base, dtype="bfloat16", ignore="all", **everything))  # only lse has grad
+    return out
+
+
+OP = Op("linear_cross_entropy", make_inputs=make_inputs, reference=reference,
+        cases=cases_linear_cross_entropy)

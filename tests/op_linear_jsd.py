@@ -1,0 +1,155 @@
+"""Linear JSD in the shared harness: the case, inputs, float64 reference and the curated case
+matrix every linear-JSD backend must pass (see :mod:`harness`).
+
+Backends return ``loss``, ``dx`` and ``dw`` (the student's gradients) as float64 arrays; the
+naive paths that scale the tolerance materialize *fp32* logits (``x.float() @ w.float().T``,
+as Liger-Kernel does) rather than logits rounded to the input dtype: JSD's gradient has no
+exact dominant term, so bf16 logits would move it by ~1e-2 and make the tolerance too loose
+to catch an implementation that rounds its logits (see the spec's precision note).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, Optional
+
+import numpy as np
+
+from harness import NP_DTYPES, Op, rng_for
+from logitless.specs import linear_jsd as spec
+
+IGNORE_INDEX = -100
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    n: int
+    h_s: int
+    h_t: int
+    v: int
+    dtype: str = "float32"
+    teacher_dtype: Optional[str] = None   # None: the student's dtype
+    reduction: str = "mean"
+    beta: float = 0.5
+    temperature: float = 1.0
+    hard_loss_weight: float = 0.0
+    targets: bool = True                  # pass targets (ignore_index) at all
+    ignore: str = "some"                  # "none" | "some" | "all" (with targets)
+    correlated: bool = True               # teacher logits close to the student's (distillation)
+    chunk_size: Optional[int] = None      # small chunks exercise the multi-chunk paths
+
+    @property
+    def id(self) -> str:
+        parts = [f"{self.n}x{self.h_s}x{self.h_t}x{self.v}", self.dtype, self.reduction,
+                 f"b{self.beta}"]
+        if self.teacher_dtype:
+            parts.append(f"t-{self.teacher_dtype}")
+        if self.temperature != 1.0:
+            parts.append(f"T{self.temperature}")
+        if self.hard_loss_weight:
+            parts.append(f"hard{self.hard_loss_weight}")
+        if not self.targets:
+            parts.append("no-targets")
+        elif self.ignore != "some":
+            parts.append(f"ignore-{self.ignore}")
+        if not self.correlated:
+            parts.append("independent")
+        if self.chunk_size:
+            parts.append(f"chunk{self.chunk_size}")
+        return "-".join(parts)
+
+    @property
+    def t_dtype(self) -> str:
+        return self.teacher_dtype or self.dtype
+
+    def options(self) -> spec.LinearJSDOptions:
+        return spec.LinearJSDOptions(beta=self.beta, temperature=self.temperature,
+                                     reduction=self.reduction, ignore_index=IGNORE_INDEX,
+                                     hard_loss_weight=self.hard_loss_weight)
+
+
+@dataclasses.dataclass
+class Inputs:
+    xs: np.ndarray             # (N, H_s) in the case dtype
+    ws: np.ndarray             # (V, H_s)
+    xt: np.ndarray             # (N, H_t) in the teacher dtype
+    wt: np.ndarray             # (V, H_t)
+    y: Optional[np.ndarray]    # (N,) int64, or None
+    grad_output: np.ndarray    # () or (N,) float32
+    ignore_index: int = IGNORE_INDEX
+
+
+def make_inputs(case: Case, salt: int = 0) -> Inputs:
+    rng = rng_for(case.id, salt)
+    n, hs, ht, v = case.n, case.h_s, case.h_t, case.v
+    xs = rng.standard_normal((n, hs))
+    ws = rng.standard_normal((v, hs)) * (3.0 / np.sqrt(hs))  # student logits of std ~3
+    xt = rng.standard_normal((n, ht))
+    wt = rng.standard_normal((v, ht)) * (3.0 / np.sqrt(ht))
+    if case.correlated:
+        # a teacher that mostly agrees with the student: its logits are the student's plus
+        # an independent part of std ~1 (x_t carries a copy of x_s through its first columns)
+        k = min(hs, ht)
+        xt[:, :k] = xs[:, :k]
+        wt[:, :k] = ws[:, :k] * np.sqrt(hs / k) * 0.95
+        wt[:, k:] *= 0.35
+    y = None
+    if case.targets:
+        y = rng.integers(0, v, n)
+        if case.ignore == "some":
+            y[rng.random(n) < 0.2] = IGNORE_INDEX
+        elif case.ignore == "all":
+            y[:] = IGNORE_INDEX
+    g = rng.uniform(0.5, 2.0, n if case.reduction == "none" else ()).astype(np.float32)
+    if case.reduction == "none":
+        g *= rng.choice([-1.0, 1.0], n).astype(np.float32)
+    sd, td = NP_DTYPES[case.dtype], NP_DTYPES[case.t_dtype]
+    return Inputs(xs=xs.astype(sd), ws=ws.astype(sd), xt=xt.astype(td), wt=wt.astype(td), y=y,
+                  grad_output=np.asarray(g))
+
+
+def reference(case: Case, inp: Inputs) -> Dict[str, np.ndarray]:
+    f64 = lambda a: np.asarray(a, np.float64)
+    r = spec.reference(f64(inp.xs), f64(inp.ws), f64(inp.xt), f64(inp.wt), inp.y,
+                       options=case.options(), grad_output=f64(inp.grad_output))
+    return dict(loss=np.asarray(r["loss"]), dx=r["dx"], dw=r["dw"])
+
+
+def cases_linear_jsd():
+    """The curated matrix every linear-JSD backend must pass (small: CI runs it interpreted).
+    N and H odd, H_s != H_t, V prime; each beta kind (0, 0 < beta < 1, 1), temperatures other
+    than 1, ignored tokens, all-ignored batches, no targets, the hard-label term, N = 1, many
+    chunks, a teacher in another dtype."""
+    base = dict(n=37, h_s=33, h_t=20, v=97)
+    out = []
+    for dtype in ("float32", "bfloat16", "float16"):
+        for red in ("mean", "sum", "none"):
+            out.append(Case(**base, dtype=dtype, reduction=red))
+    for dtype in ("float32", "bfloat16"):
+        for beta in (0.0, 0.3, 1.0):
+            out.append(Case(**base, dtype=dtype, beta=beta, temperature=2.0))
+    out += [
+        Case(**base, beta=0.5, temperature=0.5, reduction="none"),
+        Case(**base, dtype="bfloat16", beta=0.0, temperature=0.7, reduction="none"),
+        Case(**base, dtype="bfloat16", beta=1.0, reduction="sum", correlated=False),
+        Case(**base, beta=0.5, correlated=False),
+        Case(**base, hard_loss_weight=0.5, temperature=2.0),                       # T != 1
+        Case(**base, dtype="bfloat16", hard_loss_weight=0.3, beta=1.0, reduction="none"),
+        Case(**base, dtype="float16", hard_loss_weight=1.0, beta=0.0),              # T == 1
+        Case(**base, targets=False),
+        Case(**base, dtype="bfloat16", targets=False, beta=0.0, reduction="none"),
+        Case(**base, dtype="float32", teacher_dtype="bfloat16", beta=0.7, temperature=1.5),
+        Case(n=1, h_s=16, h_t=24, v=61, ignore="none"),                           # N = 1
+        Case(n=1, h_s=16, h_t=24, v=61, dtype="bfloat16", beta=1.0, reduction="none",
+             hard_loss_weight=0.5, ignore="none"),
+        Case(n=130, h_s=48, h_t=40, v=509, dtype="bfloat16", chunk_size=48, temperature=2.0,
+             hard_loss_weight=0.2),                                                # many chunks
+        Case(n=130, h_s=48, h_t=40, v=509, reduction="none", chunk_size=48, beta=0.0),
+        Case(n=64, h_s=64, h_t=32, v=1031, dtype="bfloat16", beta=0.3),           # wider V
+    ]
+    for red in ("mean", "sum", "none"):  # every token ignored: loss 0, zero grads, no NaN
+        out.append(Case(**base, reduction=red, ignore="all", hard_loss_weight=0.5))
+    out.append(Case(**base, dtype="bfloat16", ignore="all", beta=1.0))
+    return out
+
+
+OP = Op("linear_jsd", make_inputs=make_inputs, reference=reference, cases=cases_linear_jsd)

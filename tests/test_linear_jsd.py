@@ -1,0 +1,373 @@
+"""Linear JSD: the spec against float64 autodiff, every backend against the spec (the shared
+harness), and the PyTorch front door's behaviour (errors, module, no-grad, compile; on a GPU
+host syncs, CUDA graphs, 64-bit indexing and the fused kernel's split rows).
+
+``spec.reference`` computes its gradients from the closed-form formulas of its docstring; two
+independent oracles differentiate materialized-logits formulations automatically, in float64:
+
+* torch: Liger's formulation (``F.kl_div`` with ``log_target``, log M by logsumexp) plus
+  ``F.cross_entropy`` for the hard-label term, ``torch.autograd.grad``;
+* JAX: the entropy form J = β·Σ P log P + (1−β)·Σ Q log Q − Σ M log M (0 < β < 1), ``jax.vjp``
+  with x64 enabled only inside a context manager.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import zlib
+
+import numpy as np
+import pytest
+
+import backends  # noqa: F401  (registers the backends)
+from harness import SEED, check_backend, under_test
+from logitless.specs import linear_jsd as spec
+from op_linear_jsd import OP
+
+RTOL = 1e-10
+ATOL = 1e-12  # outputs are O(1e-3..1); see test_spec.py for why a tiny absolute term
+REDUCTIONS = ("mean", "sum", "none")
+
+
+# ============================================================================== spec
+@dataclasses.dataclass(frozen=True)
+class SpecCase:
+    n: int = 37
+    h_s: int = 33
+    h_t: int = 20                  # H_s != H_t
+    v: int = 97
+    beta: float = 0.5
+    temperature: float = 1.0
+    reduction: str = "mean"
+    hard_loss_weight: float = 0.0
+    ignore: str = "some"           # "none" | "some" | "all" | "no-targets"
+    ignore_index: int = -100
+
+    @property
+    def id(self) -> str:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        default = SpecCase()
+        parts = [f"{self.n}x{self.h_s}x{self.h_t}x{self.v}", self.reduction, f"b{self.beta}"]
+        parts += [f"{k}={val}" for k, val in d.items()
+                  if k not in ("n", "h_s", "h_t", "v", "reduction", "beta")
+                  and val != getattr(default, k)]
+        return "-".join(parts)
+
+    def options(self):
+        return spec.LinearJSDOptions(beta=self.beta, temperature=self.temperature,
+                                     reduction=self.reduction, ignore_index=self.ignore_index,
+                                     hard_loss_weight=self.hard_loss_weight)
+
+
+def draw(case: SpecCase):
+    rng = np.random.default_rng([SEED, zlib.crc32(case.id.encode())])
+    n, v, ii = case.n, case.v, case.ignore_index
+    xs = rng.standard_normal((n, case.h_s))
+    ws = rng.standard_normal((v, case.h_s)) * (3.0 / math.sqrt(case.h_s))
+    xt = rng.standard_normal((n, case.h_t))
+    wt = rng.standard_normal((v, case.h_t)) * (3.0 / math.sqrt(case.h_t))
+    y = None
+    if case.ignore != "no-targets":
+        y = rng.integers(0, v, n)
+        if case.ignore == "some":
+            y[rng.random(n) < 0.25] = ii
+            y[0] = ii                       # at least one ignored ...
+            if n > 1:
+                y[1] = (ii + 1) % v if 0 <= ii < v else rng.integers(0, v)  # ... one kept
+        elif case.ignore == "all":
+            y[:] = ii
+        else:
+            while (y == ii).any():
+                y = np.where(y == ii, rng.integers(0, v, n), y)
+    g = (rng.uniform(0.5, 2.0, n) * rng.choice([-1.0, 1.0], n) if case.reduction == "none"
+         else np.asarray(rng.uniform(0.5, 2.0)))
+    return dict(xs=xs, ws=ws, xt=xt, wt=wt, y=y, g=g)
+
+
+def run_spec(case, d):
+    r = spec.reference(d["xs"], d["ws"], d["xt"], d["wt"], d["y"], options=case.options(),
+                       grad_output=d["g"])
+    return dict(loss=r["loss"], token_loss=r["token_loss"], dz=r["grad_logits"], dx=r["dx"],
+                dw=r["dw"])
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    """Hundreds of tiny float64 torch ops: intra-op threads only spin on 2 cores."""
+    import torch
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def torch_oracle(case, d):
+    import torch
+    import torch.nn.functional as F
+    t = lambda a: torch.tensor(a, dtype=torch.float64)
+    xs, ws = t(d["xs"]).requires_grad_(), t(d["ws"]).requires_grad_()
+    zs = xs @ ws.T
+    zs.retain_grad()
+    zt = t(d["xt"]) @ t(d["wt"]).T
+    logq = F.log_softmax(zs / case.temperature, dim=-1)
+    logp = F.log_softmax(zt / case.temperature, dim=-1)
+    kl = lambda i, tg: F.kl_div(i, tg, reduction="none", log_target=True).sum(-1)
+    b = case.beta
+    if b == 0:
+        tok = kl(logq, logp)
+    elif b == 1:
+        tok = kl(logp, logq)
+    else:
+        logm = torch.logsumexp(torch.stack([logq + math.log(1 - b), logp + math.log(b)]), dim=0)
+        tok = b * kl(logm, logp) + (1 - b) * kl(logm, logq)
+    y = None if d["y"] is None else torch.tensor(d["y"])
+    mask = torch.ones(case.n, dtype=torch.float64) if y is None else (y != case.ignore_index).double()
+    if case.hard_loss_weight:
+        tok = tok + case.hard_loss_weight * F.cross_entropy(
+            zs, y, ignore_index=case.ignore_index, reduction="none")
+    tok = tok * mask
+    if case.reduction == "none":
+        loss = tok
+    elif case.reduction == "sum":
+        loss = tok.sum()
+    else:
+        loss = tok.sum() / max(float(mask.sum()), 1.0)
+    dx, dw, dz = torch.autograd.grad(loss, [xs, ws, zs], t(d["g"]))
+    f = lambda a: a.detach().numpy()
+    return dict(loss=f(loss), token_loss=f(tok), dz=f(dz), dx=f(dx), dw=f(dw))
+
+
+def _x64():
+    import jax
+    if hasattr(jax, "enable_x64"):
+        return jax.enable_x64(True)
+    from jax.experimental import enable_x64
+    return enable_x64()
+
+
+@functools.lru_cache(maxsize=None)
+def _jax_oracle_fn(kind: str, reduction: str):
+    import jax
+    import jax.numpy as jnp
+    from jax.scipy.special import xlogy
+
+    @jax.jit
+    def run(xs, ws, xt, wt, mask, onehot, g, beta, temp, hard_w):
+        def f(xs, ws, delta):  # z + delta with delta = 0: its cotangent is dz
+            zs = xs @ ws.T + delta
+            logq = jax.nn.log_softmax(zs / temp, axis=1)
+            logp = jax.nn.log_softmax((xt @ wt.T) / temp, axis=1)
+            q, p = jnp.exp(logq), jnp.exp(logp)
+            if kind == "forward_kl":
+                jsd = jnp.sum(p * (logp - logq), axis=1)
+            elif kind == "reverse_kl":
+                jsd = jnp.sum(q * (logq - logp), axis=1)
+            else:  # the entropy form: β Σ P log P + (1−β) Σ Q log Q − Σ M log M
+                m = beta * p + (1 - beta) * q
+                jsd = jnp.sum(beta * xlogy(p, p) + (1 - beta) * xlogy(q, q) - xlogy(m, m), axis=1)
+            ce = -jnp.sum(onehot * jax.nn.log_softmax(zs, axis=1), axis=1)
+            tok = mask * (jsd + hard_w * ce)
+            if reduction == "none":
+                return tok, tok
+            loss = jnp.sum(tok)
+            if reduction == "mean":
+                loss = loss / jnp.maximum(jnp.sum(mask), 1.0)
+            return loss, tok
+
+        loss, vjp, tok = jax.vjp(f, xs, ws, jnp.zeros((xs.shape[0], ws.shape[0]), xs.dtype),
+                                 has_aux=True)
+        dx, dw, dz = vjp(g)
+        return dict(loss=loss, token_loss=tok, dz=dz, dx=dx, dw=dw)
+
+    return run
+
+
+def jax_oracle(case, d):
+    with _x64():
+        f64 = lambda a: np.asarray(a, np.float64)
+        y = d["y"]
+        mask = np.ones(case.n) if y is None else (y != case.ignore_index).astype(np.float64)
+        onehot = np.zeros((case.n, case.v))
+        if y is not None:
+            keep = y != case.ignore_index
+            onehot[np.arange(case.n)[keep], y[keep]] = 1.0
+        out = _jax_oracle_fn(case.options().kind, case.reduction)(
+            f64(d["xs"]), f64(d["ws"]), f64(d["xt"]), f64(d["wt"]), mask, onehot, f64(d["g"]),
+            f64(case.beta), f64(case.temperature), f64(case.hard_loss_weight))
+        return {k: np.asarray(a, np.float64) for k, a in out.items()}
+
+
+ORACLES = {"torch": torch_oracle, "jax": jax_oracle}
+
+
+def assert_close(name, got, want):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert got.shape == want.shape, f"{name}: shape {got.shape} != {want.shape}"
+    assert np.isfinite(want).all(), f"{name}: the oracle itself is not finite"
+    assert np.isfinite(got).all(), f"{name}: not finite"
+    err = np.max(np.abs(got - want), initial=0.0)
+    scale = np.max(np.abs(want), initial=0.0)
+    assert err <= RTOL * scale + ATOL, \
+        f"{name}: max abs err {err:.3g} > {RTOL:g} x scale {scale:.3g} + {ATOL:g}"
+
+
+def check_against(oracle, case):
+    d = draw(case)
+    ref = run_spec(case, d)
+    want = ORACLES[oracle](case, d)
+    for key in ("loss", "token_loss", "dz", "dx", "dw"):
+        assert_close(key, ref[key], want[key])
+    return ref, d
+
+
+def _spec_cases():
+    out = []
+    for beta in (0.0, 0.3, 0.5, 1.0):
+        for temp in (1.0, 0.5, 2.5):
+            for red in REDUCTIONS:
+                out.append(SpecCase(beta=beta, temperature=temp, reduction=red))
+    for beta in (0.0, 0.3, 1.0):
+        out += [
+            SpecCase(beta=beta, temperature=2.0, hard_loss_weight=0.5),
+            SpecCase(beta=beta, hard_loss_weight=1.0, reduction="none", ignore_index=3),
+            SpecCase(beta=beta, temperature=0.7, ignore="no-targets", reduction="sum"),
+            SpecCase(beta=beta, ignore="none", ignore_index=-1),
+            SpecCase(n=1, h_s=16, h_t=24, v=61, beta=beta, ignore="none", reduction="none"),
+            SpecCase(n=9, h_s=5, h_t=64, v=1031, beta=beta, temperature=1.5),
+            SpecCase(n=3, h_s=4, h_t=4, v=1, beta=beta, hard_loss_weight=0.5),  # V = 1: loss 0
+        ]
+    out.append(SpecCase(beta=0.999, temperature=3.0))
+    out.append(SpecCase(beta=1e-3, temperature=0.5, hard_loss_weight=0.1))
+    return out
+
+
+SPEC_CASES = _spec_cases()
+
+
+@pytest.mark.parametrize("oracle", sorted(ORACLES))
+@pytest.mark.parametrize("case", SPEC_CASES, ids=lambda c: c.id)
+def test_reference_matches_autodiff(oracle, case):
+    check_against(oracle, case)
+
+
+@pytest.mark.parametrize("red", REDUCTIONS)
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_all_ignored_is_zero_not_nan(red, beta):
+    case = SpecCase(beta=beta, reduction=red, ignore="all", hard_loss_weight=0.5, temperature=2.0)
+    r, _ = check_against("torch", case)
+    check_against("jax", case)
+    assert np.all(np.asarray(r["loss"]) == 0.0) and np.all(r["token_loss"] == 0.0)
+    for key in ("dz", "dx", "dw"):
+        assert np.all(r[key] == 0.0), f"{key} is not exactly zero"
+
+
+def test_endpoints_are_the_limits_of_the_normalized_divergence():
+    """β = 0 and β = 1 are defined as KL(P‖Q) and KL(Q‖P): the limits of J_β/β and
+    J_β/(1−β), while J_β itself tends to 0 (the general formula degenerates there)."""
+    d = draw(SpecCase(ignore="no-targets", reduction="none"))
+    jsd = lambda beta: spec.reference(d["xs"], d["ws"], d["xt"], d["wt"],
+                                      options=spec.LinearJSDOptions(beta=beta))["jsd"]
+    # independent random heads have P/Q up to e^20: the O(β²) term fades only for tiny β
+    fwd, rev, eps = jsd(0.0), jsd(1.0), 1e-10
+    assert np.all(fwd > 0) and np.all(rev > 0) and not np.allclose(fwd, rev)
+    np.testing.assert_allclose(jsd(eps) / eps, fwd, rtol=1e-3)
+    np.testing.assert_allclose(jsd(1 - eps) / (1 - (1 - eps)), rev, rtol=1e-3)
+    assert np.all(jsd(eps) < 1e-8 * fwd)
+
+
+def test_jsd_properties():
+    """β = 1/2 is the textbook JSD: symmetric in P and Q, in [0, log 2], 0 iff P = Q."""
+    d = draw(SpecCase(ignore="no-targets", reduction="none"))
+    opt = spec.LinearJSDOptions(beta=0.5)
+    a = spec.reference(d["xs"], d["ws"], d["xt"], d["wt"], options=opt)["jsd"]
+    b = spec.reference(d["xt"], d["wt"], d["xs"], d["ws"], options=opt)["jsd"]
+    np.testing.assert_allclose(a, b, rtol=1e-12)
+    assert np.all(a > 0) and np.all(a <= math.log(2))
+    same = spec.reference(d["xs"], d["ws"], d["xs"], d["ws"], options=opt)
+    assert np.abs(same["jsd"]).max() < 1e-14 and np.abs(same["dx"]).max() < 1e-14
+
+
+# ----------------------------------------------------------------------------- options
+@pytest.mark.parametrize("kwargs, exc, name", [
+    (dict(beta=-0.1), ValueError, "beta"),
+    (dict(beta=1.5), ValueError, "beta"),
+    (dict(beta=float("nan")), TypeError, "beta"),
+    (dict(beta="0.5"), TypeError, "beta"),
+    (dict(temperature=0.0), ValueError, "temperature"),
+    (dict(temperature=-1.0), ValueError, "temperature"),
+    (dict(temperature=float("inf")), TypeError, "temperature"),
+    (dict(temperature=None), TypeError, "temperature"),
+    (dict(hard_loss_weight=-1.0), ValueError, "hard_loss_weight"),
+    (dict(hard_loss_weight=True), TypeError, "hard_loss_weight"),
+    (dict(reduction="avg"), ValueError, "reduction"),
+    (dict(ignore_index=1.5), TypeError, "ignore_index"),
+    (dict(ignore_index=None), TypeError, "ignore_index"),
+])
+def test_options_reject_bad_values(kwargs, exc, name):
+    with pytest.raises(exc, match=name):
+        spec.LinearJSDOptions(**kwargs)
+
+
+def test_options_normalize():
+    o = spec.LinearJSDOptions(beta=0, temperature=2, ignore_index=np.int32(7))
+    assert o.beta == 0.0 and type(o.beta) is float and type(o.ignore_index) is int
+    assert (o.kind, spec.LinearJSDOptions(beta=1).kind,
+            spec.LinearJSDOptions(beta=0.2).kind) == ("forward_kl", "reverse_kl", "jsd")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        o.beta = 0.5
+
+
+@pytest.mark.parametrize("shapes, name", [
+    (((), (5, 3), (4, 2), (5, 2)), "student_input"),
+    (((4, 3), (5, 3), (), (5, 2)), "teacher_input"),
+    (((4, 3), (15,), (4, 2), (5, 2)), "student_weight"),
+    (((4, 3), (5, 3), (4, 2), (5, 2, 1)), "teacher_weight"),
+    (((4, 3), (5, 4), (4, 2), (5, 2)), "student_input has H=3"),
+    (((4, 3), (5, 3), (4, 2), (6, 2)), "vocabulary mismatch"),
+    (((4, 3), (5, 3), (4, 2), (5, 3)), "teacher_input has H=2"),
+    (((4, 3), (5, 3), (3, 2), (5, 2)), "leading shape"),
+    (((4, 3), (5, 3), (4, 2), (5, 2), (3,)), "target"),
+    (((4, 3), (0, 3), (4, 2), (0, 2)), "V >= 1"),
+])
+def test_check_shapes_names_the_argument(shapes, name):
+    with pytest.raises(ValueError, match=name):
+        spec.check_shapes(*shapes)
+
+
+def test_check_shapes_problem_and_hard_loss_needs_target():
+    p = spec.check_shapes((2, 7, 3), (5, 3), (2, 7, 4), (5, 4), (2, 7))
+    assert (p.n, p.h_s, p.h_t, p.v, p.batch_shape) == (14, 3, 4, 5, (2, 7))
+    assert spec.check_shapes((0, 3), (5, 3), (0, 2), (5, 2)).n == 0
+    with pytest.raises(ValueError, match="hard_loss_weight > 0 needs target"):
+        spec.check_shapes((4, 3), (5, 3), (4, 2), (5, 2),
+                          options=spec.LinearJSDOptions(hard_loss_weight=0.1))
+
+
+def test_reference_rejects_bad_targets():
+    x, w = np.ones((4, 3)), np.ones((5, 3))
+    with pytest.raises(ValueError, match="target out of range"):
+        spec.reference(x, w, x, w, np.array([0, 5, 1, 2]))
+    with pytest.raises(TypeError, match="target"):
+        spec.reference(x, w, x, w, np.array([0.5, 1, 1, 2]))
+
+
+# ============================================================================== backends
+JSD_CASES = OP.cases()
+
+
+@pytest.mark.parametrize("case", JSD_CASES, ids=lambda c: c.id)
+@pytest.mark.parametrize("backend", under_test(OP.name))
+def test_matches_spec(backend, case):
+    check_backend(OP, backend, case)
+
+
+def test_case_matrix_covers_the_acceptance_list():
+    betas = {c.beta for c in JSD_CASES}
+    assert {0.0, 1.0} <= betas and any(0 < b < 1 for b in betas)
+    assert any(c.temperature != 1.0 for c in JSD_CASES)
+    assert any(c.ignore == "all" for c in JSD_CASES) and any(not c.targets for c in JSD_CASES)
+    assert all(c.h_s != c.h_t for c in JSD_CASES)
+    assert {c.dtype for c in JSD_CASES} == {"float32", "bfloat16", "float16"}
+    assert {c.reduction for c in JSD_CASES} == set(REDUCTIONS)
+    assert any(c.hard_loss_weight and c.temperature != 1 for c in JSD_CASES)
