@@ -3,17 +3,21 @@
 
 ``tiled_mlp(fn, params, x)`` is a ``jax.custom_vjp`` whose residuals are ``params`` and ``x``
 only. Its forward walks the shards in a ``lax.fori_loop`` (one traced shard; the ragged last
-one traced on its own) writing each into the output; its backward walks them again, taking
-``jax.vjp`` of ``fn`` on each shard, writing ``dx`` per shard and summing the parameter
-cotangents in a loop carry (fp32 for half-precision leaves by default). Only one shard's
-intermediates are live at a time, so the compiled temp memory is that of one shard plus the
-accumulators; and since the shard's output is unused in backward, XLA drops its last GEMM
-from the recompute.
+one traced on its own) writing each into the output; its backward walks them again, writing
+``dx`` per shard and summing the parameter gradients in a loop carry (fp32 for half-precision
+leaves by default), so only one shard's intermediates are live at a time.
+
+* any ``fn``: ``jax.vjp`` of ``fn`` per shard (XLA drops the unused output GEMM of the
+  recompute); each shard's parameter cotangents (in the parameters' dtype) are added to the
+  accumulators;
+* a :class:`SwiGLUMLP`: the shard backward written out (:func:`_swiglu_shard_grads`):
+  gate/up recomputed, the fused SwiGLU kernels, and each weight gradient GEMM emitted in the
+  accumulator's dtype and added to it (no per-shard rounding, no per-shard gradient buffer
+  once XLA folds the sum into the GEMM).
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Optional
 
@@ -53,12 +57,13 @@ def _accum_dtype(dtype, accum_fp32: bool, num_shards: int):
         else dtype
 
 
-def _tiled(fn, plan: spec.ShardPlan, x_shape, x_dtype, accum_fp32: bool, out_spec):
+def _tiled(fn, plan: spec.ShardPlan, x_shape, accum_fp32: bool, out_spec, fused: bool):
     n, hidden = plan.n, x_shape[-1]
     h_out, out_dtype = out_spec.shape[-1], out_spec.dtype
     shard_in = lambda size: spec.shard_shape(x_shape, size)
     shard_out = lambda size: spec.shard_shape(x_shape, size)[:-1] + (h_out,)
     tokens = lambda a, start, size: lax.dynamic_slice_in_dim(a, start, size, axis=0)
+    acc_dtype = lambda leaf: _accum_dtype(leaf.dtype, accum_fp32, plan.num_shards)
 
     def forward(params, x):
         x2 = jnp.reshape(x, (n, hidden))
@@ -83,23 +88,27 @@ def _tiled(fn, plan: spec.ShardPlan, x_shape, x_dtype, accum_fp32: bool, out_spe
         x2 = jnp.reshape(x, (n, hidden))
         dy2 = jnp.reshape(dy, (n, h_out)).astype(out_dtype)
 
-        def shard_vjp(start, size):
+        def step(start, size, acc):
+            """(parameter-gradient accumulators, dx of the shard); ``acc`` is None on the
+            first shard, which creates the accumulators by assignment (no zero-fill)."""
+            xs, dys = tokens(x2, start, size), tokens(dy2, start, size)
+            if fused:
+                return _swiglu_shard_grads(fn, params, xs, dys, acc, acc_dtype)
             shard_fn = lambda p, xs: fn(p, jnp.reshape(xs, shard_in(size)))
-            _, vjp = jax.vjp(shard_fn, params, tokens(x2, start, size))
-            return vjp(jnp.reshape(tokens(dy2, start, size), shard_out(size)))
+            _, vjp = jax.vjp(shard_fn, params, xs)
+            dp, dxs = vjp(jnp.reshape(dys, shard_out(size)))
+            if acc is None:
+                return jax.tree_util.tree_map(lambda g: g.astype(acc_dtype(g)), dp), dxs
+            return jax.tree_util.tree_map(lambda a, g: a + g.astype(a.dtype), acc, dp), dxs
 
-        def first(start, size):  # assigns the accumulators: no zero-fill, no read
-            dp, dxs = shard_vjp(start, size)
-            acc = jax.tree_util.tree_map(
-                lambda g: g.astype(_accum_dtype(g.dtype, accum_fp32, plan.num_shards)), dp)
-            dx2 = lax.dynamic_update_slice_in_dim(jnp.zeros((n, hidden), x2.dtype),
-                                                  dxs.astype(x2.dtype), start, 0)
-            return acc, dx2
+        def first(start, size):
+            acc, dxs = step(start, size, None)
+            return acc, lax.dynamic_update_slice_in_dim(jnp.zeros((n, hidden), x2.dtype),
+                                                        dxs.astype(x2.dtype), start, 0)
 
         def body(start, size, carry):
             acc, dx2 = carry
-            dp, dxs = shard_vjp(start, size)
-            acc = jax.tree_util.tree_map(lambda a, g: a + g.astype(a.dtype), acc, dp)
+            acc, dxs = step(start, size, acc)
             return acc, lax.dynamic_update_slice_in_dim(dx2, dxs.astype(x2.dtype), start, 0)
 
         acc, dx2 = _walk(plan, first, body, None)
@@ -108,6 +117,51 @@ def _tiled(fn, plan: spec.ShardPlan, x_shape, x_dtype, accum_fp32: bool, out_spe
 
     f.defvjp(f_fwd, f_bwd)
     return f
+
+
+def _swiglu_shard_grads(mlp, params, xs, dys, acc, acc_dtype):
+    """One shard's backward of a :class:`SwiGLUMLP`, written out: recompute gate and up only
+    (not the shard's output), and add each weight gradient to its accumulator straight from
+    the GEMM in the accumulator's dtype (fp32: no per-shard rounding, and XLA can run the sum
+    as the GEMM's beta=1 epilogue in place). ``xs (n, H)``, ``dys (n, H_out)``."""
+    pg, pu, pd = (params[k] for k in ("gate_proj", "up_proj", "down_proj"))
+    g, u = _dense(xs, pg), _dense(xs, pu)
+    fwd, bwd = _swiglu_kernels(mlp.backend)
+    over_tokens = (((0,), (0,)), ((), ()))   # aᵀ·b, the tokens contracted
+    times_wt = (((1,), (1,)), ((), ()))      # a·Wᵀ for a (in, out) kernel W
+
+    def add(path, value):
+        prev = acc
+        for k in path:
+            prev = None if prev is None else prev[k]
+        return value if prev is None else prev + value
+
+    def weight_grad(name, a, b):
+        kernel = params[name]["kernel"]
+        d = lax.dot_general(a, b, over_tokens, preferred_element_type=acc_dtype(kernel))
+        return add((name, "kernel"), d)
+
+    def bias_grad(name, d):
+        return add((name, "bias"), jnp.sum(d, axis=0, dtype=acc_dtype(params[name]["bias"])))
+
+    new = {"down_proj": {"kernel": weight_grad("down_proj", fwd(g, u), dys)}}
+    dg, du = bwd(lax.dot_general(dys, pd["kernel"], times_wt), g, u)
+    new["gate_proj"] = {"kernel": weight_grad("gate_proj", xs, dg)}
+    new["up_proj"] = {"kernel": weight_grad("up_proj", xs, du)}
+    for name, d in (("gate_proj", dg), ("up_proj", du), ("down_proj", dys)):
+        if "bias" in params[name]:
+            new[name]["bias"] = bias_grad(name, d)
+    dxs = lax.dot_general(dg, pg["kernel"], times_wt) + lax.dot_general(du, pu["kernel"], times_wt)
+    return new, dxs
+
+
+def _is_plain_swiglu(fn, params) -> bool:
+    """A :class:`SwiGLUMLP` (not a subclass) with parameters of its own layout."""
+    if type(fn) is not SwiGLUMLP or not isinstance(params, dict) or \
+            set(params) != {"gate_proj", "up_proj", "down_proj"}:
+        return False
+    want = {"kernel", "bias"} if fn.bias else {"kernel"}
+    return all(isinstance(p, dict) and set(p) == want for p in params.values())
 
 
 def tiled_mlp(fn, params, x, *, num_shards: Optional[int] = None,
@@ -152,8 +206,8 @@ def tiled_mlp(fn, params, x, *, num_shards: Optional[int] = None,
                          f"an output of shape {list(out_spec.shape)}")
     if plan.n == 0:
         return fn(params, x)
-    return _tiled(fn, plan, tuple(x.shape), x.dtype, grad_accum_dtype is not None,
-                  out_spec)(params, x)
+    return _tiled(fn, plan, tuple(x.shape), grad_accum_dtype is not None, out_spec,
+                  _is_plain_swiglu(fn, params))(params, x)
 
 
 # ----------------------------------------------------------------------------- SwiGLU
@@ -181,6 +235,29 @@ def _swiglu_xla_bwd(res, dh):
 _swiglu_xla.defvjp(_swiglu_xla_fwd, _swiglu_xla_bwd)
 
 
+def _resolve_backend(backend):
+    if backend is None:
+        backend = "pallas" if jax.default_backend() == "gpu" else "xla"
+    if backend not in SWIGLU_BACKENDS:
+        raise ValueError(f"backend must be None or one of {SWIGLU_BACKENDS}, got {backend!r}")
+    return backend
+
+
+def _swiglu_xla_forward(gate, up):
+    return _swiglu_xla_fwd(gate, up)[0]
+
+
+def _swiglu_xla_backward(grad_h, gate, up):
+    return _swiglu_xla_bwd((gate, up), grad_h)
+
+
+def _swiglu_kernels(backend):
+    """(forward, backward) of the SwiGLU alone (no autodiff) for ``backend``."""
+    if _resolve_backend(backend) == "pallas":
+        return _pallas.swiglu_forward, _pallas.swiglu_backward
+    return _swiglu_xla_forward, _swiglu_xla_backward
+
+
 def swiglu(gate, up, *, backend: Optional[str] = None, **tuning):
     """``silu(gate) * up``, differentiable, computed in fp32 and rounded once; only ``gate`` and
     ``up`` are saved for backward.
@@ -189,11 +266,7 @@ def swiglu(gate, up, *, backend: Optional[str] = None, **tuning):
     ``"pallas"`` (the Pallas kernels; ``tuning``: ``block_rows``, ``block_cols``,
     ``num_warps``, ``interpret``) or ``"xla"`` (the same math in jnp, fused by XLA).
     """
-    if backend is None:
-        backend = "pallas" if jax.default_backend() == "gpu" else "xla"
-    if backend not in SWIGLU_BACKENDS:
-        raise ValueError(f"backend must be None or one of {SWIGLU_BACKENDS}, got {backend!r}")
-    if backend == "pallas":
+    if _resolve_backend(backend) == "pallas":
         return _pallas.swiglu(gate, up, **tuning)
     if tuning:
         raise TypeError(f"backend='xla' takes no tuning keywords, got {sorted(tuning)}")

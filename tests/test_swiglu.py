@@ -98,6 +98,8 @@ def test_torch_swiglu_matches_float64(shape, dtype):
     ref = _reference(g, u, dh)
     naive = _torch_run(_naive_torch, g, u, dh, dtype)
     for name, fn in TORCH_IMPLS.items():
+        if name != "triton" and shape != SHAPES[0]:
+            continue  # the same math in plain ops: one shape is enough
         out = _torch_run(fn, g, u, dh, dtype)
         _check(out, ref, naive, dtype)
 
@@ -109,6 +111,8 @@ def test_jax_swiglu_matches_float64(shape, dtype):
     ref = _reference(g, u, dh)
     naive = _jax_run(_naive_jax, g, u, dh, dtype)
     for name, fn in JAX_IMPLS.items():
+        if name != "pallas" and shape != SHAPES[0]:
+            continue  # the same math in jnp: one shape is enough
         out = _jax_run(jax.jit(fn), g, u, dh, dtype)
         _check(out, ref, naive, dtype)
 

@@ -417,16 +417,22 @@ class _SumOverTokens(nn.Module):
 
 
 # ----------------------------------------------------------------------------- JAX
-@pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[4]], ids=lambda c: c.id)
-def test_jax_tiled_swiglu_matches_float64(case):
-    """The XLA SwiGLU inside (the Pallas one: the parity test below). The tolerance scale is
-    the naive PyTorch MLP's error (no compile; the naive JAX path, rounded as on a GPU, has
-    the same error: see the parity test, which takes both)."""
+@pytest.mark.parametrize("case, fused", [(CASES[0], True), (CASES[2], True), (CASES[4], True),
+                                         (CASES[0], False)],
+                         ids=lambda v: v.id if isinstance(v, Case) else ["generic", "fused"][v])
+def test_jax_tiled_matches_float64(case, fused):
+    """fused: ``lj.SwiGLUMLP`` (its written-out shard backward, the XLA SwiGLU; the Pallas one
+    is in the parity test below), the tolerance scaled by the naive PyTorch MLP's error (no
+    compile; the parity test takes the naive JAX path's too). generic: any fn (the naive jnp
+    MLP, through jax.vjp), the tolerance scaled by that same fn's untiled error."""
     x, p, dy = make_inputs(case)
-    naive = torch_run(case, x, p, dy, cls=LlamaMLP, tiled=False)
-    check(case.dtype, jax_run(case, x, p, dy, lj.SwiGLUMLP(case.shape[-1], case.i,
-                                                            bias=case.bias, backend="xla")),
-          reference(x, p, dy), naive)
+    if fused:
+        fn = lj.SwiGLUMLP(case.shape[-1], case.i, bias=case.bias, backend="xla")
+        naive = torch_run(case, x, p, dy, cls=LlamaMLP, tiled=False)
+    else:
+        fn = naive_jax_mlp
+        naive = jax_run(case, x, p, dy, fn, tiled=False)
+    check(case.dtype, jax_run(case, x, p, dy, fn), reference(x, p, dy), naive)
 
 
 def test_jax_jit_grad_vmap_of_any_fn_equal_untiled():
@@ -445,20 +451,30 @@ def test_jax_jit_grad_vmap_of_any_fn_equal_untiled():
     np.testing.assert_allclose(vm, want[1], rtol=2e-5, atol=2e-6)
 
 
-def test_jax_grad_accum_dtype_option():
-    mlp = lj.SwiGLUMLP(8, 16)
-    params = mlp.init(jax.random.PRNGKey(2), jnp.bfloat16)
-    x = jax.random.normal(jax.random.PRNGKey(3), (64, 8), jnp.bfloat16)
+def test_jax_fused_path_and_accumulator_dtype(monkeypatch):
+    """Traced, not compiled: the written-out SwiGLU backward runs for a plain SwiGLUMLP only
+    (not a subclass, which may override __call__), and its weight gradients are accumulated
+    in fp32 (f32[H, I] values in the program) unless grad_accum_dtype=None."""
+    from logitless import tiled_mlp_jax as tmj
+    calls = []
+    real = tmj._swiglu_shard_grads
+    monkeypatch.setattr(tmj, "_swiglu_shard_grads", lambda *a: calls.append(1) or real(*a))
 
-    def grads(accum):
-        f = lambda p: jnp.sum(lj.tiled_mlp(mlp, p, x, num_shards=8,
-                                           grad_accum_dtype=accum).astype(jnp.float32))
-        return jax.jit(jax.grad(f))(params)
+    class Sub(lj.SwiGLUMLP):
+        pass
 
-    g32, g16 = grads(jnp.float32), grads(None)
-    assert all(a.dtype == jnp.bfloat16 for a in jax.tree_util.tree_leaves(g32))
-    assert any(np.any(np.asarray(a) != np.asarray(b)) for a, b in
-               zip(jax.tree_util.tree_leaves(g32), jax.tree_util.tree_leaves(g16)))
+    x = jnp.ones((64, 8), jnp.bfloat16)
+    for mlp, accum, fused in ((lj.SwiGLUMLP(8, 24), jnp.float32, True),
+                              (lj.SwiGLUMLP(8, 24), None, True), (Sub(8, 24), jnp.float32, False)):
+        calls.clear()
+        params = mlp.init(jax.random.PRNGKey(0), jnp.bfloat16)
+        loss = lambda p: jnp.sum(lj.tiled_mlp(mlp, p, x, num_shards=4, grad_accum_dtype=accum))
+        jaxpr = str(jax.make_jaxpr(jax.grad(loss))(params))
+        assert bool(calls) == fused, type(mlp)
+        # [shard, I] intermediates are [16, 24]; the accumulators [H, I] = [8, 24]
+        assert ("f32[8,24]" in jaxpr) == (accum is not None), (type(mlp), accum)
+        assert all(g.dtype == jnp.bfloat16 for g in
+                   jax.tree_util.tree_leaves(jax.eval_shape(jax.grad(loss), params)))
 
 
 def _temp_bytes(t, tiled, *, h=32, i=512, shard=64):

@@ -92,6 +92,9 @@ def _loss(model, x):
 
 
 def _worker(rank, port, out_dir):
+    # The SwiGLU's torch formula instead of the Triton interpreter (read when logitless is
+    # first imported, below): this test is about autograd and DDP, and the interpreter is slow.
+    os.environ.pop("TRITON_INTERPRET", None)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     results = {}

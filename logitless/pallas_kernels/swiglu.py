@@ -104,23 +104,27 @@ class Config:
             name=name)(*args)
 
 
+def _fwd2d(cfg: Config, g, u):
+    return cfg.call(_fwd_kernel, (g, u), 1, "logitless_swiglu_fwd")
+
+
+def _bwd2d(cfg: Config, dh, g, u):
+    # d gate over gate, d up over up: callers pass residuals that die here
+    return cfg.call(_bwd_kernel, (dh.astype(g.dtype), g, u), 2, "logitless_swiglu_bwd",
+                    aliases={1: 0, 2: 1})
+
+
 @functools.lru_cache(maxsize=64)
 def _custom_vjp_fn(cfg: Config):
-    def fwd2d(g, u):
-        return cfg.call(_fwd_kernel, (g, u), 1, "logitless_swiglu_fwd")
-
     @jax.custom_vjp
     def f(g, u):
-        return fwd2d(g, u)
+        return _fwd2d(cfg, g, u)
 
     def f_fwd(g, u):
-        return fwd2d(g, u), (g, u)
+        return _fwd2d(cfg, g, u), (g, u)
 
     def f_bwd(res, dh):
-        g, u = res
-        # d gate over gate, d up over up: the residuals die here
-        return cfg.call(_bwd_kernel, (dh.astype(g.dtype), g, u), 2, "logitless_swiglu_bwd",
-                        aliases={1: 0, 2: 1})
+        return _bwd2d(cfg, dh, *res)
 
     f.defvjp(f_fwd, f_bwd)
     return f
@@ -140,18 +144,13 @@ def check_pair(gate, up):
         raise ValueError("gate and up must have at least one dimension")
 
 
-def swiglu(gate, up, *, block_rows=None, block_cols=None, num_warps=None, interpret=None):
-    """``silu(gate) * up`` through the Pallas kernels (differentiable).
-
-    Tuning: ``block_rows`` × ``block_cols`` (powers of two; default a 4096-element tile on a
-    GPU), ``num_warps`` (default 4), ``interpret`` (default: True unless JAX's default
-    backend is a GPU).
-    """
+def _config(gate, up, block_rows=None, block_cols=None, num_warps=None, interpret=None) -> Config:
     check_pair(gate, up)
     if jnp.dtype(gate.dtype) not in FLOAT_DTYPES:
         raise TypeError(f"the Pallas SwiGLU supports float32/bfloat16/float16, got {gate.dtype}")
     for name, v in (("block_rows", block_rows), ("block_cols", block_cols)):
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1 or v & (v - 1)):
+        bad = isinstance(v, bool) or not isinstance(v, int) or v < 1 or v & (v - 1)
+        if v is not None and bad:
             raise ValueError(f"{name} must be a power of two, got {v!r}")
     if num_warps is not None and num_warps not in (1, 2, 4, 8, 16, 32):
         raise ValueError(f"num_warps must be a power of 2 in [1, 32], got {num_warps!r}")
@@ -159,9 +158,41 @@ def swiglu(gate, up, *, block_rows=None, block_cols=None, num_warps=None, interp
         interpret = jax.default_backend() != "gpu"
     elif not isinstance(interpret, bool):
         raise TypeError(f"interpret must be a bool or None, got {interpret!r}")
+    return Config(block_rows, block_cols, num_warps or GPU_NUM_WARPS, interpret)
+
+
+def _rows(a):
+    return jnp.reshape(a, (-1, a.shape[-1]))
+
+
+def swiglu(gate, up, **tuning):
+    """``silu(gate) * up`` through the Pallas kernels (differentiable).
+
+    Tuning: ``block_rows`` × ``block_cols`` (powers of two; default a 4096-element tile on a
+    GPU), ``num_warps`` (default 4), ``interpret`` (default: True unless JAX's default
+    backend is a GPU).
+    """
+    cfg = _config(gate, up, **tuning)
     if gate.size == 0:
         return jnp.zeros(gate.shape, gate.dtype)
-    cfg = Config(block_rows, block_cols, num_warps or GPU_NUM_WARPS, interpret)
-    cols = gate.shape[-1]
-    h = _custom_vjp_fn(cfg)(jnp.reshape(gate, (-1, cols)), jnp.reshape(up, (-1, cols)))
-    return jnp.reshape(h, gate.shape)
+    return jnp.reshape(_custom_vjp_fn(cfg)(_rows(gate), _rows(up)), gate.shape)
+
+
+def swiglu_forward(gate, up, **tuning):
+    """The forward kernel alone (not differentiable)."""
+    cfg = _config(gate, up, **tuning)
+    if gate.size == 0:
+        return jnp.zeros(gate.shape, gate.dtype)
+    return jnp.reshape(_fwd2d(cfg, _rows(gate), _rows(up)), gate.shape)
+
+
+def swiglu_backward(grad_h, gate, up, **tuning):
+    """``(d gate, d up)`` from the backward kernel alone (written over ``gate`` and ``up``
+    when the caller no longer needs them)."""
+    cfg = _config(gate, up, **tuning)
+    if grad_h.shape != gate.shape:
+        raise ValueError(f"grad_h has shape {list(grad_h.shape)} but gate has {list(gate.shape)}")
+    if gate.size == 0:
+        return jnp.zeros(gate.shape, gate.dtype), jnp.zeros(up.shape, up.dtype)
+    dg, du = _bwd2d(cfg, _rows(grad_h), _rows(gate), _rows(up))
+    return jnp.reshape(dg, gate.shape), jnp.reshape(du, up.shape)

@@ -28,7 +28,8 @@ The ready-made MLP is Llama's SwiGLU (``nn.Linear`` weight layout ``[out, in]``)
     dh = dy·W_d                      dW_d = Σ_tokens dyᵀ·h           db_d = Σ dy
     dg = dh·u·σ(g)·(1 + g·(1 − σ(g)))                               (= dh·u·silu'(g))
     du = dh·silu(g)
-    dx = dg·W_g + du·W_u             dW_g = Σ dgᵀ·x   dW_u = Σ duᵀ·x  db_g = Σ dg  db_u = Σ du
+    dx = dg·W_g + du·W_u             dW_g = Σ dgᵀ·x   dW_u = Σ duᵀ·x
+                                     db_g = Σ dg      db_u = Σ du
 
 Its backward per shard needs ``g``, ``u`` and ``h`` but never the shard's ``y``: a fused
 backend recomputes two of the three GEMMs (``2 + 3 + 6 = 11`` GEMMs in all instead of the

@@ -1,0 +1,523 @@
+"""Tiled MLP benchmark: a Llama SwiGLU MLP, plain vs logitless tiled vs Liger's tiled MLP, and
+the JAX side.
+
+For each shape (B, T, H, I and the shard count), in one process and one run:
+
+* PyTorch candidates (bf16 ``x`` and parameters with ``requires_grad``): one call = forward
+  plus ``y.backward(dy)`` into ``.grad`` (cleared first, as ``zero_grad(set_to_none=True)``
+  does in a training loop). Median time of ``reps`` calls after ``warmup``; the peak memory
+  of one call above what was held before it (``peak_bytes_over_base``: includes ``dx`` and
+  the parameter gradients; ``peak_extra_bytes``: without them); relative errors of ``y``,
+  ``dx`` and each weight gradient against an fp32 reference (inputs upcast, fp32 GEMMs
+  without TF32, chunked plain autograd: independent of logitless).
+* JAX candidates (``jax.jit`` of the forward and its ``vjp``): median time, the compiled
+  program's temp memory (``memory_analysis().temp_size_in_bytes``, also written as
+  ``peak_extra_bytes``) and the same errors against the same reference.
+
+Candidates: ``plain`` (``down(F.silu(gate(x)) * up(x))``: what a model has), ``plain-fused``
+(``lt.SwiGLUMLP`` untiled), ``logitless-tiled`` (the fused tiled path, fp32 gradient
+accumulation, the default), ``logitless-tiled-bf16acc`` (``grad_accum_dtype=None``),
+``logitless-tiled-generic`` (the generic path on the plain module), ``liger-tiled``
+(``LigerTiledSwiGLUMLP`` when importable, CUDA only); ``jax-plain`` (jnp, ``jax.nn.silu``),
+``jax-tiled`` and ``jax-tiled-bf16acc`` (``lj.tiled_mlp`` of ``lj.SwiGLUMLP``; Pallas SwiGLU
+on a GPU, the XLA one elsewhere).
+
+    PYTHONPATH=. python benchmarks/tiled_mlp.py                  # GPU: the TARGETS.md shape
+    PYTHONPATH=. .venv/bin/python benchmarks/tiled_mlp.py        # CPU: tiny shapes
+    ... --shapes 1x8192x4096x14336x4 --candidates plain,logitless-tiled --no-jax
+
+Result: ``benchmarks/results/<gpu>-tiled-mlp.json`` (``cpu-tiled-mlp.json`` on CPU).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import secrets
+import sys
+import time
+import types
+from pathlib import Path
+from typing import Any, Callable, Dict, List
+
+# torch and JAX share the GPU in this process: JAX must not take 75% of it at start.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks import common  # noqa: E402
+
+OP = "tiled_mlp"
+WEIGHT_NAMES = ("gate_proj.weight", "up_proj.weight", "down_proj.weight")
+GOALS = dict(max_time_ratio=1.36, max_peak_bytes=1.2e9, max_jax_temp_bytes=1.5e9)
+
+
+# ----------------------------------------------------------------------------- shapes
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    name: str
+    b: int
+    t: int
+    h: int
+    i: int
+    shards: int
+
+    @property
+    def gemm_flops(self) -> int:  # the untiled fwd+bwd: 3 + 6 GEMMs of 2·N·H·I
+        return 9 * 2 * self.b * self.t * self.h * self.i
+
+    def as_dict(self):
+        return dataclasses.asdict(self)
+
+
+SHAPES = {s.name: s for s in (
+    Shape("llama3-8b-32k", 1, 32768, 4096, 14336, 8),   # TARGETS.md
+    Shape("llama3-8b-8k", 1, 8192, 4096, 14336, 2),
+    Shape("tiny", 1, 1024, 64, 176, 4),                 # CPU
+    Shape("tiny-batch", 2, 300, 48, 130, 3),            # CPU: B > 1, uneven last shard
+)}
+GROUPS = {"gpu": ["llama3-8b-32k"], "tiny": ["tiny", "tiny-batch"]}
+
+
+def parse_shapes(spec: str) -> List[Shape]:
+    """Comma-separated group names, shape names or ``BxTxHxIxS`` tuples."""
+    out: List[Shape] = []
+    for tok in filter(None, (t.strip() for t in spec.split(","))):
+        if tok in GROUPS:
+            out += [SHAPES[n] for n in GROUPS[tok]]
+        elif tok in SHAPES:
+            out.append(SHAPES[tok])
+        else:
+            parts = tok.lower().split("x")
+            if len(parts) != 5 or not all(p.isdigit() and int(p) > 0 for p in parts):
+                raise SystemExit(f"--shapes: {tok!r} is neither a group {sorted(GROUPS)}, a "
+                                 f"shape {sorted(SHAPES)}, nor BxTxHxIxS")
+            out.append(Shape(tok, *map(int, parts)))
+    return list({s.name: s for s in out}.values())
+
+
+# ----------------------------------------------------------------------------- torch candidates
+def _plain_module_class():
+    import torch.nn.functional as F
+    from torch import nn
+
+    class PlainMLP(nn.Module):
+        def __init__(self, h, i, dtype=None, device=None):
+            super().__init__()
+            kw = dict(bias=False, dtype=dtype, device=device)
+            self.gate_proj = nn.Linear(h, i, **kw)
+            self.up_proj = nn.Linear(h, i, **kw)
+            self.down_proj = nn.Linear(i, h, **kw)
+
+        def forward(self, x):
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    return PlainMLP
+
+
+def _module(kind, shape, weights):
+    """A module of ``kind`` holding copies of ``weights`` (bf16, requiring grad)."""
+    import torch
+    dev, dt = weights[0].device, weights[0].dtype
+    if kind == "plain":
+        m = _plain_module_class()(shape.h, shape.i, dtype=dt, device=dev)
+    elif kind == "logitless":
+        import logitless.torch as lt
+        m = lt.SwiGLUMLP(shape.h, shape.i, dtype=dt, device=dev)
+    elif kind == "liger":
+        from liger_kernel.transformers.tiled_mlp import LigerTiledSwiGLUMLP
+        config = types.SimpleNamespace(hidden_size=shape.h, intermediate_size=shape.i,
+                                       hidden_act="silu")
+        m = LigerTiledSwiGLUMLP(config, num_shards=shape.shards).to(device=dev, dtype=dt)
+    else:
+        raise ValueError(kind)
+    with torch.no_grad():
+        for name, w in zip(WEIGHT_NAMES, weights):
+            m.get_parameter(name).copy_(w)
+    return m
+
+
+def _tiled(kind, **kw):
+    def make(shape, weights):
+        import logitless.torch as lt
+        m = _module(kind, shape, weights)
+        return m, lambda x: lt.tiled_mlp(m, x, num_shards=shape.shards, **kw)
+    return make
+
+
+def _untiled(kind):
+    def make(shape, weights):
+        m = _module(kind, shape, weights)
+        return m, m
+    return make
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    name: str
+    about: str
+    make: Callable
+    cuda_only: bool = False
+    triton: bool = False  # on CPU only under TRITON_INTERPRET=1 (else the torch SwiGLU runs)
+
+
+TORCH_CANDIDATES = {c.name: c for c in (
+    Candidate("plain", "down(F.silu(gate(x)) * up(x)), untiled, bf16", _untiled("plain")),
+    Candidate("plain-fused", "lt.SwiGLUMLP untiled (the fused SwiGLU kernel)",
+              _untiled("logitless")),
+    Candidate("logitless-tiled", "lt.tiled_mlp(lt.SwiGLUMLP): fused path, fp32 grad accumulation",
+              _tiled("logitless")),
+    Candidate("logitless-tiled-bf16acc", "the fused path, grad_accum_dtype=None (bf16 sums)",
+              _tiled("logitless", grad_accum_dtype=None)),
+    Candidate("logitless-tiled-generic", "lt.tiled_mlp(plain module): generic path, fp32 accum",
+              _tiled("plain")),
+    Candidate("liger-tiled", "Liger-Kernel LigerTiledSwiGLUMLP(num_shards)", _untiled("liger"),
+              cuda_only=True),
+)}
+
+
+# ----------------------------------------------------------------------------- data, reference
+def make_inputs(shape: Shape, device: str, seed: int):
+    """bf16 x [B, T, H] (requires grad), dy, and the three weights (nn.Linear init scale, the
+    gate's doubled so that both tails of the sigmoid are exercised). Drawn on the device."""
+    import torch
+    g = torch.Generator(device=device).manual_seed(seed)
+    r = lambda *s, scale=1.0: (torch.randn(*s, generator=g, device=device) * scale) \
+        .to(torch.bfloat16)
+    x = r(shape.b, shape.t, shape.h).requires_grad_()
+    dy = r(shape.b, shape.t, shape.h, scale=1.0 / math.sqrt(shape.t))
+    weights = (r(shape.i, shape.h, scale=2 / math.sqrt(shape.h)),
+               r(shape.i, shape.h, scale=1 / math.sqrt(shape.h)),
+               r(shape.h, shape.i, scale=1 / math.sqrt(shape.i)))
+    return x, dy, weights
+
+
+def reference(x, dy, weights, *, chunk_tokens: int = 4096):
+    """fp32 y, dx and weight gradients: inputs upcast, fp32 GEMMs (no TF32), plain autograd
+    over token chunks (weight gradients summed in fp32)."""
+    import torch
+    import torch.nn.functional as F
+    prev = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        h = x.shape[-1]
+        x2, dy2 = x.detach().reshape(-1, h), dy.reshape(-1, h)
+        w = [t.detach().float().requires_grad_() for t in weights]
+        y = torch.empty(x2.shape, dtype=torch.float32, device=x.device)
+        dx = torch.empty_like(y)
+        dw = [torch.zeros_like(t) for t in w]
+        for s in range(0, x2.shape[0], chunk_tokens):
+            xs = x2[s:s + chunk_tokens].float().requires_grad_()
+            ys = F.linear(F.silu(F.linear(xs, w[0])) * F.linear(xs, w[1]), w[2])
+            grads = torch.autograd.grad(ys, [xs] + w, dy2[s:s + chunk_tokens].float())
+            y[s:s + chunk_tokens] = ys.detach()
+            dx[s:s + chunk_tokens] = grads[0]
+            for acc, g in zip(dw, grads[1:]):
+                acc += g
+            del ys, grads, xs
+        return dict(y=y.view(x.shape), dx=dx.view(x.shape),
+                    **{_grad_key(n): g for n, g in zip(WEIGHT_NAMES, dw)})
+    finally:
+        torch.set_float32_matmul_precision(prev)
+
+
+def _grad_key(weight_name: str) -> str:
+    """'gate_proj.weight' -> 'dgate_proj'."""
+    return "d" + weight_name.split(".")[0]
+
+
+def _errors(out: Dict[str, Any], ref) -> Dict[str, float]:
+    errs = {f"{k}_rel_err": common.rel_err(out[k], ref[k]) for k in ref}
+    errs["dw_rel_err"] = max(errs[f"{_grad_key(n)}_rel_err"] for n in WEIGHT_NAMES)
+    return errs
+
+
+# ----------------------------------------------------------------------------- torch bench
+def bench_torch(label, cand: Candidate, shape, data, ref, *, device, reps, warmup):
+    rec: Dict[str, Any] = {"name": label, "about": cand.about, "framework": "torch"}
+    cuda = device.startswith("cuda")
+    if cand.cuda_only and not cuda:
+        return {**rec, "status": "skipped", "error": "needs CUDA"}
+    x, dy, weights = data
+    m = fn = None
+    try:
+        try:
+            m, fn = cand.make(shape, weights)
+        except ImportError as e:
+            return {**rec, "status": "unavailable", "error": common.describe_failure(e)["error"]}
+        params = [m.get_parameter(n) for n in WEIGHT_NAMES]
+
+        def clear():
+            x.grad = None
+            m.zero_grad(set_to_none=True)
+
+        def step():
+            clear()
+            y = fn(x)
+            y.backward(dy)
+            return y.detach(), x.grad, [p.grad for p in params]
+
+        t0 = time.perf_counter()
+        for _ in range(max(1, warmup)):
+            step()
+            common.synchronize(device)
+        rec["warmup_s"] = time.perf_counter() - t0
+        clear()
+        (y, dx, grads), mem = common.measure_memory(
+            step, device=device, returned_bytes=lambda o: common.nbytes(o[0], o[1], *o[2]))
+        rec.update(memory=mem.as_dict(), peak_extra_bytes=mem.peak_extra_bytes,
+                   peak_bytes_over_base=mem.peak_bytes - mem.base_bytes)
+        if ref is not None:
+            out = dict(y=y, dx=dx, **{_grad_key(n): g for n, g in zip(WEIGHT_NAMES, grads)})
+            rec.update(_errors(out, ref))
+        y = dx = grads = None
+        clear()
+        timing = common.time_fn(step, device=device, reps=reps, warmup=0)
+        rec.update(status="ok", ms=timing.median_ms, timing=timing.as_dict())
+    except Exception as e:  # noqa: BLE001 - one candidate's failure must not stop the run
+        rec.update(common.describe_failure(e))
+    finally:
+        m = fn = None
+        x.grad = None
+        common.free_memory(device)
+    return rec
+
+
+# ----------------------------------------------------------------------------- JAX bench
+JAX_CANDIDATES = {
+    "jax-plain": "jnp: dense, jax.nn.silu(g) * u, dense; untiled",
+    "jax-tiled": "lj.tiled_mlp(lj.SwiGLUMLP): fp32 grad accumulation (Pallas SwiGLU on a GPU)",
+    "jax-tiled-bf16acc": "lj.tiled_mlp(lj.SwiGLUMLP), grad_accum_dtype=None",
+}
+
+
+def _jax_fn(name, shape):
+    import jax
+    import jax.numpy as jnp
+    import logitless.jax as lj
+    if name == "jax-plain":
+        def plain(p, x):
+            g = x @ p["gate_proj"]["kernel"]
+            u = x @ p["up_proj"]["kernel"]
+            return (jax.nn.silu(g) * u) @ p["down_proj"]["kernel"]
+        return plain
+    mlp = lj.SwiGLUMLP(shape.h, shape.i)
+    accum = jnp.float32 if name == "jax-tiled" else None
+    return lambda p, x: lj.tiled_mlp(mlp, p, x, num_shards=shape.shards, grad_accum_dtype=accum)
+
+
+def bench_jax(name, shape, data, ref, *, reps, warmup):
+    import jax
+    import jax.numpy as jnp
+    import torch
+    from benchmarks.jax_linear_cross_entropy import time_calls
+    rec: Dict[str, Any] = {"name": name, "about": JAX_CANDIDATES[name], "framework": "jax"}
+    x, dy, weights = data
+    try:
+        j = lambda t: jnp.from_dlpack(t.detach().contiguous())
+        params = {n.split(".")[0]: {"kernel": j(w).T} for n, w in zip(WEIGHT_NAMES, weights)}
+        xj, dyj = j(x), j(dy)
+        fn = _jax_fn(name, shape)
+
+        def fwd_bwd(p, x, dy):
+            y, vjp = jax.vjp(fn, p, x)
+            return (y,) + vjp(dy)
+
+        t0 = time.perf_counter()
+        compiled = jax.jit(fwd_bwd).lower(params, xj, dyj).compile()
+        rec["compile_s"] = time.perf_counter() - t0
+        ma = compiled.memory_analysis()
+        temp = int(ma.temp_size_in_bytes) if ma is not None else None
+        rec.update(temp_bytes=temp, peak_extra_bytes=temp)
+        y, dp, dx = compiled(params, xj, dyj)
+        if ref is not None:
+            t = lambda a: torch.from_dlpack(jax.block_until_ready(a))
+            out = dict(y=t(y), dx=t(dx), **{"d" + k: t(dp[k]["kernel"]).t() for k in dp})
+            rec.update(_errors(out, ref))
+        del y, dp, dx
+        timing = time_calls(lambda: compiled(params, xj, dyj), reps=reps, warmup=warmup)
+        rec.update(status="ok", ms=timing.median_ms, timing=timing.as_dict())
+    except Exception as e:  # noqa: BLE001
+        rec.update(common.describe_failure(e))
+    return rec
+
+
+# ----------------------------------------------------------------------------- one shape
+def bench_shape(shape: Shape, torch_names, jax_names, *, device, reps, warmup, seed):
+    import torch
+    common.free_memory(device)
+    data = make_inputs(shape, device, seed)
+    res: Dict[str, Any] = {"shape": shape.as_dict(), "seed": seed}
+    t0 = time.perf_counter()
+    try:
+        ref = reference(*data)
+        common.synchronize(device)
+        res["reference"] = {"seconds": time.perf_counter() - t0,
+                            "how": "inputs upcast to fp32; fp32 GEMMs (no TF32); chunked autograd"}
+    except Exception as e:  # noqa: BLE001 - time and memory still count
+        ref = None
+        res["reference"] = common.describe_failure(e)
+        common.free_memory(device)
+    res["candidates"] = []
+    for name in torch_names:
+        common.log(f"[{shape.name}] {name} ...")
+        rec = bench_torch(name, TORCH_CANDIDATES[name], shape, data, ref, device=device,
+                          reps=reps, warmup=warmup)
+        common.log(f"[{shape.name}] {name}: {_brief(rec)}")
+        res["candidates"].append(rec)
+    for name in jax_names:
+        common.log(f"[{shape.name}] {name} ...")
+        rec = bench_jax(name, shape, data, ref, reps=reps, warmup=warmup)
+        common.log(f"[{shape.name}] {name}: {_brief(rec)}")
+        res["candidates"].append(rec)
+    res["goals"] = check_goals(res)
+    del data, ref
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return res
+
+
+def check_goals(res) -> Dict[str, Any]:
+    """The issue's acceptance numbers, read off this shape's results (None: not measured)."""
+    c = {r["name"]: r for r in res["candidates"] if r.get("status") == "ok"}
+    plain = c.get("plain")
+    out: Dict[str, Any] = {"goals": GOALS}
+    for name in ("logitless-tiled", "logitless-tiled-bf16acc"):
+        r = c.get(name)
+        if r is None or plain is None:
+            continue
+        g = {"time_ratio": r["ms"] / plain["ms"],
+             "peak_bytes_over_base": r["peak_bytes_over_base"],
+             "peak_extra_bytes": r["peak_extra_bytes"]}
+        g["time_ok"] = g["time_ratio"] <= GOALS["max_time_ratio"]
+        g["peak_over_base_ok"] = g["peak_bytes_over_base"] <= GOALS["max_peak_bytes"]
+        if "liger-tiled" in c:
+            g["faster_than_liger"] = r["ms"] < c["liger-tiled"]["ms"]
+        if "dw_rel_err" in r and "dw_rel_err" in plain:
+            g["dw_err_vs_plain"] = r["dw_rel_err"] / plain["dw_rel_err"]
+            g["dw_err_ok"] = r["dw_rel_err"] <= plain["dw_rel_err"]
+        out[name] = g
+    for name in ("jax-tiled", "jax-tiled-bf16acc"):
+        if name in c and c[name].get("temp_bytes") is not None:
+            out[name] = {"temp_bytes": c[name]["temp_bytes"],
+                         "temp_ok": c[name]["temp_bytes"] <= GOALS["max_jax_temp_bytes"]}
+    return out
+
+
+def _brief(rec) -> str:
+    if rec.get("status") != "ok":
+        return f"{rec.get('status')}: {rec.get('error', '')}"
+    mem = rec.get("peak_bytes_over_base", rec.get("temp_bytes"))
+    return (f"{common.fmt_ms(rec['ms'])} ms, peak {common.fmt_bytes(mem)}, "
+            f"extra {common.fmt_bytes(rec.get('peak_extra_bytes'))}, "
+            f"dx {common.fmt_err(rec.get('dx_rel_err'))}, "
+            f"dW {common.fmt_err(rec.get('dw_rel_err'))}")
+
+
+# ----------------------------------------------------------------------------- run, report
+def run_benchmark(shapes, torch_names, jax_names, *, device, reps, warmup, seed, out=None):
+    env = common.environment(device, extra_packages=("liger-kernel",))
+    if jax_names:
+        import jax
+        env["jax_backend"] = jax.default_backend()
+    out = Path(out) if out else common.RESULTS_DIR / f"{common.device_slug(env)}-tiled-mlp.json"
+    result = {"op": OP, "schema": 1, "env": env,
+              "config": {"dtype": "bfloat16", "reps": reps, "warmup": warmup, "seed": seed,
+                         "timer": "cuda-events" if device.startswith("cuda") else "perf_counter",
+                         "candidates": {**{n: TORCH_CANDIDATES[n].about for n in torch_names},
+                                        **{n: JAX_CANDIDATES[n] for n in jax_names}}},
+              "results": []}
+    for k, shape in enumerate(shapes):
+        result["results"].append(bench_shape(shape, torch_names, jax_names, device=device,
+                                             reps=reps, warmup=warmup, seed=seed + 7919 * k))
+        common.write_json(out, result)
+    result["json"] = str(out)
+    return result
+
+
+def format_report(result) -> str:
+    env = result["env"]
+    pk = env["packages"]
+    lines = [f"tiled MLP (SwiGLU) fwd+bwd, bf16 -- {env.get('gpu_name') or env.get('cpu_model')}; "
+             f"torch {pk.get('torch')}, triton {pk.get('triton')}, jax {pk.get('jax')}; median of "
+             f"{result['config']['reps']}; seed {result['config']['seed']}"]
+    for res in result["results"]:
+        s = res["shape"]
+        lines += ["", f"{s['name']}  B={s['b']} T={s['t']} H={s['h']} I={s['i']} "
+                      f"shards={s['shards']}"]
+        plain = next((c for c in res["candidates"] if c["name"] == "plain" and c.get("ms")), None)
+        rows = []
+        for c in res["candidates"]:
+            if c.get("status") != "ok":
+                rows.append([c["name"], "-", "", "", "", "", "", "",
+                             f"{c.get('status')}: {c.get('error', '')}"[:60]])
+                continue
+            ratio = c["ms"] / plain["ms"] if plain else None
+            rows.append([c["name"], common.fmt_ms(c["ms"]), common.fmt_ratio(ratio),
+                         common.fmt_bytes(c.get("peak_bytes_over_base")),
+                         common.fmt_bytes(c.get("peak_extra_bytes")),
+                         common.fmt_err(c.get("y_rel_err")), common.fmt_err(c.get("dx_rel_err")),
+                         common.fmt_err(c.get("dw_rel_err")),
+                         "jax temp" if c["framework"] == "jax" else ""])
+        lines.append(common.format_table(
+            ["candidate", "ms", "x plain", "peak/base", "extra", "y err", "dx err", "dW err",
+             "note"], rows))
+        for name, g in res.get("goals", {}).items():
+            if name != "goals":
+                lines.append(f"  goals {name}: " + ", ".join(
+                    f"{k}={_fmt_goal(k, v)}" for k, v in g.items()))
+    lines += ["", f"wrote {result.get('json')}"]
+    return "\n".join(lines)
+
+
+def _fmt_goal(key, value) -> str:
+    if "bytes" in key:
+        return common.fmt_bytes(value)
+    return f"{value:.3g}" if isinstance(value, float) else str(value)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", default=None, help=f"groups {sorted(GROUPS)}, names "
+                   f"{sorted(SHAPES)} or BxTxHxIxS (default: 'gpu' on CUDA, 'tiny' on CPU)")
+    p.add_argument("--candidates", default=None,
+                   help="comma list of " + ", ".join(list(TORCH_CANDIDATES) + list(JAX_CANDIDATES))
+                   + " (default: all)")
+    p.add_argument("--no-jax", action="store_true", help="skip the JAX candidates")
+    p.add_argument("--reps", type=int, default=None, help="timed calls (default 10 GPU, 3 CPU)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed calls (default 2 GPU, 1 CPU)")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--device", default=None)
+    p.add_argument("--out", default=None)
+    p.add_argument("--list", action="store_true")
+    a = p.parse_args(argv)
+    if a.list:
+        for s in SHAPES.values():
+            print(f"shape {s.name}: {s}")
+        for n, c in TORCH_CANDIDATES.items():
+            print(f"candidate {n}: {c.about}")
+        for n, about in JAX_CANDIDATES.items():
+            print(f"candidate {n}: {about}")
+        return 0
+    device = a.device or common.default_device()
+    cuda = device.startswith("cuda")
+    if not cuda:
+        common.release_large_blocks_to_os()
+    names = (a.candidates.split(",") if a.candidates
+             else list(TORCH_CANDIDATES) + ([] if a.no_jax else list(JAX_CANDIDATES)))
+    unknown = [n for n in names if n not in TORCH_CANDIDATES and n not in JAX_CANDIDATES]
+    if unknown:
+        raise SystemExit(f"--candidates: unknown {unknown}")
+    torch_names = [n for n in names if n in TORCH_CANDIDATES]
+    jax_names = [n for n in names if n in JAX_CANDIDATES and not a.no_jax]
+    result = run_benchmark(parse_shapes(a.shapes or ("gpu" if cuda else "tiny")), torch_names,
+                           jax_names, device=device, reps=a.reps or (10 if cuda else 3),
+                           warmup=a.warmup if a.warmup is not None else (2 if cuda else 1),
+                           seed=a.seed if a.seed is not None else secrets.randbits(31), out=a.out)
+    print(format_report(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
