@@ -50,13 +50,33 @@ def jsd_runner(backend, **fixed_tuning):
     return run
 
 
+def _half_gemm_fp32_logits():
+    """``x @ w.T`` as the GEMMs of a fused loss run it: fp32 output from input-dtype operands;
+    backward rounds the logits' gradient to the input dtype for the dX / dW GEMMs."""
+    import torch
+
+    class HalfGemm(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w):
+            ctx.save_for_backward(x, w)
+            return x.float() @ w.float().t()
+
+        @staticmethod
+        def backward(ctx, dz):
+            x, w = ctx.saved_tensors
+            d = dz.to(x.dtype)
+            return d @ w, d.t() @ x
+    return HalfGemm.apply
+
+
 def naive_torch_jsd(case, inp):
-    """A careful user's version: both logits materialized in fp32, F.kl_div / F.cross_entropy,
-    autograd (see op_linear_jsd for why fp32)."""
+    """A careful user's version, Liger's recipe: both logits materialized in fp32 from the
+    input-dtype GEMM, F.kl_div / F.cross_entropy, autograd, the backward GEMMs in the input
+    dtype (see op_linear_jsd for why)."""
     import torch
     import torch.nn.functional as F
     xs, ws, xt, wt, y, g = torch_inputs(case, inp)
-    zs = xs.float() @ ws.float().t()
+    zs = _half_gemm_fp32_logits()(xs, ws)
     with torch.no_grad():
         zt = xt.float() @ wt.float().t()
     logq = F.log_softmax(zs / case.temperature, dim=-1)

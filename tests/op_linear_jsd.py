@@ -1,11 +1,13 @@
 """Linear JSD in the shared harness: the case, inputs, float64 reference and the curated case
 matrix every linear-JSD backend must pass (see :mod:`harness`).
 
-Backends return ``loss``, ``dx`` and ``dw`` (the student's gradients) as float64 arrays; the
-naive paths that scale the tolerance materialize *fp32* logits (``x.float() @ w.float().T``,
-as Liger-Kernel does) rather than logits rounded to the input dtype: JSD's gradient has no
-exact dominant term, so bf16 logits would move it by ~1e-2 and make the tolerance too loose
-to catch an implementation that rounds its logits (see the spec's precision note).
+Backends return ``loss``, ``dx`` and ``dw`` (the student's gradients) as float64 arrays. The
+naive paths that scale the tolerance follow Liger-Kernel's recipe: logits materialized in
+*fp32* straight from the input-dtype GEMM (not rounded to the input dtype: JSD's gradient has
+no exact dominant term, so bf16 logits would move it by ~1e-2 and make the tolerance too loose
+to catch an implementation that rounds its logits; see the spec's precision note), and the
+backward GEMMs in the input dtype (the logits' gradient rounded to it), as tensor-core GEMMs
+require.
 """
 from __future__ import annotations
 

@@ -1,0 +1,411 @@
+"""``backend="triton"`` for linear JSD: cuBLAS GEMMs on token chunks around one Triton kernel.
+
+Per chunk of ``C`` tokens (``chunk_size``), in sub-chunks of ``c`` tokens (``logits_chunk_size``):
+
+1. the student and teacher logits GEMMs (cuBLAS), written as **fp32** straight from the
+   half-precision GEMM (``logits_fp32=True``, the default: JSD's gradient has no exact
+   dominant term, so logits rounded to bf16 move it by ~1e-2; see the spec), into two
+   ``[c, V]`` buffers;
+2. the row kernel (:mod:`.jsd_rows`): both normalizers, the per-token loss, and the student
+   logit gradient dz written into a ``[C, V]`` buffer in the input dtype;
+
+then, per chunk, ``dX = dz·W_s`` and ``dW (+)= dzᵀ·X_s`` (cuBLAS). For ``mean``/``sum`` this
+all happens in the forward (gradients for the unit upstream gradient, ``1/Σm`` folded into dz
+so dX is rounded once); backward only scales by the upstream scalar (exact: the gradient is
+linear in it). Four GEMMs per token, the floor of the op. ``reduction="none"`` recomputes in
+backward with per-token upstream gradients.
+
+dW accumulates in an fp32 accumulator through ``torch.addmm(out_dtype=float32, out=acc)``
+(in place, no ``[V, H]`` temporaries; the first chunk assigns), which backward narrows into the
+final gradient *in place* (:mod:`.narrow_cast`): accumulator and result never coexist. One chunk
+needs no accumulator (one GEMM, one rounding).
+
+Memory beyond inputs and gradients: the fp32 accumulator's extra ``2·V·H`` bytes, plus
+``C·V·itemsize + 2·c·V·4`` bytes of buffers (``memory_budget``, default 896 MiB: C = 1792,
+c = 448 at V = 128256 in bf16). No host syncs; the ops are ``torch.library`` custom ops with
+fake implementations, so ``torch.compile`` traces them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional, Tuple
+
+import torch
+import triton
+
+from .. import _torch_common as common
+from .. import _torch_jsd as jsd_common
+from ..specs import linear_jsd as spec
+from ..specs.tiling import next_power_of_2, plan_token_chunks
+from . import jsd_rows
+from .narrow_cast import narrow_op, narrowed_view, scale_op, split_rows
+
+TUNING = ("chunk_size", "logits_chunk_size", "memory_budget", "logits_fp32", "grad_accum_dtype",
+          "block_v", "segment_size", "num_warps", "programs_per_sm", "row_sync")
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+FAST_BUDGET = 896 << 20     # dz [C, V] + two fp32 logits [C/4, V]: C = 1792 at V = 128256, bf16
+LOGITS_SHARE = 4            # c = C / LOGITS_SHARE with fp32 logits (C / 2 with half logits)
+# Row kernel on a GPU (guesses to be tuned with benchmarks/linear_jsd.py --probe): programs of
+# 8 warps stream 2048-column blocks, each owning an 8192-column segment of a row (64 KiB of
+# fp32 logits, re-read from L1/L2 by passes 2 and 3), two programs per SM.
+GPU_BLOCK = 2048
+GPU_SEGMENT = 8192
+GPU_WARPS = 8
+GPU_PROGRAMS_PER_SM = 2
+REDUCTIONS = {"none": 0, "sum": 1, "mean": 2}
+KINDS = {"forward_kl": jsd_rows.KIND_FORWARD_KL, "reverse_kl": jsd_rows.KIND_REVERSE_KL,
+         "jsd": jsd_rows.KIND_JSD}
+NO_GRAD, FULL_GRAD = 0, 1
+
+_INTERPRET = bool(triton.knobs.runtime.interpret) if hasattr(triton, "knobs") else False
+
+
+def _interpret() -> bool:
+    return _INTERPRET
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    chunk: int            # tokens per dX / dW chunk (C)
+    sub_chunk: int        # tokens per logits GEMM / row-kernel launch (c <= C)
+    logits_fp32: bool
+    block: int            # row-kernel columns per step (power of 2)
+    segment: int          # columns of a row per program (multiple of block)
+    num_warps: int
+    grid: int             # persistent programs (fused kernel); 0 = one per SM x programs_per_sm
+    row_sync: int         # 1 fused with per-row barriers, 0 one launch per pass, -1 auto
+
+
+# ----------------------------------------------------------------------------- launching
+def _row_kernel(zs, zt, dz, y, g, loss, opts_t, v, cfg: Config, write_loss, write_grad):
+    """Row kernel over ``zs[:rows]`` / ``zt[:rows]`` (see jsd_rows)."""
+    kind, beta, temperature, ignore_index, hard_w = opts_t
+    rows = zs.shape[0]
+    if rows == 0:
+        return
+    segs = triton.cdiv(v, cfg.segment)
+    dev = zs.device
+    fused = segs == 1 or cfg.row_sync == 1 or (cfg.row_sync == -1 and not _interpret())
+    if fused and segs > 1 and (_interpret() or segs > _max_resident_segments(dev)):
+        fused = False  # programs that wait for each other must be resident together
+    # absent buffers are never dereferenced (constexpr switches): any tensor stands in
+    part = (torch.empty(rows, segs, jsd_rows.NUM_FIELDS, dtype=torch.float32, device=dev)
+            if segs > 1 else zs)
+    sync = (torch.zeros(1 + rows, dtype=torch.int32, device=dev) if (fused and segs > 1)
+            else part)
+    dummy = zs
+    args = (zs, zs.stride(0), zt, zt.stride(0),
+            dz if dz is not None else zs, dz.stride(0) if dz is not None else 0,
+            y if y is not None else dummy, g if g is not None else dummy,
+            0 if (g is None or g.numel() == 1) else 1,
+            loss if loss is not None else dummy, part, sync,
+            rows, v, ignore_index, math.log2(math.e) / temperature, 1.0 / temperature, beta,
+            hard_w)
+    meta = dict(KIND=kind, HAS_Y=y is not None, HARD=hard_w > 0, T_ONE=temperature == 1.0,
+                WRITE_LOSS=write_loss, WRITE_GRAD=write_grad, SEGS=segs,
+                SEGS_P2=max(2, next_power_of_2(segs)), SEG=cfg.segment, BLOCK=cfg.block,
+                ROUND_BF16=_interpret() and dz is not None and dz.dtype == torch.bfloat16,
+                num_warps=cfg.num_warps)
+    if fused:
+        grid = rows if _interpret() else min(cfg.grid, rows * segs)
+        jsd_rows.jsd_rows_kernel[(max(1, grid),)](*args, PHASE=0, **meta)
+        return
+    for phase in ((1, 2, 3) if kind == jsd_rows.KIND_JSD else (1, 3)):
+        if phase != 3:
+            meta_p = dict(meta, WRITE_LOSS=False, WRITE_GRAD=False)
+        else:
+            meta_p = meta
+        jsd_rows.jsd_rows_kernel[(rows * segs,)](*args, PHASE=phase, **meta_p)
+
+
+def _max_resident_segments(device) -> int:
+    """Programs guaranteed resident together: one per SM at least."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _logits(x, w, out, fp32):
+    if fp32:
+        return jsd_common.logits_f32(x, w, out=out)
+    return torch.mm(x, w.t(), out=out)
+
+
+def _sweep(xs, ws, xt, wt, y, g, opts_t, cfg: Config, want_loss, want_grad, accum):
+    """One pass over the tokens: per-token losses (fp32, when ``want_loss``) and, when
+    ``want_grad``, dX and dW for the upstream gradient ``g`` ((1,) uniform or (N,) per token).
+    ``accum``: "fp32" (split fp32 accumulator), "input" (accumulate in the input dtype) or
+    "direct" (one chunk: dW written once)."""
+    n, hs = xs.shape
+    v = ws.shape[0]
+    dev = xs.device
+    dt = xs.dtype
+    token_loss = torch.empty(n, dtype=torch.float32, device=dev) if want_loss else None
+    dx = torch.empty(n, hs, dtype=dt, device=dev) if want_grad else xs.new_empty(0)
+    dw_a, dw_b = xs.new_empty(0), xs.new_empty(0)
+    if want_grad:
+        if accum == "fp32":
+            v1 = split_rows(v)
+            dw_a = torch.empty(v1, hs, dtype=torch.float32, device=dev)
+            dw_b = torch.empty(v - v1, hs, dtype=torch.float32, device=dev)
+        else:
+            dw_a = torch.empty(v, hs, dtype=dt, device=dev)
+    ldt = torch.float32 if cfg.logits_fp32 else dt
+    c = min(cfg.sub_chunk, n)
+    zs_buf = torch.empty(c, v, dtype=ldt, device=dev)
+    zt_buf = torch.empty(c, v, dtype=ldt if cfg.logits_fp32 else xt.dtype, device=dev)
+    dz_buf = torch.empty(min(cfg.chunk, n), v, dtype=dt, device=dev) if want_grad else None
+    for s in range(0, n, cfg.chunk):
+        e = min(s + cfg.chunk, n)
+        for ss in range(s, e, cfg.sub_chunk):
+            ee = min(ss + cfg.sub_chunk, e)
+            zs = _logits(xs[ss:ee], ws, zs_buf[: ee - ss], cfg.logits_fp32)
+            zt = _logits(xt[ss:ee], wt, zt_buf[: ee - ss], cfg.logits_fp32)
+            _row_kernel(zs, zt, None if dz_buf is None else dz_buf[ss - s: ee - s],
+                        None if y is None else y[ss:ee],
+                        None if not want_grad else (g if g.numel() == 1 else g[ss:ee]),
+                        None if token_loss is None else token_loss[ss:ee], opts_t, v, cfg,
+                        write_loss=want_loss, write_grad=want_grad)
+        if want_grad:
+            dz = dz_buf[: e - s]
+            torch.mm(dz, ws, out=dx[s:e])
+            if accum == "fp32":
+                v1 = dw_a.shape[0]
+                common.accumulate_mm_(dw_a, dz[:, :v1].t(), xs[s:e], first=s == 0)
+                common.accumulate_mm_(dw_b, dz[:, v1:].t(), xs[s:e], first=s == 0)
+            else:
+                common.accumulate_mm_(dw_a, dz.t(), xs[s:e], first=s == 0)
+    if want_grad and n == 0:
+        dw_a.zero_()
+        dw_b.zero_()
+    return token_loss, dx, dw_a, dw_b
+
+
+def _opts_tuple(beta, temperature, ignore_index, hard_w):
+    kind = KINDS[spec.LinearJSDOptions(beta=beta).kind]
+    return kind, beta, temperature, ignore_index, hard_w
+
+
+def _accum(dtype, n, chunk, accum_fp32):
+    """How dW accumulates: "direct" (one chunk: one GEMM writes it), "fp32" (the split fp32
+    accumulator, narrowed in place at the end) or "input" (in the input dtype: fp32 inputs,
+    or a half-precision accumulator by request)."""
+    if n <= chunk:
+        return "direct"
+    return "fp32" if (accum_fp32 and dtype != torch.float32) else "input"
+
+
+def _folds_mean(reduction, dtype):
+    """Whether the forward's gradients carry the 1/Σm of "mean" (not in fp16, where dz/Σm
+    would underflow; there backward applies it, rounding dX a second time)."""
+    return reduction == REDUCTIONS["mean"] and dtype != torch.float16
+
+
+def _cfg(chunk, sub_chunk, logits_fp32, block, segment, num_warps, grid, row_sync):
+    return Config(chunk, sub_chunk, logits_fp32, block, segment, num_warps, grid, row_sync)
+
+
+# ----------------------------------------------------------------------------- custom ops
+@torch.library.custom_op("logitless::linear_jsd_fwd", mutates_args=())
+def _fwd_op(xs: torch.Tensor, ws: torch.Tensor, xt: torch.Tensor, wt: torch.Tensor,
+            y: Optional[torch.Tensor], reduction: int, beta: float, temperature: float,
+            ignore_index: int, hard_w: float, grad_mode: int, chunk: int, sub_chunk: int,
+            logits_fp32: bool, accum_fp32: bool, block: int, segment: int, num_warps: int,
+            grid: int, row_sync: int
+            ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (loss, Σm or 1, dX, dW part a, dW part b); the gradients (for an upstream 1, with
+    1/Σm folded in unless fp16) only with ``grad_mode`` (mean/sum)."""
+    cfg = _cfg(chunk, sub_chunk, logits_fp32, block, segment, num_warps, grid, row_sync)
+    n = xs.shape[0]
+    opts_t = _opts_tuple(beta, temperature, ignore_index, hard_w)
+    denom = torch.ones((), dtype=torch.float32, device=xs.device)
+    if reduction == REDUCTIONS["mean"]:
+        denom = jsd_common.mean_denominator(y, n, ignore_index, xs)
+    g = (1.0 / denom).reshape(1) if _folds_mean(reduction, xs.dtype) else \
+        torch.ones(1, dtype=torch.float32, device=xs.device)
+    token_loss, dx, dw_a, dw_b = _sweep(
+        xs, ws, xt, wt, y, g, opts_t, cfg, True, grad_mode == FULL_GRAD,
+        _accum(xs.dtype, n, chunk, accum_fp32))
+    loss = token_loss if reduction == REDUCTIONS["none"] else token_loss.sum() / denom
+    return loss, denom, dx, dw_a, dw_b
+
+
+def _fake_grads(xs, ws, n, chunk, accum_fp32, full):
+    hs, v = xs.shape[1], ws.shape[0]
+    if not full:
+        return xs.new_empty(0), xs.new_empty(0), xs.new_empty(0)
+    dx = xs.new_empty(n, hs)
+    if _accum(xs.dtype, n, chunk, accum_fp32) == "fp32":
+        v1 = split_rows(v)
+        return (dx, xs.new_empty(v1, hs, dtype=torch.float32),
+                xs.new_empty(v - v1, hs, dtype=torch.float32))
+    return dx, xs.new_empty(v, hs), xs.new_empty(0)
+
+
+@_fwd_op.register_fake
+def _(xs, ws, xt, wt, y, reduction, beta, temperature, ignore_index, hard_w, grad_mode, chunk,
+      sub_chunk, logits_fp32, accum_fp32, block, segment, num_warps, grid, row_sync):
+    n = xs.shape[0]
+    f32 = dict(dtype=torch.float32)
+    loss = xs.new_empty(n, **f32) if reduction == REDUCTIONS["none"] else xs.new_empty((), **f32)
+    return (loss, xs.new_empty((), **f32)) + _fake_grads(xs, ws, n, chunk, accum_fp32,
+                                                        grad_mode == FULL_GRAD)
+
+
+@torch.library.custom_op("logitless::linear_jsd_bwd", mutates_args=())
+def _bwd_op(xs: torch.Tensor, ws: torch.Tensor, xt: torch.Tensor, wt: torch.Tensor,
+            y: Optional[torch.Tensor], g: torch.Tensor, beta: float, temperature: float,
+            ignore_index: int, hard_w: float, chunk: int, sub_chunk: int, logits_fp32: bool,
+            accum_fp32: bool, block: int, segment: int, num_warps: int, grid: int,
+            row_sync: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Recomputing backward for per-token upstream gradients ``g`` (N,): (dX, dW)."""
+    cfg = _cfg(chunk, sub_chunk, logits_fp32, block, segment, num_warps, grid, row_sync)
+    n, v, hs = xs.shape[0], ws.shape[0], xs.shape[1]
+    _, dx, dw_a, dw_b = _sweep(xs, ws, xt, wt, y, g, _opts_tuple(beta, temperature,
+                                                                ignore_index, hard_w),
+                               cfg, False, True, _accum(xs.dtype, n, chunk, accum_fp32))
+    if dw_a.dtype == xs.dtype:
+        return dx, dw_a
+    narrow_op(dw_a, dw_b, None, xs.dtype, _interpret())
+    return dx, narrowed_view(dw_a, v, hs, xs.dtype)
+
+
+@_bwd_op.register_fake
+def _(xs, ws, xt, wt, y, g, beta, temperature, ignore_index, hard_w, chunk, sub_chunk,
+      logits_fp32, accum_fp32, block, segment, num_warps, grid, row_sync):
+    return xs.new_empty(xs.shape), xs.new_empty(ws.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    (xs, ws, xt, wt, y, reduction, beta, temperature, ignore_index, hard_w, grad_mode, chunk,
+     sub_chunk, logits_fp32, accum_fp32, block, segment, num_warps, grid, row_sync) = inputs
+    loss, denom, dx, dw_a, dw_b = output
+    ctx.save_for_backward(xs, ws, xt, wt, y, denom, dx, dw_a, dw_b)
+    ctx.args = dict(reduction=reduction, beta=beta, temperature=temperature,
+                    ignore_index=ignore_index, hard_w=hard_w, grad_mode=grad_mode, chunk=chunk,
+                    sub_chunk=sub_chunk, logits_fp32=logits_fp32, accum_fp32=accum_fp32,
+                    block=block, segment=segment, num_warps=num_warps, grid=grid,
+                    row_sync=row_sync)
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, g_loss, _g_denom, _g_dx, _g_dwa, _g_dwb):
+    xs, ws, xt, wt, y, denom, dx_saved, dw_a, dw_b = ctx.saved_tensors
+    a = ctx.args
+    need_x, need_w = ctx.needs_input_grad[:2]
+    none = (None,) * 18
+    if g_loss is None or not (need_x or need_w):
+        return (None, None) + none
+    if a["grad_mode"] == FULL_GRAD:
+        # The forward holds the gradients for the upstream 1 (or 1/Σm): scale them (exact in
+        # fp32; a no-op rounding for the usual upstream 1.0). dX is ours alone (the front door
+        # drops it), and so is the accumulator: both are finished in place.
+        scale = g_loss.float().reshape(1)
+        if not _folds_mean(a["reduction"], xs.dtype):
+            scale = scale / denom
+        gx = gw = None
+        if need_x:
+            scale_op(dx_saved, scale, _interpret())
+            gx = dx_saved
+        if need_w:
+            if dw_a.dtype == xs.dtype:
+                scale_op(dw_a, scale, _interpret())
+                gw = dw_a
+            else:
+                narrow_op(dw_a, dw_b, scale, xs.dtype, _interpret())
+                gw = narrowed_view(dw_a, ws.shape[0], ws.shape[1], xs.dtype)
+        return (gx, gw) + none
+    # reduction="none": per-token upstream gradients, recompute.
+    gx, gw = _bwd_op(xs, ws, xt, wt, y, g_loss.float().contiguous(), a["beta"],
+                     a["temperature"], a["ignore_index"], a["hard_w"], a["chunk"],
+                     a["sub_chunk"], a["logits_fp32"], a["accum_fp32"], a["block"],
+                     a["segment"], a["num_warps"], a["grid"], a["row_sync"])
+    return (gx if need_x else None, gw if need_w else None) + none
+
+
+torch.library.register_autograd("logitless::linear_jsd_fwd", _backward,
+                                setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------- entry point
+def _check_pow2(name, value, lo):
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < lo
+                              or value & (value - 1)):
+        raise ValueError(f"{name} must be a power of 2 >= {lo}, got {value!r}")
+
+
+def linear_jsd(p: jsd_common.Prepared, opts: spec.LinearJSDOptions, *, chunk_size=None,
+               logits_chunk_size=None, memory_budget=None, logits_fp32=True,
+               grad_accum_dtype=torch.float32, block_v=None, segment_size=None, num_warps=None,
+               programs_per_sm=None, row_sync=None):
+    """Returns the loss reduced per ``opts.reduction`` (flat ``(N,)`` for "none").
+
+    Tuning: ``chunk_size`` (tokens per dX/dW chunk), ``logits_chunk_size`` (tokens per logits
+    GEMM and row-kernel launch), ``memory_budget`` (bytes for the chunk buffers; sets both
+    when they are not given), ``logits_fp32`` (False: logits in the input dtype, faster and
+    ~1e-2 less accurate), ``grad_accum_dtype`` (``torch.float32``, or the input dtype to save
+    ``2·V·H`` bytes at some accuracy cost), ``block_v`` (row-kernel columns per step, a power
+    of 2), ``segment_size`` (columns of a row per program, a multiple of ``block_v``),
+    ``num_warps``, ``programs_per_sm`` (persistent grid), ``row_sync`` (None: fused kernel
+    with per-row barriers on a GPU; False: one launch per pass).
+    """
+    xs = p.xs
+    for name, t in (("student_input", xs), ("teacher_input", p.xt)):
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"backend='triton' supports float32/bfloat16/float16 {name}, got "
+                            f"{t.dtype}; use backend='torch' for float64")
+    if not (xs.is_cuda or _interpret()):
+        raise ValueError("backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for "
+                         f"testing); student_input is on {xs.device}")
+    if not isinstance(logits_fp32, bool):
+        raise TypeError(f"logits_fp32 must be a bool, got {logits_fp32!r}")
+    if row_sync is not None and not isinstance(row_sync, bool):
+        raise TypeError(f"row_sync must be None or a bool, got {row_sync!r}")
+    if grad_accum_dtype not in (torch.float32, xs.dtype):
+        raise ValueError(f"grad_accum_dtype must be torch.float32 or the input dtype {xs.dtype}, "
+                         f"got {grad_accum_dtype!r}")
+    _check_pow2("block_v", block_v, 16)
+    if num_warps is not None and num_warps not in (1, 2, 4, 8, 16, 32):
+        raise ValueError(f"num_warps must be a power of 2 in [1, 32], got {num_warps!r}")
+    if programs_per_sm is not None and (isinstance(programs_per_sm, bool) or
+                                        not isinstance(programs_per_sm, int) or programs_per_sm < 1):
+        raise ValueError(f"programs_per_sm must be a positive int, got {programs_per_sm!r}")
+    n, v = p.problem.n, p.problem.v
+    gpu = xs.is_cuda and not _interpret()
+    block = block_v or (GPU_BLOCK if gpu else 1024)
+    block = min(block, max(16, next_power_of_2(v)))
+    if segment_size is None:
+        segment = GPU_SEGMENT if gpu else max(block, next_power_of_2(v))
+    else:
+        if isinstance(segment_size, bool) or not isinstance(segment_size, int) or segment_size < 1:
+            raise ValueError(f"segment_size must be a positive int, got {segment_size!r}")
+        segment = segment_size
+    segment = max(block, -(-segment // block) * block)  # whole blocks
+    grid = 0
+    if xs.is_cuda:
+        sms = torch.cuda.get_device_properties(xs.device).multi_processor_count
+        grid = sms * (programs_per_sm or GPU_PROGRAMS_PER_SM)
+    logit_bytes = 4 if logits_fp32 else xs.element_size()
+    share = LOGITS_SHARE if logits_fp32 else 2
+    budget = FAST_BUDGET if memory_budget is None else memory_budget
+    chunk = plan_token_chunks(n, v, bytes_per_element=xs.element_size() + 2 * logit_bytes // share,
+                              budget_bytes=budget, chunk_size=chunk_size).chunk
+    if logits_chunk_size is None:
+        sub = chunk if chunk <= 128 else max(128, (chunk // share) // 128 * 128)
+    else:
+        if isinstance(logits_chunk_size, bool) or not isinstance(logits_chunk_size, int) \
+                or logits_chunk_size < 1:
+            raise ValueError(f"logits_chunk_size must be a positive int, got {logits_chunk_size!r}")
+        sub = logits_chunk_size
+    sub = min(sub, chunk)
+    wants_grad = torch.is_grad_enabled() and (xs.requires_grad or p.ws.requires_grad)
+    grad_mode = FULL_GRAD if (wants_grad and opts.reduction != "none") else NO_GRAD
+    y = p.y
+    if y is not None and y.dtype not in (torch.int32, torch.int64):
+        y = y.long()
+    loss, _denom, _dx, _dwa, _dwb = _fwd_op(
+        xs, p.ws, p.xt, p.wt, y, REDUCTIONS[opts.reduction], opts.beta, opts.temperature,
+        opts.ignore_index, opts.hard_loss_weight, grad_mode, chunk, sub, logits_fp32,
+        grad_accum_dtype == torch.float32, block, segment, num_warps or GPU_WARPS, grid,
+        -1 if row_sync is None else int(row_sync))
+    return loss

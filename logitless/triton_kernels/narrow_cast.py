@@ -1,0 +1,118 @@
+"""Turn a float32 weight-gradient accumulator into the final half-precision gradient *in place*,
+so that accumulator and result never coexist (and scale a gradient in place).
+
+With an fp32 ``[V, H]`` accumulator (4·V·H bytes) and a bf16 result (2·V·H bytes), a plain
+cast holds both at the end: 6·V·H bytes, 3.2 GB at the Llama-3 shape. Here the accumulator is
+two allocations, ``a`` (rows ``[0, V1)``, ``V1 = ceil(V/2)``) and ``b`` (the other rows):
+
+1. ``a`` is narrowed onto its own first half: element i is written at byte 2i, which is
+   fp32 element i/2 -- already read if elements are processed in increasing order. Launches
+   over the ranges [0, B), [B, 2B), [2B, 4B), ... keep every launch's writes off its own
+   reads and onto elements an earlier launch consumed (log2(V1·H/B) launches, each a
+   vectorized pass).
+2. ``b`` is cast into the second half of ``a``'s bytes (which ``b`` fits, as V − V1 <= V1).
+
+``a``'s storage then holds the whole ``[V, H]`` result; ``b`` is freed by its owner. The
+upstream scale is applied on the way (one rounding, from fp32). Peak: the accumulator alone.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+FIRST = 4096  # elements narrowed by the first, single-program launch
+
+
+@triton.jit
+def round_bf16_bits(v):
+    """The Triton interpreter's fp32->bf16 cast truncates (the GPU rounds to nearest even):
+    pre-round the bits of normal numbers so that interpreted runs see the GPU's values. Zeros
+    and subnormals are left alone (the interpreter turns 0 + bias into a subnormal, not 0)."""
+    bits = v.to(tl.uint32, bitcast=True)
+    normal = (bits & 0x7F800000) != 0
+    bits += tl.where(normal, 0x7FFF + ((bits >> 16) & 1), 0)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _scaled_copy_kernel(src_ptr, dst_ptr, scale_ptr, start, stop, HAS_SCALE: tl.constexpr,
+                        SYNC: tl.constexpr, ROUND_BF16: tl.constexpr, BLOCK: tl.constexpr):
+    """dst[i] = src[i]·scale for i in [start, stop), computed in fp32."""
+    offs = start + tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < stop
+    v = tl.load(src_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_SCALE:
+        v = v * tl.load(scale_ptr).to(tl.float32)
+    if ROUND_BF16:
+        v = round_bf16_bits(v)
+    if SYNC:  # source and destination overlap inside this (single) program
+        tl.debug_barrier()
+    tl.store(dst_ptr + offs, v.to(dst_ptr.dtype.element_ty), mask=mask)
+
+
+def _launch(src, dst, scale, start, stop, interpret, sync=False):
+    n = stop - start
+    if n <= 0:
+        return
+    block = FIRST if sync else 4096
+    _scaled_copy_kernel[(1 if sync else triton.cdiv(n, block),)](
+        src, dst, src if scale is None else scale, start, stop, HAS_SCALE=scale is not None,
+        SYNC=sync, ROUND_BF16=interpret and dst.dtype == torch.bfloat16, BLOCK=block,
+        num_warps=8)
+
+
+def split_rows(v: int) -> int:
+    """Rows of the first accumulator allocation."""
+    return (v + 1) // 2
+
+
+def narrow_(a: torch.Tensor, b: Optional[torch.Tensor], scale: Optional[torch.Tensor],
+            dtype: torch.dtype, interpret: bool) -> None:
+    """Write ``(cat(a, b) · scale)`` as ``dtype`` into ``a``'s storage (see the module doc)."""
+    assert a.dtype == torch.float32 and a.is_contiguous() and dtype.itemsize == 2
+    dst = a.view(-1).view(dtype)  # 2·numel(a) slots of the narrow type over a's bytes
+    src = a.view(-1)
+    n_a = src.numel()
+    _launch(src, dst, scale, 0, min(FIRST, n_a), interpret, sync=True)
+    lo = FIRST
+    while lo < n_a:
+        _launch(src, dst, scale, lo, min(2 * lo, n_a), interpret)
+        lo *= 2
+    if b is not None and b.numel():
+        assert b.is_contiguous() and b.numel() <= n_a
+        _launch(b.view(-1), dst[n_a:], scale, 0, b.numel(), interpret)
+
+
+def narrowed_view(a: torch.Tensor, v: int, h: int, dtype: torch.dtype) -> torch.Tensor:
+    """The ``[V, H]`` ``dtype`` result that :func:`narrow_` left in ``a``'s storage."""
+    return a.view(-1).view(dtype)[: v * h].view(v, h)
+
+
+def scale_(t: torch.Tensor, scale: torch.Tensor, interpret: bool) -> None:
+    """``t *= scale`` in place (each element read and written by the same thread)."""
+    assert t.is_contiguous()
+    _launch(t.view(-1), t.view(-1), scale, 0, t.numel(), interpret)
+
+
+@torch.library.custom_op("logitless::narrow_", mutates_args=("a",))
+def narrow_op(a: torch.Tensor, b: Optional[torch.Tensor], scale: Optional[torch.Tensor],
+              dtype: torch.dtype, interpret: bool) -> None:
+    narrow_(a, b, scale, dtype, interpret)
+
+
+@narrow_op.register_fake
+def _(a, b, scale, dtype, interpret):
+    return None
+
+
+@torch.library.custom_op("logitless::jsd_scale_", mutates_args=("t",))
+def scale_op(t: torch.Tensor, scale: torch.Tensor, interpret: bool) -> None:
+    scale_(t, scale, interpret)
+
+
+@scale_op.register_fake
+def _(t, scale, interpret):
+    return None
