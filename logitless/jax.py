@@ -101,3 +101,8 @@ def linear_cross_entropy(x, linear_weight, labels, *, linear_bias=None, weight=N
 from .tiled_mlp_jax import SwiGLUMLP, swiglu, tiled_mlp  # noqa: E402
 
 __all__ += ["tiled_mlp", "SwiGLUMLP", "swiglu"]
+
+# Fused linear JSD for distillation (logitless/_jax_jsd.py).
+from ._jax_jsd import linear_jsd  # noqa: E402
+
+__all__ += ["linear_jsd"]

@@ -412,7 +412,7 @@ TRITON_TUNINGS = {
     "sub-chunks": dict(chunk_size=48, logits_chunk_size=16),
     "three-launches": dict(chunk_size=64, block_v=64, segment_size=128, row_sync=False),
     "blocks-ragged": dict(chunk_size=50, logits_chunk_size=20, block_v=32, segment_size=96),
-    "bf16-logits": dict(chunk_size=48, logits_fp32=False),
+    "bf16-logits": dict(chunk_size=48, fp32_logits=False),
     "bf16-accumulator": dict(chunk_size=48, grad_accum_dtype="bfloat16"),
 }
 
@@ -560,7 +560,7 @@ def test_triton_argument_errors():
     import logitless.torch as lt
     xs, ws, xt, wt, y = _data(8, 16, 12, 32, seed=8)
     bad = [
-        (dict(logits_fp32="yes"), TypeError, "logits_fp32"),
+        (dict(fp32_logits="yes"), TypeError, "fp32_logits"),
         (dict(row_sync=1), TypeError, "row_sync"),
         (dict(grad_accum_dtype=torch.float16), ValueError, "grad_accum_dtype"),
         (dict(block_v=100), ValueError, "block_v"),

@@ -3,7 +3,7 @@
 Per chunk of ``C`` tokens (``chunk_size``), in sub-chunks of ``c`` tokens (``logits_chunk_size``):
 
 1. the student and teacher logits GEMMs (cuBLAS), written as **fp32** straight from the
-   half-precision GEMM (``logits_fp32=True``, the default: JSD's gradient has no exact
+   half-precision GEMM (``fp32_logits=True``, the default: JSD's gradient has no exact
    dominant term, so logits rounded to bf16 move it by ~1e-2; see the spec), into two
    ``[c, V]`` buffers;
 2. the row kernel (:mod:`.jsd_rows`): both normalizers, the per-token loss, and the student
@@ -41,7 +41,7 @@ from ..specs.tiling import next_power_of_2, plan_token_chunks
 from . import jsd_rows
 from .narrow_cast import narrow_op, narrowed_view, scale_op, split_rows
 
-TUNING = ("chunk_size", "logits_chunk_size", "memory_budget", "logits_fp32", "grad_accum_dtype",
+TUNING = ("chunk_size", "logits_chunk_size", "memory_budget", "fp32_logits", "grad_accum_dtype",
           "block_v", "segment_size", "num_warps", "programs_per_sm", "row_sync")
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -70,7 +70,7 @@ def _interpret() -> bool:
 class Config:
     chunk: int            # tokens per dX / dW chunk (C)
     sub_chunk: int        # tokens per logits GEMM / row-kernel launch (c <= C)
-    logits_fp32: bool
+    fp32_logits: bool
     block: int            # row-kernel columns per step (power of 2)
     segment: int          # columns of a row per program (multiple of block)
     num_warps: int
@@ -150,17 +150,17 @@ def _sweep(xs, ws, xt, wt, y, g, opts_t, cfg: Config, want_loss, want_grad, accu
             dw_b = torch.empty(v - v1, hs, dtype=torch.float32, device=dev)
         else:
             dw_a = torch.empty(v, hs, dtype=dt, device=dev)
-    ldt = torch.float32 if cfg.logits_fp32 else dt
+    ldt = torch.float32 if cfg.fp32_logits else dt
     c = min(cfg.sub_chunk, n)
     zs_buf = torch.empty(c, v, dtype=ldt, device=dev)
-    zt_buf = torch.empty(c, v, dtype=ldt if cfg.logits_fp32 else xt.dtype, device=dev)
+    zt_buf = torch.empty(c, v, dtype=ldt if cfg.fp32_logits else xt.dtype, device=dev)
     dz_buf = torch.empty(min(cfg.chunk, n), v, dtype=dt, device=dev) if want_grad else None
     for s in range(0, n, cfg.chunk):
         e = min(s + cfg.chunk, n)
         for ss in range(s, e, cfg.sub_chunk):
             ee = min(ss + cfg.sub_chunk, e)
-            zs = _logits(xs[ss:ee], ws, zs_buf[: ee - ss], cfg.logits_fp32)
-            zt = _logits(xt[ss:ee], wt, zt_buf[: ee - ss], cfg.logits_fp32)
+            zs = _logits(xs[ss:ee], ws, zs_buf[: ee - ss], cfg.fp32_logits)
+            zt = _logits(xt[ss:ee], wt, zt_buf[: ee - ss], cfg.fp32_logits)
             _row_kernel(zs, zt, None if dz_buf is None else dz_buf[ss - s: ee - s],
                         None if y is None else y[ss:ee],
                         None if not want_grad else (g if g.numel() == 1 else g[ss:ee]),
@@ -201,8 +201,8 @@ def _folds_mean(reduction, dtype):
     return reduction == REDUCTIONS["mean"] and dtype != torch.float16
 
 
-def _cfg(chunk, sub_chunk, logits_fp32, block, segment, num_warps, grid, row_sync):
-    return Config(chunk, sub_chunk, logits_fp32, block, segment, num_warps, grid, row_sync)
+def _cfg(chunk, sub_chunk, fp32_logits, block, segment, num_warps, grid, row_sync):
+    return Config(chunk, sub_chunk, fp32_logits, block, segment, num_warps, grid, row_sync)
 
 
 # ----------------------------------------------------------------------------- custom ops
@@ -210,12 +210,12 @@ def _cfg(chunk, sub_chunk, logits_fp32, block, segment, num_warps, grid, row_syn
 def _fwd_op(xs: torch.Tensor, ws: torch.Tensor, xt: torch.Tensor, wt: torch.Tensor,
             y: Optional[torch.Tensor], reduction: int, beta: float, temperature: float,
             ignore_index: int, hard_w: float, grad_mode: int, chunk: int, sub_chunk: int,
-            logits_fp32: bool, accum_fp32: bool, block: int, segment: int, num_warps: int,
+            fp32_logits: bool, accum_fp32: bool, block: int, segment: int, num_warps: int,
             grid: int, row_sync: int
             ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (loss, Σm or 1, dX, dW part a, dW part b); the gradients (for an upstream 1, with
     1/Σm folded in unless fp16) only with ``grad_mode`` (mean/sum)."""
-    cfg = _cfg(chunk, sub_chunk, logits_fp32, block, segment, num_warps, grid, row_sync)
+    cfg = _cfg(chunk, sub_chunk, fp32_logits, block, segment, num_warps, grid, row_sync)
     n = xs.shape[0]
     opts_t = _opts_tuple(beta, temperature, ignore_index, hard_w)
     denom = torch.ones((), dtype=torch.float32, device=xs.device)
@@ -244,7 +244,7 @@ def _fake_grads(xs, ws, n, chunk, accum_fp32, full):
 
 @_fwd_op.register_fake
 def _(xs, ws, xt, wt, y, reduction, beta, temperature, ignore_index, hard_w, grad_mode, chunk,
-      sub_chunk, logits_fp32, accum_fp32, block, segment, num_warps, grid, row_sync):
+      sub_chunk, fp32_logits, accum_fp32, block, segment, num_warps, grid, row_sync):
     n = xs.shape[0]
     f32 = dict(dtype=torch.float32)
     loss = xs.new_empty(n, **f32) if reduction == REDUCTIONS["none"] else xs.new_empty((), **f32)
@@ -255,11 +255,11 @@ def _(xs, ws, xt, wt, y, reduction, beta, temperature, ignore_index, hard_w, gra
 @torch.library.custom_op("logitless::linear_jsd_bwd", mutates_args=())
 def _bwd_op(xs: torch.Tensor, ws: torch.Tensor, xt: torch.Tensor, wt: torch.Tensor,
             y: Optional[torch.Tensor], g: torch.Tensor, beta: float, temperature: float,
-            ignore_index: int, hard_w: float, chunk: int, sub_chunk: int, logits_fp32: bool,
+            ignore_index: int, hard_w: float, chunk: int, sub_chunk: int, fp32_logits: bool,
             accum_fp32: bool, block: int, segment: int, num_warps: int, grid: int,
             row_sync: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """Recomputing backward for per-token upstream gradients ``g`` (N,): (dX, dW)."""
-    cfg = _cfg(chunk, sub_chunk, logits_fp32, block, segment, num_warps, grid, row_sync)
+    cfg = _cfg(chunk, sub_chunk, fp32_logits, block, segment, num_warps, grid, row_sync)
     n, v, hs = xs.shape[0], ws.shape[0], xs.shape[1]
     _, dx, dw_a, dw_b = _sweep(xs, ws, xt, wt, y, g, _opts_tuple(beta, temperature,
                                                                 ignore_index, hard_w),
@@ -272,18 +272,18 @@ def _bwd_op(xs: torch.Tensor, ws: torch.Tensor, xt: torch.Tensor, wt: torch.Tens
 
 @_bwd_op.register_fake
 def _(xs, ws, xt, wt, y, g, beta, temperature, ignore_index, hard_w, chunk, sub_chunk,
-      logits_fp32, accum_fp32, block, segment, num_warps, grid, row_sync):
+      fp32_logits, accum_fp32, block, segment, num_warps, grid, row_sync):
     return xs.new_empty(xs.shape), xs.new_empty(ws.shape)
 
 
 def _setup_context(ctx, inputs, output):
     (xs, ws, xt, wt, y, reduction, beta, temperature, ignore_index, hard_w, grad_mode, chunk,
-     sub_chunk, logits_fp32, accum_fp32, block, segment, num_warps, grid, row_sync) = inputs
+     sub_chunk, fp32_logits, accum_fp32, block, segment, num_warps, grid, row_sync) = inputs
     loss, denom, dx, dw_a, dw_b = output
     ctx.save_for_backward(xs, ws, xt, wt, y, denom, dx, dw_a, dw_b)
     ctx.args = dict(reduction=reduction, beta=beta, temperature=temperature,
                     ignore_index=ignore_index, hard_w=hard_w, grad_mode=grad_mode, chunk=chunk,
-                    sub_chunk=sub_chunk, logits_fp32=logits_fp32, accum_fp32=accum_fp32,
+                    sub_chunk=sub_chunk, fp32_logits=fp32_logits, accum_fp32=accum_fp32,
                     block=block, segment=segment, num_warps=num_warps, grid=grid,
                     row_sync=row_sync)
     ctx.set_materialize_grads(False)
@@ -318,7 +318,7 @@ def _backward(ctx, g_loss, _g_denom, _g_dx, _g_dwa, _g_dwb):
     # reduction="none": per-token upstream gradients, recompute.
     gx, gw = _bwd_op(xs, ws, xt, wt, y, g_loss.float().contiguous(), a["beta"],
                      a["temperature"], a["ignore_index"], a["hard_w"], a["chunk"],
-                     a["sub_chunk"], a["logits_fp32"], a["accum_fp32"], a["block"],
+                     a["sub_chunk"], a["fp32_logits"], a["accum_fp32"], a["block"],
                      a["segment"], a["num_warps"], a["grid"], a["row_sync"])
     return (gx if need_x else None, gw if need_w else None) + none
 
@@ -335,14 +335,14 @@ def _check_pow2(name, value, lo):
 
 
 def linear_jsd(p: jsd_common.Prepared, opts: spec.LinearJSDOptions, *, chunk_size=None,
-               logits_chunk_size=None, memory_budget=None, logits_fp32=True,
+               logits_chunk_size=None, memory_budget=None, fp32_logits=True,
                grad_accum_dtype=torch.float32, block_v=None, segment_size=None, num_warps=None,
                programs_per_sm=None, row_sync=None):
     """Returns the loss reduced per ``opts.reduction`` (flat ``(N,)`` for "none").
 
     Tuning: ``chunk_size`` (tokens per dX/dW chunk), ``logits_chunk_size`` (tokens per logits
     GEMM and row-kernel launch), ``memory_budget`` (bytes for the chunk buffers; sets both
-    when they are not given), ``logits_fp32`` (False: logits in the input dtype, faster and
+    when they are not given), ``fp32_logits`` (False: logits in the input dtype, faster and
     ~1e-2 less accurate), ``grad_accum_dtype`` (``torch.float32``, or the input dtype to save
     ``2·V·H`` bytes at some accuracy cost), ``block_v`` (row-kernel columns per step, a power
     of 2), ``segment_size`` (columns of a row per program, a multiple of ``block_v``),
@@ -357,8 +357,8 @@ def linear_jsd(p: jsd_common.Prepared, opts: spec.LinearJSDOptions, *, chunk_siz
     if not (xs.is_cuda or _interpret()):
         raise ValueError("backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for "
                          f"testing); student_input is on {xs.device}")
-    if not isinstance(logits_fp32, bool):
-        raise TypeError(f"logits_fp32 must be a bool, got {logits_fp32!r}")
+    if not isinstance(fp32_logits, bool):
+        raise TypeError(f"fp32_logits must be a bool, got {fp32_logits!r}")
     if row_sync is not None and not isinstance(row_sync, bool):
         raise TypeError(f"row_sync must be None or a bool, got {row_sync!r}")
     if grad_accum_dtype not in (torch.float32, xs.dtype):
@@ -385,8 +385,8 @@ def linear_jsd(p: jsd_common.Prepared, opts: spec.LinearJSDOptions, *, chunk_siz
     if xs.is_cuda:
         sms = torch.cuda.get_device_properties(xs.device).multi_processor_count
         grid = sms * (programs_per_sm or GPU_PROGRAMS_PER_SM)
-    logit_bytes = 4 if logits_fp32 else xs.element_size()
-    share = LOGITS_SHARE if logits_fp32 else 2
+    logit_bytes = 4 if fp32_logits else xs.element_size()
+    share = LOGITS_SHARE if fp32_logits else 2
     budget = FAST_BUDGET if memory_budget is None else memory_budget
     chunk = plan_token_chunks(n, v, bytes_per_element=xs.element_size() + 2 * logit_bytes // share,
                               budget_bytes=budget, chunk_size=chunk_size).chunk
@@ -405,7 +405,7 @@ def linear_jsd(p: jsd_common.Prepared, opts: spec.LinearJSDOptions, *, chunk_siz
         y = y.long()
     loss, _denom, _dx, _dwa, _dwb = _fwd_op(
         xs, p.ws, p.xt, p.wt, y, REDUCTIONS[opts.reduction], opts.beta, opts.temperature,
-        opts.ignore_index, opts.hard_loss_weight, grad_mode, chunk, sub, logits_fp32,
+        opts.ignore_index, opts.hard_loss_weight, grad_mode, chunk, sub, fp32_logits,
         grad_accum_dtype == torch.float32, block, segment, num_warps or GPU_WARPS, grid,
         -1 if row_sync is None else int(row_sync))
     return loss

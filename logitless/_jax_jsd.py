@@ -1,0 +1,389 @@
+"""Linear JSD on the JAX side: argument checks and flattening, the front door (re-exported by
+:mod:`logitless.jax`), the per-row-block math shared by both JAX backends, and the chunked
+``jax.custom_vjp`` driver.
+
+A backend supplies a *head*: what to do with one chunk's student and teacher logits (the
+per-token loss, and optionally the student logit gradient). The math is written for blocks of
+rows and columns: the XLA head applies it to whole rows at once, the Pallas kernel to column
+blocks of a row in turn (online max / sums). See :mod:`logitless.specs.linear_jsd`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from . import _jax_common as common
+from .specs import linear_jsd as spec
+from .specs.tiling import ChunkPlan
+
+__all__ = ["linear_jsd", "available_backends"]
+
+_BACKENDS = {"xla": "logitless.xla_jsd", "pallas": "logitless.pallas_kernels.linear_jsd"}
+_INT32 = np.iinfo(np.int32)
+KINDS = ("forward_kl", "reverse_kl", "jsd")
+# M = βP + (1−β)Q at or below this contributes nothing measurable: zero loss terms and gradient.
+M_TINY = 1e-30
+
+
+def available_backends():
+    """Backend names; ``None`` picks "pallas" when JAX's default backend is a GPU, else "xla"."""
+    return ["pallas", "xla"] if jax.default_backend() == "gpu" else ["xla", "pallas"]
+
+
+# ------------------------------------------------------------------------------ arguments
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    xs: jax.Array                 # (N, H_s)
+    ws: jax.Array                 # (V, H_s) for layout "vh", (H_s, V) for "hv" (never copied)
+    xt: jax.Array                 # (N, H_t)
+    wt: jax.Array                 # (V, H_t) / (H_t, V)
+    y: Optional[jax.Array]        # (N,) int32 or None
+    layout: str
+    problem: spec.Problem
+
+
+def prepare(xs, ws, xt, wt, y, opts: spec.LinearJSDOptions, weight_layout="vh") -> Prepared:
+    """Check types, dtypes and shapes (errors name the argument); flatten to 2-D. Concrete
+    targets are range-checked eagerly; traced ones turn a bad target into a NaN loss."""
+    names = ("student_input", "student_weight", "teacher_input", "teacher_weight")
+    for name, a in zip(names, (xs, ws, xt, wt)):
+        common._require_array(name, a)
+        if jnp.dtype(a.dtype) not in common.FLOAT_DTYPES:
+            raise TypeError(f"{name} must be float32, bfloat16 or float16, got {a.dtype}")
+    common._require_array("target", y, optional=True)
+    if jnp.dtype(ws.dtype) != jnp.dtype(xs.dtype):
+        raise TypeError(f"student_weight dtype {ws.dtype} does not match student_input dtype "
+                        f"{xs.dtype}")
+    if jnp.dtype(wt.dtype) != jnp.dtype(xt.dtype):
+        raise TypeError(f"teacher_weight dtype {wt.dtype} does not match teacher_input dtype "
+                        f"{xt.dtype}")
+    if y is not None:
+        ydt = jnp.dtype(y.dtype)
+        if ydt == jnp.bool_ or not jnp.issubdtype(ydt, jnp.integer):
+            raise TypeError(f"target must hold integer class indices, got dtype {ydt}")
+    if not _INT32.min <= opts.ignore_index <= _INT32.max:
+        raise ValueError(f"ignore_index must fit in int32 (targets are int32), got "
+                         f"{opts.ignore_index}")
+    if weight_layout not in ("vh", "hv"):
+        raise ValueError(f"weight_layout must be 'vh' (V, H) or 'hv' (H, V), got {weight_layout!r}")
+    vh = (lambda s: tuple(s)) if weight_layout == "vh" else (lambda s: tuple(s)[::-1])
+    problem = spec.check_shapes(xs.shape, vh(ws.shape), xt.shape, vh(wt.shape),
+                                None if y is None else y.shape, options=opts)
+    if y is not None and not common._is_traced(y):
+        spec.check_targets(np.asarray(y), problem.v, opts.ignore_index)
+    n = problem.n
+    return Prepared(xs=jnp.reshape(xs, (n, problem.h_s)), ws=jnp.asarray(ws),
+                    xt=lax.stop_gradient(jnp.reshape(xt, (n, problem.h_t))),
+                    wt=lax.stop_gradient(jnp.asarray(wt)),
+                    y=None if y is None else jnp.reshape(y, (n,)).astype(jnp.int32),
+                    layout=weight_layout, problem=problem)
+
+
+# ------------------------------------------------------------------ per-block math (fp32)
+# Rows are tokens, (R,) per-row values, (R, C) blocks of columns. a = z_s/T, b = z_t/T, z_s the
+# raw student logits; every quantity in natural units.
+def stats_init(rows: int):
+    """(m_a, s_a, m_b, s_b, w, m_z, s_z, z_y) before any column."""
+    zeros = jnp.zeros((rows,), jnp.float32)
+    ninf = jnp.full((rows,), -jnp.inf, jnp.float32)
+    return ninf, zeros, ninf, zeros, zeros, ninf, zeros, zeros
+
+
+def _online(m, s, x):
+    """Fold a block of exponents x (masked lanes -inf) into running (max, Σ exp(x − max))."""
+    m_new = jnp.maximum(m, jnp.max(x, axis=1))
+    return m_new, s * jnp.exp(m - m_new) + jnp.sum(jnp.exp(x - m_new[:, None]), axis=1)
+
+
+def stats_update(carry, a, b, zs, cmask, is_target, *, kind, hard, t_one):
+    """Pass 1 over a column block: online normalizers of a and b (and of z_s when the
+    hard-label term needs them at T != 1), the target logit, and for the KL kinds the online
+    w = Σ exp(b − m_b)·(b − a) (forward) or Σ exp(a − m_a)·(a − b) (reverse)."""
+    m_a, s_a, m_b, s_b, w, m_z, s_z, z_y = carry
+    live = jnp.ones(a.shape, bool) if cmask is None else jnp.broadcast_to(cmask[None, :], a.shape)
+    a_l = jnp.where(live, a, -jnp.inf)
+    b_l = jnp.where(live, b, -jnp.inf)
+    if kind == "jsd":
+        m_a, s_a = _online(m_a, s_a, a_l)
+        m_b, s_b = _online(m_b, s_b, b_l)
+    else:
+        lead, lead_m, lead_s = (b_l, m_b, s_b) if kind == "forward_kl" else (a_l, m_a, s_a)
+        diff = jnp.where(live, b - a if kind == "forward_kl" else a - b, 0.0)
+        m_new = jnp.maximum(lead_m, jnp.max(lead, axis=1))
+        e = jnp.exp(lead - m_new[:, None])
+        rescale = jnp.exp(lead_m - m_new)
+        w = w * rescale + jnp.sum(e * diff, axis=1)
+        if kind == "forward_kl":
+            m_b, s_b = m_new, s_b * rescale + jnp.sum(e, axis=1)
+            m_a, s_a = _online(m_a, s_a, a_l)
+        else:
+            m_a, s_a = m_new, s_a * rescale + jnp.sum(e, axis=1)
+            m_b, s_b = _online(m_b, s_b, b_l)
+    if hard:
+        if not t_one:
+            m_z, s_z = _online(m_z, s_z, jnp.where(live, zs, -jnp.inf))
+        z_y = z_y + jnp.sum(jnp.where(is_target, zs, 0.0), axis=1)
+    return m_a, s_a, m_b, s_b, w, m_z, s_z, z_y
+
+
+def stats_finish(carry, *, kind, hard, t_one):
+    """-> (lse_a, lse_b, lse_z, z_y, kl): kl the row's KL (nats) for the KL kinds, else 0."""
+    m_a, s_a, m_b, s_b, w, m_z, s_z, z_y = carry
+    l_a = m_a + jnp.log(s_a)
+    l_b = m_b + jnp.log(s_b)
+    l_z = l_a if (t_one or not hard) else m_z + jnp.log(s_z)
+    if kind == "forward_kl":
+        kl = w * jnp.exp(m_b - l_b) - l_b + l_a
+    elif kind == "reverse_kl":
+        kl = w * jnp.exp(m_a - l_a) - l_a + l_b
+    else:
+        kl = jnp.zeros_like(l_a)
+    return l_a, l_b, l_z, z_y, kl
+
+
+def _log_m(lq, lp, beta):
+    q = jnp.exp(lq)
+    mm = beta * jnp.exp(lp) + (1.0 - beta) * q
+    live = mm > M_TINY
+    return q, jnp.log(jnp.where(live, mm, 1.0)), live
+
+
+def jsd_sums_update(carry, a, b, l_a, l_b, cmask, *, beta):
+    """Pass 2 (0 < β < 1) over a column block: K = Σ Q·ℓ and J = Σ β·P·(log P − log M) +
+    (1−β)·Q·ℓ, with ℓ = log Q − log M."""
+    k, j = carry
+    lq = a - l_a[:, None]
+    lp = b - l_b[:, None]
+    q, lm, live = _log_m(lq, lp, beta)
+    if cmask is not None:
+        live = live & cmask[None, :]
+    qell = q * (lq - lm)
+    k = k + jnp.sum(jnp.where(live, qell, 0.0), axis=1)
+    j = j + jnp.sum(jnp.where(live, beta * jnp.exp(lp) * (lp - lm) + (1.0 - beta) * qell, 0.0),
+                    axis=1)
+    return k, j
+
+
+def grad_block(a, b, zs, is_target, l_a, l_b, l_z, kk, coef, hard_coef, *, kind, beta,
+               temperature, hard, t_one):
+    """Pass 3: the student logit gradient of a column block, coef·(1/T)·∂J/∂a +
+    hard_coef·(S − onehot), with coef = g·m per row (and hard_coef = coef·w_h)."""
+    lq = a - l_a[:, None]
+    lp = b - l_b[:, None]
+    if kind == "forward_kl":
+        q = jnp.exp(lq)
+        d = q - jnp.exp(lp)
+    elif kind == "reverse_kl":
+        q = jnp.exp(lq)
+        d = q * (lq - lp - kk[:, None])
+    else:
+        q, lm, live = _log_m(lq, lp, beta)
+        d = jnp.where(live, (1.0 - beta) * q * (lq - lm - kk[:, None]), 0.0)
+    d = d * (coef / temperature)[:, None]
+    if hard:
+        sv = q if t_one else jnp.exp(zs - l_z[:, None])
+        d = d + hard_coef[:, None] * (sv - jnp.where(is_target, 1.0, 0.0))
+    return d
+
+
+def row_loss(kl_or_j, l_z, z_y, hard_w, hard):
+    """J (nats) + w_h·(lse(z_s) − z_s[y])."""
+    return kl_or_j + hard_w * (l_z - z_y) if hard else kl_or_j
+
+
+# ---------------------------------------------------------------- per-token coefficients
+def token_mask(y, n, opts: spec.LinearJSDOptions, v):
+    """m (N,) float32: 0 for ignored tokens, 1 otherwise, NaN for a target outside [0, V)
+    that is not ignore_index (its loss, the reduced loss and the gradients become NaN: loud,
+    never garbage; the kernels never index with it)."""
+    if y is None:
+        return jnp.ones((n,), jnp.float32)
+    keep = y != opts.ignore_index
+    bad = keep & ((y < 0) | (y >= v))
+    return jnp.where(bad, jnp.nan, keep.astype(jnp.float32))
+
+
+def safe_targets(y, opts, v):
+    """Targets with ignored and out-of-range ones mapped to -1 (matching no column)."""
+    keep = (y != opts.ignore_index) & (y >= 0) & (y < v)
+    return jnp.where(keep, y, -1)
+
+
+def mean_denominator(m):
+    total = jnp.sum(jnp.where(jnp.isnan(m), 1.0, m))
+    return jnp.where(total > 0, total, 1.0)
+
+
+# ------------------------------------------------------------------------ chunked driver
+class Head:
+    """What a backend does with one chunk: ``loss(zs, zt, y)`` -> (C,) float32 per-token
+    J + w_h·ce (unmasked); ``loss_grad(zs, zt, y, coef, grad_dtype)`` -> (loss, dz (C, V) in
+    ``grad_dtype``), dz for the per-row coefficient coef = g·m. ``y`` (C,) int32 with -1 for
+    "no target here" (or None). ``logits_dtype`` is the dtype the driver's GEMMs hand over
+    (None: the input dtype). Heads are hashable (static configuration of the program)."""
+
+    logits_dtype = None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    opts: spec.LinearJSDOptions
+    plan: ChunkPlan
+    v: int
+    layout: str
+    head: Head
+
+
+def _chunk_logits(st, xs, ws, xt, wt, start, size):
+    dt = st.head.logits_dtype
+    zs = common.logits(common._tokens(xs, start, size), ws, st.layout, dt)
+    zt = common.logits(common._tokens(xt, start, size), wt, st.layout, dt)
+    return zs, zt
+
+
+def _y_chunk(y, start, size):
+    return None if y is None else common._tokens(y, start, size)
+
+
+def _forward(st: _Static, xs, ws, xt, wt, y):
+    """Per-token losses l_i (N,), masked, without gradients."""
+    n = xs.shape[0]
+    m = token_mask(y, n, st.opts, st.v)
+    ys = None if y is None else safe_targets(y, st.opts, st.v)
+
+    def body(start, size, tok):
+        zs, zt = _chunk_logits(st, xs, ws, xt, wt, start, size)
+        return lax.dynamic_update_slice_in_dim(tok, st.head.loss(zs, zt, _y_chunk(ys, start, size)),
+                                               start, 0)
+
+    tok = common._walk_chunks(st, n, body, jnp.zeros((n,), jnp.float32))
+    return tok * m, m
+
+
+def _grads(st: _Static, xs, ws, xt, wt, y, g):
+    """One sweep: masked per-token losses, dX (input dtype) and dW (float32) for the upstream
+    gradient g ((N,) per token, already divided by Σm for "mean")."""
+    n = xs.shape[0]
+    m = token_mask(y, n, st.opts, st.v)
+    ys = None if y is None else safe_targets(y, st.opts, st.v)
+    coef = g * m
+
+    def body(start, size, carry):
+        tok, dx, dw = carry
+        zs, zt = _chunk_logits(st, xs, ws, xt, wt, start, size)
+        xc = common._tokens(xs, start, size)
+        l_c, dz = st.head.loss_grad(zs, zt, _y_chunk(ys, start, size),
+                                    common._tokens(coef, start, size), xs.dtype)
+        dx = lax.dynamic_update_slice_in_dim(dx, common.grad_input(dz, ws, st.layout), start, 0)
+        dw_c = common.grad_weight(dz, xc, st.layout)  # the first chunk assigns: no zero-fill
+        return (lax.dynamic_update_slice_in_dim(tok, l_c, start, 0), dx,
+                dw_c if dw is None else dw + dw_c)
+
+    tok, dx, dw = common._walk_chunks(st, n, body, (jnp.zeros((n,), jnp.float32),
+                                                    jnp.zeros(xs.shape, xs.dtype), None))
+    if dw is None:  # no tokens at all
+        dw = jnp.zeros(ws.shape, jnp.float32)
+    return tok * m, dx, dw
+
+
+def _reduce(st: _Static, tok, m):
+    if st.opts.reduction == "none":
+        return tok
+    total = jnp.sum(tok)
+    return total / mean_denominator(m) if st.opts.reduction == "mean" else total
+
+
+@functools.lru_cache(maxsize=256)
+def _custom_vjp_fn(st: _Static):
+    """The differentiable ``(xs, ws, xt, wt, y) -> loss`` for ``st``; the teacher and the
+    targets get no cotangent.
+
+    mean/sum: the forward rule runs the gradient sweep for an upstream gradient of 1 (or
+    1/Σm), and the backward rule only scales dX and dW by the scalar cotangent; dW stays in
+    float32 until then. "none": the backward rule recomputes every chunk with per-token
+    cotangents.
+    """
+    opts = st.opts
+
+    @jax.custom_vjp
+    def f(xs, ws, xt, wt, y):
+        tok, m = _forward(st, xs, ws, xt, wt, y)
+        return _reduce(st, tok, m)
+
+    if opts.reduction != "none":
+        def f_fwd(xs, ws, xt, wt, y):
+            n = xs.shape[0]
+            m = token_mask(y, n, opts, st.v)
+            scale = 1.0 / mean_denominator(m) if opts.reduction == "mean" else 1.0
+            tok, dx, dw = _grads(st, xs, ws, xt, wt, y, jnp.full((n,), scale, jnp.float32))
+            return _reduce(st, tok, m), (dx, dw, xt, wt, y)
+
+        def f_bwd(res, g):
+            dx, dw, xt, wt, y = res
+            g = g.astype(jnp.float32)
+            scale = lambda a: (g * a.astype(jnp.float32)).astype(dx.dtype)
+            return scale(dx), scale(dw), None, None, None
+    else:
+        def f_fwd(xs, ws, xt, wt, y):
+            tok, m = _forward(st, xs, ws, xt, wt, y)
+            return tok, (xs, ws, xt, wt, y)
+
+        def f_bwd(res, g):
+            xs, ws, xt, wt, y = res
+            _, dx, dw = _grads(st, xs, ws, xt, wt, y, g.astype(jnp.float32))
+            return dx, dw.astype(ws.dtype), None, None, None
+
+    f.defvjp(f_fwd, f_bwd)
+    return f
+
+
+def chunked_linear_jsd(p: Prepared, opts: spec.LinearJSDOptions, plan: ChunkPlan, head: Head):
+    """The loss reduced per ``opts.reduction`` (flat ``(N,)`` for "none")."""
+    st = _Static(opts=opts, plan=plan, v=p.problem.v, layout=p.layout, head=head)
+    return _custom_vjp_fn(st)(p.xs, p.ws, p.xt, p.wt, p.y)
+
+
+# ------------------------------------------------------------------------------ front door
+def _resolve(backend: Optional[str]):
+    if backend is None:
+        backend = available_backends()[0]
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be None or one of {sorted(_BACKENDS)}, got {backend!r}")
+    return backend, importlib.import_module(_BACKENDS[backend])
+
+
+def linear_jsd(student_input, student_weight, teacher_input, teacher_weight, target=None, *,
+               beta=0.5, temperature=1.0, ignore_index=-100, reduction="mean",
+               hard_loss_weight=0.0, weight_layout="vh", backend=None, **tuning):
+    """Generalized JSD between a student and a teacher LM head without materializing either
+    ``[N, V]`` logits array; the arguments of :func:`logitless.torch.linear_jsd`, JAX arrays.
+
+    Works under ``jax.jit``, ``jax.grad``, ``jax.value_and_grad`` and ``jax.vmap``; the
+    teacher arrays and the targets get zero cotangents. ``weight_layout="hv"`` takes both
+    heads as ``(H, V)`` (Flax ``Dense`` kernels) without transposing them. Concrete targets
+    outside ``[0, V)`` (other than ``ignore_index``) raise ``ValueError`` up front; traced ones
+    make the loss and gradients NaN. ``backend``: ``None`` ("pallas" on a GPU, else "xla"),
+    ``"pallas"`` or ``"xla"``; ``**tuning``: that backend's chunk / block keywords.
+    """
+    opts = spec.LinearJSDOptions(
+        beta=beta, temperature=temperature, reduction=reduction,
+        ignore_index=-100 if ignore_index is None else ignore_index,
+        hard_loss_weight=hard_loss_weight)
+    name, impl = _resolve(backend)
+    unknown = sorted(set(tuning) - set(impl.TUNING))
+    if unknown:
+        raise TypeError(f"unknown tuning keyword(s) {unknown} for backend={name!r}; "
+                        f"it accepts {list(impl.TUNING)}")
+    p = prepare(student_input, student_weight, teacher_input, teacher_weight, target, opts,
+                weight_layout)
+    loss = impl.linear_jsd(p, opts, **tuning)
+    if opts.reduction == "none":
+        loss = jnp.reshape(loss, p.problem.batch_shape)
+    return loss

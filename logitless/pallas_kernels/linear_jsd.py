@@ -1,0 +1,225 @@
+"""``backend="pallas"`` for linear JSD: one Pallas kernel per token chunk between XLA GEMMs.
+
+Per chunk of tokens (the plan of :mod:`logitless.specs.tiling`):
+
+1. the student and teacher logits GEMMs through XLA, written as float32 straight from the
+   half-precision GEMM (``fp32_logits=True``, the default: JSD's gradient needs unrounded
+   logits, see the spec);
+2. one Pallas kernel over the chunk's rows, three sweeps over a row's vocabulary: the online
+   normalizers of both heads (and, for β ∈ {0, 1}, the KL itself), then (0 < β < 1)
+   K = KL(Q‖M) and the loss, then the student logit gradient (written backwards, starting on
+   the columns the previous sweep read last) in the input dtype;
+3. dX_c = dz_c·W_s and dW += dz_cᵀ·x_s,c through XLA, dW accumulating in float32.
+
+The chunk loop and the ``jax.custom_vjp`` are the shared driver of :mod:`logitless._jax_jsd`,
+whose row-block math the kernel runs on each column block. Every load is masked: ragged row
+and vocabulary ends never read out of bounds; masked logits read as 0 and are excluded from
+the reductions. GPU: Pallas' Triton backend; elsewhere interpret mode.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from .. import _jax_common as common
+from .. import _jax_jsd as jc
+from ..specs import linear_jsd as spec
+from ..specs.tiling import ceil_div, next_power_of_2, plan_token_chunks
+
+TUNING = ("chunk_size", "memory_budget", "block_rows", "block_v", "num_warps", "num_stages",
+          "grid_size", "fp32_logits", "interpret")
+
+# GPU defaults, by analogy with the linear-CE kernel's H100 tuning (long column blocks, one
+# 16-warp program per SM); to be re-tuned with benchmarks/linear_jsd.py. The budget covers the
+# chunk's two float32 logits buffers and its gradient buffer.
+GPU_DEFAULTS = dict(memory_budget=1 << 30, block_rows=1, block_v=8192, num_warps=16,
+                    num_stages=2, programs_per_sm=1)
+_I0 = np.int32(0)
+
+
+def _iota(n):
+    return jnp.arange(n, dtype=jnp.int32)
+
+
+def _rows_kernel(zs_ref, zt_ref, *refs, v, block_rows, block_v, grid_size, kind, beta,
+                 temperature, hard_w, has_y, t_one, write_grad):
+    """Program p handles row blocks p, p + grid_size, ... of ``block_rows`` rows each.
+    refs: [y (C,) int32, -1 = no target column], [coef (C,) f32 = g·m], loss (C,) f32,
+    [dz (C, V)]."""
+    refs = list(refs)
+    y_ref = refs.pop(0) if has_y else None
+    coef_ref = refs.pop(0) if write_grad else None
+    loss_ref = refs[0]
+    dz_ref = refs[1] if write_grad else None
+    n_rows = zs_ref.shape[0]
+    n_vblocks = ceil_div(v, block_v)
+    hard = hard_w > 0
+    kw = dict(kind=kind, hard=hard, t_one=t_one)
+    inv_t = 1.0 / temperature
+
+    def row_block(r0):
+        rmask = (r0 + _iota(block_rows)) < n_rows
+        rows = pl.ds(r0, block_rows)
+        y = plgpu.load(y_ref.at[rows], mask=rmask, other=-1) if has_y else None
+
+        def block(j):
+            cols = j * block_v + _iota(block_v)
+            cmask = cols < v
+            span = pl.ds(j * block_v, block_v)
+            m2 = rmask[:, None] & cmask[None, :]
+            zs = plgpu.load(zs_ref.at[rows, span], mask=m2, other=0.0).astype(jnp.float32)
+            zt = plgpu.load(zt_ref.at[rows, span], mask=m2, other=0.0).astype(jnp.float32)
+            is_target = (cols[None, :] == y[:, None]) if has_y else \
+                jnp.zeros((block_rows, block_v), bool)
+            return zs, zt, cmask, is_target, span
+
+        def sweep1(j, carry):
+            zs, zt, cmask, is_target, _ = block(j)
+            return jc.stats_update(carry, zs * inv_t, zt * inv_t, zs, cmask, is_target, **kw)
+
+        stats = lax.fori_loop(_I0, np.int32(n_vblocks), sweep1, jc.stats_init(block_rows))
+        l_a, l_b, l_z, z_y, kl = jc.stats_finish(stats, **kw)
+        if kind == "jsd":
+            def sweep2(j, carry):
+                zs, zt, cmask, _, _ = block(j)
+                return jc.jsd_sums_update(carry, zs * inv_t, zt * inv_t, l_a, l_b, cmask,
+                                          beta=beta)
+
+            zero = jnp.zeros((block_rows,), jnp.float32)
+            kk, jj = lax.fori_loop(_I0, np.int32(n_vblocks), sweep2, (zero, zero))
+        else:
+            kk = jj = kl
+        plgpu.store(loss_ref.at[rows], jc.row_loss(jj, l_z, z_y, hard_w, hard), mask=rmask)
+
+        if write_grad:
+            coef = plgpu.load(coef_ref.at[rows], mask=rmask, other=0.0)
+
+            def sweep3(j, carry):
+                zs, zt, cmask, is_target, span = block(n_vblocks - 1 - j)
+                dz = jc.grad_block(zs * inv_t, zt * inv_t, zs, is_target, l_a, l_b, l_z, kk,
+                                   coef, coef * hard_w, beta=beta, temperature=temperature, **kw)
+                plgpu.store(dz_ref.at[rows, span], dz.astype(dz_ref.dtype),
+                            mask=rmask[:, None] & cmask[None, :])
+                return carry
+
+            lax.fori_loop(_I0, np.int32(n_vblocks), sweep3, 0)
+
+    pid = pl.program_id(0)
+    n_row_blocks = ceil_div(n_rows, block_rows)
+    if grid_size >= n_row_blocks:
+        row_block(pid * block_rows)
+    else:
+        def persistent(t, carry):
+            row_block((pid + t * grid_size) * block_rows)
+            return carry
+
+        lax.fori_loop(_I0, (n_row_blocks - pid + grid_size - 1) // grid_size, persistent, 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class PallasHead(jc.Head):
+    kind: str
+    beta: float
+    temperature: float
+    hard_w: float
+    block_rows: int
+    block_v: int
+    num_warps: int
+    num_stages: int
+    grid_size: Optional[int]  # None: one program per row block
+    interpret: bool
+    fp32_logits: bool = True
+
+    @property
+    def logits_dtype(self):
+        return jnp.float32 if self.fp32_logits else None
+
+    def _call(self, zs, zt, y, coef, grad_dtype):
+        n_rows, v = zs.shape
+        block_rows = min(self.block_rows, next_power_of_2(n_rows))
+        block_v = min(self.block_v, next_power_of_2(v))
+        n_row_blocks = ceil_div(n_rows, block_rows)
+        grid_size = n_row_blocks if self.grid_size is None else min(self.grid_size, n_row_blocks)
+        write_grad = grad_dtype is not None
+        inputs = [zs, zt] + ([y] if y is not None else []) + ([coef] if write_grad else [])
+        out_shape = [jax.ShapeDtypeStruct((n_rows,), jnp.float32)]
+        if write_grad:
+            out_shape.append(jax.ShapeDtypeStruct(zs.shape, grad_dtype))
+        in_place = write_grad and jnp.dtype(grad_dtype) == zs.dtype  # dz overwrites zs
+        kernel = functools.partial(
+            _rows_kernel, v=v, block_rows=block_rows, block_v=block_v, grid_size=grid_size,
+            kind=self.kind, beta=self.beta, temperature=self.temperature, hard_w=self.hard_w,
+            has_y=y is not None, t_one=self.temperature == 1.0, write_grad=write_grad)
+        out = pl.pallas_call(
+            kernel, out_shape=tuple(out_shape), grid=(grid_size,),
+            input_output_aliases={0: 1} if in_place else {},
+            interpret=self.interpret,
+            compiler_params=plgpu.CompilerParams(num_warps=self.num_warps,
+                                                 num_stages=self.num_stages),
+            name="logitless_linear_jsd_rows",
+        )(*inputs)
+        return out if write_grad else out[0]
+
+    def loss(self, zs, zt, y):
+        return self._call(zs, zt, y, None, None)
+
+    def loss_grad(self, zs, zt, y, coef, grad_dtype):
+        return self._call(zs, zt, y, coef, grad_dtype)
+
+
+def _default_grid_size() -> Optional[int]:
+    sms = getattr(jax.devices()[0], "core_count", None)
+    return None if not sms else int(sms) * GPU_DEFAULTS["programs_per_sm"]
+
+
+def linear_jsd(p: jc.Prepared, opts: spec.LinearJSDOptions, *, chunk_size=None,
+               memory_budget=None, block_rows=None, block_v=None, num_warps=None,
+               num_stages=None, grid_size=None, fp32_logits=True, interpret=None):
+    """The loss reduced per ``opts.reduction`` (flat for "none").
+
+    Tuning: ``chunk_size`` / ``memory_budget`` (bytes of the chunk's logits and gradient
+    buffers), ``block_rows`` × ``block_v`` (the kernel's tile, powers of two), ``num_warps``,
+    ``num_stages`` (Triton), ``grid_size`` (persistent programs; default SMs ×
+    ``GPU_DEFAULTS["programs_per_sm"]`` on a GPU, one per row block when interpreted),
+    ``fp32_logits`` (False: logits in the input dtype, less memory and traffic, ~1e-2 less
+    accurate gradients in bf16), ``interpret`` (default: True unless JAX's default backend is
+    a GPU).
+    """
+    pick = lambda val, key: GPU_DEFAULTS[key] if val is None else val
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    elif not isinstance(interpret, bool):
+        raise TypeError(f"interpret must be a bool or None, got {interpret!r}")
+    if not isinstance(fp32_logits, bool):
+        raise TypeError(f"fp32_logits must be a bool, got {fp32_logits!r}")
+    if grid_size is not None:
+        common.check_tuning("grid_size", grid_size)
+    elif not interpret:
+        grid_size = _default_grid_size()
+    head = PallasHead(
+        kind=opts.kind, beta=opts.beta, temperature=opts.temperature,
+        hard_w=opts.hard_loss_weight,
+        block_rows=common.check_tuning("block_rows", pick(block_rows, "block_rows"),
+                                       power_of_2=True, hi=1024),
+        block_v=common.check_tuning("block_v", pick(block_v, "block_v"), power_of_2=True,
+                                    hi=1 << 16),
+        num_warps=common.check_tuning("num_warps", pick(num_warps, "num_warps"),
+                                      power_of_2=True, hi=32),
+        num_stages=common.check_tuning("num_stages", pick(num_stages, "num_stages"), hi=8),
+        grid_size=grid_size, interpret=interpret, fp32_logits=fp32_logits)
+    in_bytes = p.xs.dtype.itemsize
+    logit_bytes = 4 if fp32_logits else in_bytes
+    grad_bytes = 0 if logit_bytes == in_bytes else in_bytes  # else dz overwrites the logits
+    plan = plan_token_chunks(p.problem.n, p.problem.v,
+                             bytes_per_element=2 * logit_bytes + grad_bytes,
+                             budget_bytes=pick(memory_budget, "memory_budget"),
+                             chunk_size=chunk_size)
+    return jc.chunked_linear_jsd(p, opts, plan, head)
