@@ -4,3 +4,4 @@ import backends_jax  # noqa: F401
 import backends_bridge  # noqa: F401
 import backends_jsd_torch  # noqa: F401
 import backends_jsd_jax  # noqa: F401
+import backends_jsd_bridge  # noqa: F401
