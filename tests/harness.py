@@ -110,6 +110,15 @@ def compare(case, out, ref, naive) -> Dict[str, Tuple[float, float]]:
     return report
 
 
+def ulp(values, dtype: str) -> np.ndarray:
+    """The unit in the last place of ``values`` in ``dtype`` (a NP_DTYPES key or "float32")."""
+    fi = ml_dtypes.finfo(NP_DTYPES[dtype])
+    with np.errstate(divide="ignore"):
+        exponent = np.maximum(np.floor(np.log2(np.abs(np.asarray(values, np.float64)))),
+                              fi.minexp)
+    return 2.0 ** (exponent - fi.nmant)
+
+
 def check_backend(op: Op, name: str, case, salt: int = 0) -> Dict[str, Tuple[float, float]]:
     """The shared test body: ``name`` (a backend of ``op``) against the float64 reference, with
     the naive path's error setting the tolerance. Fails (never skips) when a module is missing."""

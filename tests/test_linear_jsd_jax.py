@@ -1,0 +1,217 @@
+"""The JAX linear-JSD front door beyond the shared harness: jit / grad / value_and_grad /
+vmap, the Flax (H, V) layout without a copy, zero teacher cotangents, argument errors naming
+the argument, out-of-range targets (eager error; NaN under jit), and the Pallas kernel's
+Triton lowering for a GPU at the acceptance shape (checked on CPU, nothing allocated)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+jax = pytest.importorskip("jax")
+import jax.numpy as jnp  # noqa: E402
+
+import logitless.jax as lj  # noqa: E402
+from logitless.specs import linear_jsd as spec  # noqa: E402
+
+from harness import SEED, rel_err  # noqa: E402
+
+BACKENDS = ["xla", "pallas"]
+TOL = 2e-5  # float32 inputs against the float64 spec
+PALLAS_SMALL = dict(block_rows=2, block_v=16, grid_size=3)
+
+
+def _tuning(backend, **kw):
+    return {**(PALLAS_SMALL if backend == "pallas" and jax.default_backend() != "gpu" else {}),
+            **kw}
+
+
+def _problem(n=23, hs=12, ht=9, v=41, *, batch=(), salt=0, dtype=jnp.float32):
+    rng = np.random.default_rng([SEED, salt, n, hs, v])
+    xs = rng.standard_normal((*batch, n, hs))
+    ws = rng.standard_normal((v, hs)) * (2.0 / np.sqrt(hs))
+    xt = rng.standard_normal((*batch, n, ht))
+    wt = rng.standard_normal((v, ht)) * (2.0 / np.sqrt(ht))
+    y = rng.integers(0, v, (*batch, n))
+    y[rng.random((*batch, n)) < 0.2] = -100
+    j = lambda a: jnp.asarray(a, dtype)
+    return j(xs), j(ws), j(xt), j(wt), jnp.asarray(y, jnp.int32)
+
+
+def _ref(xs, ws, xt, wt, y, g=None, **opts):
+    f64 = lambda a: np.asarray(a, np.float64)
+    return spec.reference(f64(xs), f64(ws), f64(xt), f64(wt), None if y is None else np.asarray(y),
+                          options=spec.LinearJSDOptions(**opts), grad_output=g)
+
+
+def _close(a, r, tol=TOL):
+    a = np.asarray(a, np.float64)
+    assert np.isfinite(a).all()
+    assert rel_err(a, r) <= tol, rel_err(a, r)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_jit_value_and_grad_and_teacher_cotangents(backend):
+    xs, ws, xt, wt, y = _problem()
+    opts = dict(beta=0.3, temperature=2.0, hard_loss_weight=0.25)
+    f = lambda xs, ws, xt, wt: lj.linear_jsd(xs, ws, xt, wt, y, backend=backend, chunk_size=8,
+                                             **opts, **_tuning(backend))
+    loss, (dx, dw, dxt, dwt) = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3)))(xs, ws, xt, wt)
+    ref = _ref(xs, ws, xt, wt, y, **opts)
+    _close(loss, ref["loss"])
+    _close(dx, ref["dx"])
+    _close(dw, ref["dw"])
+    assert not np.any(np.asarray(dxt)) and not np.any(np.asarray(dwt))
+    assert loss.dtype == jnp.float32 and dx.dtype == xs.dtype and dw.shape == ws.shape
+    np.testing.assert_allclose(np.asarray(jax.grad(f)(xs, ws, xt, wt)), np.asarray(dx),
+                               rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("beta", [0.0, 1.0])
+def test_none_reduction_keeps_the_batch_shape(backend, beta):
+    """(B, T, H) inputs, no targets: per-token losses come back (B, T) and per-token
+    cotangents reach the gradient (the backward recomputes with them)."""
+    xs, ws, xt, wt, _ = _problem(n=7, batch=(3,), salt=1)
+    g = jnp.asarray(np.random.default_rng([SEED, 2]).standard_normal((3, 7)), jnp.float32)
+
+    def f(xs, ws):
+        loss = lj.linear_jsd(xs, ws, xt, wt, beta=beta, temperature=0.7, reduction="none",
+                             backend=backend, chunk_size=5, **_tuning(backend))
+        assert loss.shape == (3, 7)
+        return jnp.sum(loss * g)
+
+    dx, dw = jax.jit(jax.grad(f, argnums=(0, 1)))(xs, ws)
+    ref = _ref(xs.reshape(21, -1), ws, xt.reshape(21, -1), wt, None, np.asarray(g).reshape(-1),
+               beta=beta, temperature=0.7, reduction="none")
+    _close(dx.reshape(21, -1), ref["dx"])
+    _close(dw, ref["dw"])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_vmap_over_a_leading_batch_axis(backend):
+    """Each sequence its own mean; dW per sequence."""
+    xs, ws, xt, wt, y = _problem(n=9, batch=(2,), salt=3)
+    f = lambda xs, ws, xt, y: lj.linear_jsd(xs, ws, xt, wt, y, backend=backend, chunk_size=4,
+                                            **_tuning(backend))
+    loss, (dx, dw) = jax.jit(jax.vmap(jax.value_and_grad(f, argnums=(0, 1)),
+                                      in_axes=(0, None, 0, 0)))(xs, ws, xt, y)
+    assert loss.shape == (2,) and dw.shape == (2, *ws.shape)
+    for i in range(2):
+        ref = _ref(xs[i], ws, xt[i], wt, y[i])
+        _close(loss[i], ref["loss"])
+        _close(dx[i], ref["dx"])
+        _close(dw[i], ref["dw"])
+
+
+def _eqns(jaxpr):
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for p in eqn.params.values():
+            for sub in (p if isinstance(p, (tuple, list)) else (p,)):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from _eqns(inner)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_flax_hv_layout_uses_the_kernels_as_they_are(backend):
+    xs, ws, xt, wt, y = _problem(salt=4)
+    ks, kt = jnp.asarray(np.asarray(ws).T), jnp.asarray(np.asarray(wt).T)  # (H, V) kernels
+    f = lambda xs, ks: lj.linear_jsd(xs, ks, xt, kt, y, weight_layout="hv", backend=backend,
+                                     chunk_size=8, **_tuning(backend))
+    vg = jax.value_and_grad(f, argnums=(0, 1))
+    loss, (dx, dk) = jax.jit(vg)(xs, ks)
+    ref = _ref(xs, ws, xt, wt, y)
+    assert dk.shape == ks.shape
+    _close(loss, ref["loss"])
+    _close(dx, ref["dx"])
+    _close(dk.T, ref["dw"])
+    shapes = {ks.shape, ks.shape[::-1], kt.shape, kt.shape[::-1]}
+    moved = [e for e in _eqns(jax.make_jaxpr(vg)(xs, ks).jaxpr)
+             if e.primitive.name in ("transpose", "copy", "copy_p")
+             and any(tuple(getattr(v.aval, "shape", ())) in shapes for v in e.invars)]
+    assert not moved, moved
+
+
+def _args():
+    xs, ws, xt, wt, y = _problem(n=5, hs=4, ht=3, v=7, salt=6)
+    return dict(student_input=xs, student_weight=ws, teacher_input=xt, teacher_weight=wt,
+                target=y)
+
+
+BAD = [
+    (dict(student_input=np.arange(20).reshape(5, 4)), TypeError, "student_input must be float32"),
+    (dict(teacher_weight=[[0.0] * 3] * 7), TypeError, "teacher_weight must be a jax.Array"),
+    (dict(student_weight=jnp.zeros((7, 4), jnp.bfloat16)), TypeError, "student_weight dtype"),
+    (dict(teacher_weight=jnp.zeros((7, 3), jnp.float16)), TypeError, "teacher_weight dtype"),
+    (dict(target=jnp.zeros((5,))), TypeError, "target must hold integer"),
+    (dict(target=jnp.zeros((4,), jnp.int32)), ValueError, "target must have shape"),
+    (dict(teacher_weight=jnp.zeros((6, 3))), ValueError, "vocabulary mismatch"),
+    (dict(teacher_input=jnp.zeros((4, 3))), ValueError, "leading shape"),
+    (dict(student_weight=jnp.zeros((7, 5))), ValueError, "hidden size mismatch"),
+    (dict(beta=1.5), ValueError, "beta must be <= 1.0"),
+    (dict(temperature=0.0), ValueError, "temperature must be > 0"),
+    (dict(target=None, hard_loss_weight=0.5), ValueError, "hard_loss_weight > 0 needs target"),
+    (dict(ignore_index=2**40), ValueError, "ignore_index must fit in int32"),
+    (dict(weight_layout="vhh"), ValueError, "weight_layout must be"),
+    (dict(backend="triton"), ValueError, "backend must be None or one of"),
+    (dict(backend="xla", block_v=64), TypeError, "unknown tuning keyword(s) ['block_v']"),
+    (dict(backend="pallas", block_v=48), ValueError, "block_v must be a power of two"),
+    (dict(backend="pallas", fp32_logits=1), TypeError, "fp32_logits must be a bool"),
+]
+
+
+@pytest.mark.parametrize("change,exc,message", BAD, ids=[m for _, _, m in BAD])
+def test_bad_arguments_raise_naming_the_argument(change, exc, message):
+    args = {**_args(), **change}
+    with pytest.raises(exc) as info:
+        lj.linear_jsd(args.pop("student_input"), args.pop("student_weight"),
+                      args.pop("teacher_input"), args.pop("teacher_weight"), **args)
+    assert message in str(info.value)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_out_of_range_targets_raise_when_concrete_and_give_nan_under_jit(backend):
+    xs, ws, xt, wt, y = _problem(n=12, hs=4, ht=3, v=7, salt=8)
+    bad_y = np.asarray(y).astype(np.int64)
+    bad_y[2] = 7
+    with pytest.raises(ValueError, match=r"target out of range: .*\[0, 7\)"):
+        lj.linear_jsd(xs, ws, xt, wt, bad_y, backend=backend)
+    y = y.at[3].set(7).at[5].set(-3)
+    bad = np.zeros(12, bool)
+    bad[[3, 5]] = True
+
+    @jax.jit
+    def run(xs, ws, y):
+        kw = dict(backend=backend, chunk_size=8, hard_loss_weight=0.5, **_tuning(backend))
+        mean, grads = jax.value_and_grad(lambda a, b: lj.linear_jsd(a, b, xt, wt, y, **kw),
+                                         argnums=(0, 1))(xs, ws)
+        return mean, grads, lj.linear_jsd(xs, ws, xt, wt, y, reduction="none", **kw)
+
+    mean, (dx, dw), none = run(xs, ws, y)
+    none = np.asarray(none)
+    assert np.isnan(float(mean)) and np.isnan(np.asarray(dw)).any()
+    assert np.isnan(none[bad]).all() and np.isfinite(none[~bad]).all()
+
+
+def _lower_for_cuda(n, hs, ht, v, **kw):
+    s = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+
+    def f(xs, ws, xt, wt):
+        return lj.linear_jsd(xs, ws, xt, wt, jnp.zeros((n,), jnp.int32), backend="pallas",
+                             interpret=False, **kw)
+
+    traced = jax.jit(jax.value_and_grad(f, argnums=(0, 1))).trace(s(n, hs), s(v, hs), s(n, ht),
+                                                                 s(v, ht))
+    return traced.lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("opts", [dict(beta=0.5), dict(beta=0.0, temperature=2.0),
+                                  dict(beta=1.0, hard_loss_weight=0.5, temperature=0.5),
+                                  dict(beta=0.3, hard_loss_weight=0.2, fp32_logits=False)],
+                         ids=str)
+def test_pallas_lowers_to_triton_at_the_acceptance_shape(opts):
+    """N=8192, H=4096, V=128256 (H_t = 5120 for the teacher), bf16, GPU defaults and a
+    persistent grid: the kernels lower through Pallas' Triton backend without a GPU."""
+    hlo = _lower_for_cuda(8192, 4096, 5120, 128256, grid_size=132, **opts)
+    assert "xla.gpu.triton" in hlo
