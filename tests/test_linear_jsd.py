@@ -605,3 +605,151 @@ def test_gpu_kernels_compile_for_sm90():
     assert len(lines) >= 6, r.stdout
     for ln in lines:
         assert " 0 bytes spill stores" in ln, ln
+
+
+# ============================================================================== GPU only
+def _cuda():
+    torch = _torch()
+    return torch.cuda.is_available()
+
+
+gpu = pytest.mark.skipif(not _cuda(), reason="needs a CUDA GPU")
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_gpu_fused_barriers_equal_three_launches(beta):
+    """Rows split over many programs: the fused kernel (per-row barriers, ticketed persistent
+    grid) computes exactly what the three-launch path computes (same partials, same order)."""
+    torch = _torch()
+    xs, ws, xt, wt, y = _data(700, 64, 48, 50021, dtype="bfloat16", seed=10)
+    kw = dict(backend="triton", beta=beta, temperature=1.3, hard_loss_weight=0.1,
+              block_v=256, segment_size=1024, chunk_size=512, logits_chunk_size=256)
+    fused = _loss_and_grads(xs, ws, xt, wt, y, row_sync=True, **kw)
+    split = _loss_and_grads(xs, ws, xt, wt, y, row_sync=False, **kw)
+    for a, b in zip(fused, split):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    whole = _loss_and_grads(xs, ws, xt, wt, y, backend="torch", beta=beta, temperature=1.3,
+                            hard_loss_weight=0.1)
+    assert _rel(fused[0], whole[0]) < 1e-5
+    for a, b in zip(fused[1:], whole[1:]):
+        assert _rel(a, b) < 1e-2
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_barrier_timeout_poisons_instead_of_hanging():
+    """A fused launch whose segments can never meet (one program, two segments per row) must
+    come back with NaN losses after MAX_SPIN polls, not hang the GPU."""
+    torch = _torch()
+    from logitless.triton_kernels import jsd_rows
+    rows, v, seg = 2, 64, 32
+    zs = torch.randn(rows, v, device="cuda")
+    zt = torch.randn(rows, v, device="cuda")
+    loss = torch.zeros(rows, device="cuda")
+    part = torch.empty(rows, 2, jsd_rows.NUM_FIELDS, device="cuda")
+    sync = torch.zeros(1 + rows, dtype=torch.int32, device="cuda")
+    jsd_rows.jsd_rows_kernel[(1,)](
+        zs, v, zt, v, zs, 0, zs, zs, 0, loss, part, sync, rows, v, -100, 1.4426950408889634,
+        1.0, 0.5, 0.0, KIND=2, HAS_Y=False, HARD=False, T_ONE=True, WRITE_LOSS=True,
+        WRITE_GRAD=False, PHASE=0, SEGS=2, SEGS_P2=2, SEG=seg, BLOCK=32, MAX_SPIN=1000)
+    torch.cuda.synchronize()
+    assert torch.isnan(loss).all()
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_64bit_offsets_in_one_logits_buffer():
+    """17000 x 128256 fp32 logits in one sub-chunk: N·V > 2^31 elements."""
+    torch = _torch()
+    n, v = 17000, 128256
+    xs, ws, xt, wt, y = _data(n, 64, 32, v, dtype="bfloat16", seed=11)
+    y[-1] = v - 1
+    got = _loss_and_grads(xs, ws, xt, wt, y, backend="triton", reduction="sum",
+                          chunk_size=n, logits_chunk_size=n, hard_loss_weight=0.5)
+    ref = _loss_and_grads(xs, ws, xt, wt, y, backend="torch", reduction="sum",
+                          hard_loss_weight=0.5)
+    assert _rel(got[0], ref[0]) < 1e-5
+    for a, b in zip(got[1:], ref[1:]):
+        assert _rel(a, b) < 1e-2
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_cuda_graph_training_step():
+    torch = _torch()
+    import logitless.torch as lt
+    torch.manual_seed(SEED)
+    n, hs, ht, v = 512, 128, 96, 40099
+    hidden = torch.randn(n, hs, device="cuda")
+    teacher_hidden = torch.randn(n, ht, device="cuda")
+    teacher = torch.randn(v, ht, device="cuda") * 0.1
+    y = torch.randint(0, v, (n,), device="cuda")
+    head = torch.nn.Linear(hs, v, bias=False, device="cuda")
+    opt = torch.optim.SGD(head.parameters(), lr=0.1)
+
+    def step():
+        opt.zero_grad(set_to_none=False)
+        loss = lt.linear_jsd(hidden, head.weight, teacher_hidden, teacher, y, backend="triton",
+                             chunk_size=200, beta=0.4, temperature=2.0)
+        loss.backward()
+        opt.step()
+        return loss
+
+    w0 = head.weight.detach().clone()
+    eager = [step().detach().clone() for _ in range(3)]
+    w_eager = head.weight.detach().clone()
+    with torch.no_grad():
+        head.weight.copy_(w0)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    with torch.no_grad():
+        head.weight.copy_(w0)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_loss = step()
+    with torch.no_grad():
+        head.weight.copy_(w0)
+    replayed = []
+    for _ in range(3):
+        graph.replay()
+        replayed.append(static_loss.detach().clone())
+    torch.testing.assert_close(torch.stack(replayed), torch.stack(eager), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(head.weight, w_eager, rtol=1e-5, atol=1e-6)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_gpu_no_host_sync(reduction):
+    torch = _torch()
+    import logitless.torch as lt
+    xs, ws, xt, wt, y = _data(300, 64, 48, 30000, dtype="bfloat16", seed=12)
+    xs.requires_grad_()
+    ws.requires_grad_()
+    kw = dict(backend="triton", chunk_size=128, hard_loss_weight=0.1, temperature=2.0)
+    lt.linear_jsd(xs, ws, xt, wt, y, reduction=reduction, **kw).sum().backward()  # compile
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        lt.linear_jsd(xs, ws, xt, wt, y, reduction=reduction, **kw).sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert torch.isfinite(xs.grad.float()).all()
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_out_of_range_target_is_an_error():
+    import subprocess
+    import sys
+    code = ("import torch, logitless.torch as lt\n"
+            "x=torch.randn(4,8,device='cuda'); w=torch.randn(10,8,device='cuda')\n"
+            "y=torch.tensor([1,2,10,3],device='cuda')\n"
+            "print(lt.linear_jsd(x,w,x,w,y,backend='triton').item())\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode != 0 and "assert" in (r.stderr + r.stdout).lower()
