@@ -1,0 +1,236 @@
+"""Hugging Face ``transformers``: a causal LM's training loss through logitless.
+
+One call::
+
+    from transformers import AutoModelForCausalLM
+    from logitless.integrations.transformers import patch_causal_lm
+
+    model = AutoModelForCausalLM.from_pretrained(...)
+    patch_causal_lm(model)                      # backend / tuning keywords optional
+    loss = model(input_ids, labels=labels).loss  # no [tokens, vocab] logits were made
+
+When the model is called with ``labels`` (or ``shift_labels``) in training mode, the patched
+forward runs the model's own forward with ``logits_to_keep`` set to an empty index (so the
+LM head produces a ``[batch, 0, vocab]`` tensor), takes the final hidden states from the
+decoder's output, and computes the loss as ``transformers``' ``ForCausalLMLoss`` does — labels
+shifted by one with ``ignore_index`` padding, ``sum / num_items_in_batch`` when the Trainer
+passes ``num_items_in_batch`` (gradient accumulation), ``mean`` over non-ignored tokens
+otherwise — with :func:`logitless.torch.linear_cross_entropy` on the LM head's weight (and
+Gemma-2/3's final logit softcap). The output's ``logits`` is ``None`` then. Without labels, or
+in eval mode (unless ``fuse_in_eval=True``), the model's forward runs untouched.
+
+The patch is per instance (``model.forward``), keeps the forward's signature (the Trainer
+reads it), survives ``copy.deepcopy`` and is undone by :func:`unpatch_causal_lm`.
+
+Only architectures whose forward does nothing between the LM head and the loss but what is
+reproduced here are accepted (:data:`SUPPORTED_MODEL_TYPES`); the others (e.g. MoE models,
+whose loss adds a router term, or heads that rescale the logits) raise ``NotImplementedError``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import types
+from typing import Any, Dict, Optional
+
+import torch
+import torch.nn.functional as F
+
+from .. import torch as lt
+
+__all__ = ["patch_causal_lm", "unpatch_causal_lm", "is_patched", "SUPPORTED_MODEL_TYPES"]
+
+# model_type -> name of the config attribute holding the final logit softcap (None: no cap).
+# Each listed type's ``*ForCausalLM.forward`` computes ``lm_head(hidden[:, logits_to_keep])``
+# (then the softcap, if named), then ``ForCausalLMLoss``: verified on the transformers source
+# and by tests/test_transformers_integration.py.
+SUPPORTED_MODEL_TYPES: Dict[str, Optional[str]] = {
+    "llama": None,
+    "mistral": None,
+    "qwen2": None,
+    "qwen3": None,
+    "gemma": None,
+    "gemma2": "final_logit_softcapping",
+    "gemma3_text": "final_logit_softcapping",
+    "phi3": None,
+    "olmo2": None,
+}
+
+_STATE = "_logitless_state"
+
+
+@dataclasses.dataclass
+class _State:
+    softcap_attr: Optional[str]
+    fuse_in_eval: bool
+    backend: Optional[str]
+    tuning: Dict[str, Any]
+    had_instance_forward: bool
+    inner_forward: Any       # what model.forward was before patching (a bound method)
+    signature: inspect.Signature
+
+
+def patch_causal_lm(model, *, backend: Optional[str] = None, fuse_in_eval: bool = False,
+                    **tuning):
+    """Make ``model`` (a ``transformers`` causal LM) compute its loss with logitless.
+
+    Args:
+        model: a ``PreTrainedModel`` whose ``config.model_type`` is in
+            :data:`SUPPORTED_MODEL_TYPES` (e.g. ``LlamaForCausalLM``, ``Qwen2ForCausalLM``,
+            ``Gemma2ForCausalLM``).
+        backend: passed to :func:`logitless.torch.linear_cross_entropy` (``None``: Triton on
+            CUDA, the chunked PyTorch backend elsewhere).
+        fuse_in_eval: also use the fused loss when ``model.training`` is False (the output
+            then has no logits either; by default evaluation keeps the model's own path, so
+            that metrics can read the logits).
+        **tuning: the backend's tuning keywords (e.g. ``low_memory=True``, ``chunk_size``).
+
+    Returns:
+        ``model`` itself, patched in place. Patching twice replaces the options.
+    """
+    if is_patched(model):
+        unpatch_causal_lm(model)
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise NotImplementedError(
+            f"patch_causal_lm: model_type {model_type!r} ({type(model).__name__}) is not "
+            f"supported; supported: {sorted(SUPPORTED_MODEL_TYPES)}")
+    head = model.get_output_embeddings()
+    if not isinstance(head, torch.nn.Linear):
+        raise TypeError(f"patch_causal_lm: the model's output embedding must be a "
+                        f"torch.nn.Linear, got {type(head).__name__} (e.g. a PEFT-wrapped head)")
+    if model.base_model is model:
+        raise TypeError(f"patch_causal_lm: {type(model).__name__} has no base model "
+                        f"(base_model_prefix={model.base_model_prefix!r})")
+    cls_forward = type(model).forward
+    signature = inspect.signature(cls_forward)
+    if "logits_to_keep" not in signature.parameters:
+        raise NotImplementedError(
+            f"patch_causal_lm: {type(model).__name__}.forward has no `logits_to_keep` argument "
+            f"(transformers too old?); cannot skip the logits")
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values()):
+        raise NotImplementedError(f"patch_causal_lm: {type(model).__name__}.forward takes no "
+                                  f"**kwargs (no num_items_in_batch)")
+    # Catch a misspelled tuning keyword now rather than at the first training step.
+    impl_backend = backend
+    if impl_backend is None:
+        impl_backend = lt.available_backends(head.weight.device)[0]
+    lt._resolve(impl_backend, head.weight.device)
+    unknown = sorted(set(tuning) - set(lt._load(impl_backend).TUNING))
+    if unknown:
+        raise TypeError(f"patch_causal_lm: unknown tuning keyword(s) {unknown} for "
+                        f"backend={impl_backend!r}")
+    had_instance_forward = "forward" in model.__dict__  # e.g. accelerate's device-map hooks
+    state = _State(softcap_attr=SUPPORTED_MODEL_TYPES[model_type], fuse_in_eval=fuse_in_eval,
+                   backend=backend, tuning=dict(tuning),
+                   had_instance_forward=had_instance_forward, inner_forward=model.forward,
+                   signature=signature)
+    object.__setattr__(model, _STATE, state)
+    # A bound method of a function that holds no reference to the model: copy.deepcopy
+    # rebinds it to the copy. functools.wraps keeps the signature the Trainer inspects.
+    model.forward = types.MethodType(_make_forward(cls_forward), model)
+    return model
+
+
+def unpatch_causal_lm(model):
+    """Undo :func:`patch_causal_lm` (a no-op for a model that is not patched)."""
+    state = model.__dict__.get(_STATE)
+    if state is None:
+        return model
+    if state.had_instance_forward:
+        model.forward = state.inner_forward
+    else:
+        del model.forward
+    object.__delattr__(model, _STATE)
+    return model
+
+
+def is_patched(model) -> bool:
+    return _STATE in getattr(model, "__dict__", {})
+
+
+def _make_forward(cls_forward):
+    @functools.wraps(cls_forward)
+    def forward(self, *args, **kwargs):
+        return _patched_forward(self, args, kwargs)
+    return forward
+
+
+def _patched_forward(model, args, kwargs):
+    state: _State = model.__dict__[_STATE]
+    bound = state.signature.bind(model, *args, **kwargs)
+    named = dict(bound.arguments)
+    named.pop(next(iter(state.signature.parameters)))  # self
+    var_kw_name = next(p.name for p in state.signature.parameters.values()
+                       if p.kind is inspect.Parameter.VAR_KEYWORD)
+    extra = dict(named.pop(var_kw_name, {}))
+    labels = named.get("labels")
+    shift_labels = extra.get("shift_labels")
+    keep = named.get("logits_to_keep", 0)
+    fuse = ((labels is not None or shift_labels is not None)
+            and (model.training or state.fuse_in_eval)
+            and isinstance(keep, int) and keep == 0)
+    if not fuse:
+        return state.inner_forward(*args, **kwargs)
+
+    named.pop("labels", None)
+    extra.pop("shift_labels", None)
+    num_items_in_batch = extra.pop("num_items_in_batch", None)
+    ignore_index = extra.pop("ignore_index", -100)
+    return_dict = extra.pop("return_dict", None)
+    if return_dict is None:
+        return_dict = getattr(model.config, "return_dict", True)
+    head = model.get_output_embeddings()
+    named["logits_to_keep"] = torch.empty(0, dtype=torch.long, device=head.weight.device)
+
+    captured = []
+
+    def keep_hidden(module, inputs, output):
+        captured.append(output.last_hidden_state if hasattr(output, "last_hidden_state")
+                        else output[0])
+
+    handle = model.base_model.register_forward_hook(keep_hidden)
+    try:
+        out = state.inner_forward(**named, **extra, return_dict=True)
+    finally:
+        handle.remove()
+    if not captured:
+        raise RuntimeError(f"patch_causal_lm: {type(model).__name__}'s base model was not called")
+    hidden = captured[-1]
+    if shift_labels is None:
+        # As transformers' ForCausalLMLoss: position t predicts label t+1, the last predicts
+        # nothing (padded with ignore_index), so every hidden state is used unsliced.
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    softcap = getattr(model.config, state.softcap_attr) if state.softcap_attr else None
+    loss = causal_lm_loss(hidden, head.weight, shift_labels, bias=head.bias,
+                          num_items_in_batch=num_items_in_batch, ignore_index=ignore_index,
+                          softcap=softcap, backend=state.backend, **state.tuning)
+    fields = {k: v for k, v in out.items() if k not in ("loss", "logits")}
+    result = type(out)(loss=loss, **fields)
+    return result if return_dict else result.to_tuple()
+
+
+def causal_lm_loss(hidden, lm_head_weight, shift_labels, *, bias=None, num_items_in_batch=None,
+                   ignore_index=-100, softcap=None, backend=None, **tuning):
+    """``transformers``' ``ForCausalLMLoss`` on ``hidden @ lm_head_weight.T (+ bias)`` without
+    the logits: ``shift_labels`` already shifted; ``sum / num_items_in_batch`` when it is given
+    (an int or a tensor: no host sync), else the mean over non-ignored tokens."""
+    x, w, b = hidden, lm_head_weight, bias
+    dev = x.device.type
+    if torch.is_autocast_enabled(dev):
+        # What F.linear would compute in under autocast (the unpatched head's logits).
+        dtype = torch.get_autocast_dtype(dev)
+        x, w = x.to(dtype), w.to(dtype)
+        b = None if b is None else b.to(dtype)
+    elif x.dtype != w.dtype:
+        x = x.to(w.dtype)
+    reduction = "mean" if num_items_in_batch is None else "sum"
+    loss = lt.linear_cross_entropy(x, w, shift_labels.to(x.device), linear_bias=b,
+                                   reduction=reduction, ignore_index=ignore_index,
+                                   softcap=softcap, backend=backend, **tuning)
+    if num_items_in_batch is not None:
+        if torch.is_tensor(num_items_in_batch):
+            num_items_in_batch = num_items_in_batch.to(loss.device)
+        loss = loss / num_items_in_batch
+    return loss

@@ -1,0 +1,280 @@
+"""Hugging Face transformers integration: tiny random-initialised causal LMs from
+``transformers`` train patched and unpatched with matching losses and parameters; gradient
+accumulation with ``num_items_in_batch``; the logits are never made; the untouched paths stay
+untouched."""
+import copy
+import inspect
+
+import pytest
+import torch
+import transformers
+
+from logitless.integrations.transformers import (SUPPORTED_MODEL_TYPES, causal_lm_loss,
+                                                 is_patched, patch_causal_lm, unpatch_causal_lm)
+
+V = 251          # prime: no block divides it
+H = 48
+T = 23
+B = 3
+CHUNK = 16       # tokens per chunk of the torch backend: B*T = 69 tokens -> 5 chunks, ragged
+
+COMMON = dict(vocab_size=V, hidden_size=H, intermediate_size=80, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+CONFIGS = {
+    "llama": lambda: transformers.LlamaConfig(**COMMON, tie_word_embeddings=False),
+    "qwen2": lambda: transformers.Qwen2Config(**COMMON, tie_word_embeddings=True),
+    # a small cap, so that it bites
+    "gemma2": lambda: transformers.Gemma2Config(**COMMON, head_dim=12,
+                                                final_logit_softcapping=2.0,
+                                                query_pre_attn_scalar=12, sliding_window=8),
+    "mistral": lambda: transformers.MistralConfig(**COMMON),
+    "qwen3": lambda: transformers.Qwen3Config(**COMMON, head_dim=12),
+    "gemma": lambda: transformers.GemmaConfig(**COMMON, head_dim=12),
+    "gemma3_text": lambda: transformers.Gemma3TextConfig(**COMMON, head_dim=12,
+                                                        final_logit_softcapping=2.0,
+                                                        query_pre_attn_scalar=12,
+                                                        sliding_window=8),
+    "phi3": lambda: transformers.Phi3Config(**COMMON, pad_token_id=0),
+    "olmo2": lambda: transformers.Olmo2Config(**COMMON),
+}
+TRAINED = ["llama", "qwen2", "gemma2"]
+
+
+def make_model(kind, seed=0):
+    torch.manual_seed(seed)
+    cfg = CONFIGS[kind]()
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+    assert model.config.model_type == kind
+    with torch.no_grad():  # logits of std ~3, as in a trained LM (the init gives ~0.1)
+        model.get_output_embeddings().weight.mul_(25)
+    return model.float().train()
+
+
+def make_batch(seed, *, b=B, t=T, ignore_prefix=True):
+    g = torch.Generator().manual_seed(seed)
+    # a learnable sequence (each token the previous one plus 5) from random starts
+    start = torch.randint(0, V, (b, 1), generator=g)
+    ids = (start + 5 * torch.arange(t)) % V
+    labels = ids.clone()
+    if ignore_prefix:  # a prompt per row, of varying length: ragged token counts
+        for i in range(b):
+            labels[i, : int(torch.randint(0, t // 2, (1,), generator=g))] = -100
+    mask = torch.ones(b, t, dtype=torch.long)
+    return ids, mask, labels
+
+
+def test_supported_types_are_tested():
+    assert set(SUPPORTED_MODEL_TYPES) == set(CONFIGS)
+
+
+@pytest.mark.parametrize("kind", TRAINED)
+def test_ten_training_steps_match_unpatched(kind):
+    ref = make_model(kind)
+    fused = patch_causal_lm(copy.deepcopy(ref), chunk_size=CHUNK)
+    assert is_patched(fused) and not is_patched(ref)
+    opt_r = torch.optim.AdamW(ref.parameters(), lr=3e-3)
+    opt_f = torch.optim.AdamW(fused.parameters(), lr=3e-3)
+    losses_r, losses_f = [], []
+    for step in range(10):
+        ids, mask, labels = make_batch(step)
+        for model, opt, losses in ((ref, opt_r, losses_r), (fused, opt_f, losses_f)):
+            opt.zero_grad(set_to_none=True)
+            out = model(input_ids=ids, attention_mask=mask, labels=labels)
+            out.loss.backward()
+            opt.step()
+            losses.append(out.loss.item())
+        assert torch.isfinite(torch.tensor(losses_f)).all()
+    torch.testing.assert_close(torch.tensor(losses_f), torch.tensor(losses_r), rtol=2e-5, atol=0)
+    # it trained: the comparison is not between constants
+    assert sum(losses_r[-3:]) / 3 < losses_r[0] - 0.1, losses_r
+    # Adam divides by sqrt(v): a coordinate whose gradient is ~0 can step either way on
+    # rounding noise, by up to lr per step; typical coordinates agree to ~1e-6
+    for (name, p_r), (_, p_f) in zip(ref.named_parameters(), fused.named_parameters()):
+        torch.testing.assert_close(p_f, p_r, rtol=1e-4, atol=5e-4,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+        assert (p_f - p_r).abs().mean() < 1e-6, name
+
+
+@pytest.mark.parametrize("kind", sorted(CONFIGS))
+def test_loss_and_grads_match_every_supported_type(kind):
+    ref = make_model(kind, seed=1)
+    fused = patch_causal_lm(copy.deepcopy(ref), chunk_size=CHUNK)
+    ids, mask, labels = make_batch(100)
+    out_r = ref(input_ids=ids, attention_mask=mask, labels=labels)
+    out_f = fused(input_ids=ids, attention_mask=mask, labels=labels)
+    out_r.loss.backward()
+    out_f.loss.backward()
+    torch.testing.assert_close(out_f.loss, out_r.loss, rtol=1e-5, atol=0)
+    assert out_f.logits is None
+    for (name, p_r), (_, p_f) in zip(ref.named_parameters(), fused.named_parameters()):
+        torch.testing.assert_close(p_f.grad, p_r.grad, rtol=1e-4, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3_text"])
+def test_softcap_is_applied(kind):
+    """Negative control: the cap changes the loss by far more than the tolerance above, so
+    the matching losses of the other tests do depend on it."""
+    model = make_model(kind, seed=2)
+    ids, mask, labels = make_batch(7)
+    ref = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+    patch_causal_lm(model)
+    capped = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+    model.config.final_logit_softcapping = None
+    uncapped = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+    torch.testing.assert_close(capped, ref, rtol=1e-5, atol=0)
+    assert abs(uncapped.item() - ref.item()) > 1e-3 * abs(ref.item())
+
+
+def test_logits_never_materialized():
+    """No tensor with tokens x vocab elements is computed by the head or saved for backward."""
+    model = patch_causal_lm(make_model("llama"), chunk_size=CHUNK)
+    ids, mask, labels = make_batch(3)
+    head_out = []
+    handle = model.lm_head.register_forward_hook(lambda m, i, o: head_out.append(o.shape))
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+    handle.remove()
+    loss.backward()
+    assert head_out == [torch.Size([B, 0, V])]
+    assert saved and max(saved) < B * T * V
+    # the negative control: unpatched, the head does make them
+    unpatch_causal_lm(model)
+    head_out.clear()
+    model.lm_head.register_forward_hook(lambda m, i, o: head_out.append(o.shape))
+    model(input_ids=ids, attention_mask=mask, labels=labels)
+    assert head_out == [torch.Size([B, T, V])]
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma2"])
+def test_gradient_accumulation_with_num_items_in_batch(kind):
+    """Two micro-batches with different numbers of label tokens, each normalised by the total
+    (what the Trainer passes), accumulate to the full batch's mean-loss gradient; patched and
+    unpatched agree, with num_items_in_batch as a tensor or an int."""
+    ref = make_model(kind, seed=3)
+    fused = patch_causal_lm(copy.deepcopy(ref), chunk_size=CHUNK)
+    full = make_batch(11, b=4)
+    micro = [tuple(t[:1] for t in full), tuple(t[1:] for t in full)]
+    n_items = (full[2][:, 1:] != -100).sum()
+    assert (micro[0][2][:, 1:] != -100).sum() != (micro[1][2][:, 1:] != -100).sum()
+
+    def accumulate(model, as_int):
+        model.zero_grad(set_to_none=True)
+        total = 0.0
+        for ids, mask, labels in micro:
+            n = int(n_items) if as_int else n_items
+            loss = model(input_ids=ids, attention_mask=mask, labels=labels,
+                         num_items_in_batch=n).loss
+            loss.backward()
+            total += loss.item()
+        return total, {k: p.grad.clone() for k, p in model.named_parameters()}
+
+    total_r, grads_r = accumulate(ref, as_int=False)
+    for as_int in (False, True):
+        total_f, grads_f = accumulate(fused, as_int)
+        assert total_f == pytest.approx(total_r, rel=1e-5)
+        for k in grads_r:
+            torch.testing.assert_close(grads_f[k], grads_r[k], rtol=1e-4, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+    # ... and equal the full batch's plain mean loss (the point of num_items_in_batch)
+    fused.zero_grad(set_to_none=True)
+    loss_full = fused(input_ids=full[0], attention_mask=full[1], labels=full[2]).loss
+    loss_full.backward()
+    assert loss_full.item() == pytest.approx(total_r, rel=1e-5)
+    for k, p in fused.named_parameters():
+        torch.testing.assert_close(p.grad, grads_r[k], rtol=1e-4, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def test_shift_labels_and_ignore_index_kwargs():
+    ref = make_model("qwen2", seed=4)
+    fused = patch_causal_lm(copy.deepcopy(ref), chunk_size=CHUNK)
+    ids, mask, labels = make_batch(5)
+    shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]
+    a = ref(input_ids=ids, attention_mask=mask, labels=labels).loss
+    b = fused(input_ids=ids, attention_mask=mask, shift_labels=shifted).loss
+    torch.testing.assert_close(b, a, rtol=1e-5, atol=0)
+    # a different ignore_index, as the loss kwargs allow
+    relabelled = torch.where(labels == -100, torch.full_like(labels, -1), labels)
+    c = ref(input_ids=ids, attention_mask=mask, labels=relabelled, ignore_index=-1).loss
+    d = fused(input_ids=ids, attention_mask=mask, labels=relabelled, ignore_index=-1).loss
+    torch.testing.assert_close(d, c, rtol=1e-5, atol=0)
+    torch.testing.assert_close(c, a, rtol=1e-5, atol=0)
+
+
+def test_untouched_paths_and_outputs():
+    ref = make_model("llama", seed=5)
+    fused = patch_causal_lm(copy.deepcopy(ref))
+    ids, mask, labels = make_batch(6)
+    # no labels: the model's own forward (generation, inference), identical logits
+    torch.testing.assert_close(fused(input_ids=ids).logits, ref(input_ids=ids).logits,
+                               rtol=0, atol=0)
+    # eval mode keeps the logits (metrics) unless fuse_in_eval
+    fused.eval()
+    ref.eval()
+    with torch.no_grad():
+        out = fused(input_ids=ids, labels=labels)
+        assert out.logits.shape == (B, T, V)
+        patch_causal_lm(fused, fuse_in_eval=True)
+        fused.eval()
+        out2 = fused(input_ids=ids, labels=labels)
+        assert out2.logits is None
+        torch.testing.assert_close(out2.loss, ref(input_ids=ids, labels=labels).loss,
+                                   rtol=1e-5, atol=0)
+    fused.train()
+    ref.train()
+    # positional labels, return_dict=False, hidden states still returned
+    params = list(inspect.signature(fused.forward).parameters)
+    assert params[0] == "input_ids" and "labels" in params  # the Trainer reads this
+    args = [ids, mask] + [None] * (params.index("labels") - 2) + [labels]
+    tup = fused(*args, return_dict=False, output_hidden_states=True)
+    torch.testing.assert_close(tup[0], ref(input_ids=ids, attention_mask=mask,
+                                           labels=labels).loss, rtol=1e-5, atol=0)
+    out = fused(input_ids=ids, labels=labels, output_hidden_states=True)
+    assert out.logits is None and len(out.hidden_states) == ref.config.num_hidden_layers + 1
+
+
+def test_unpatch_deepcopy_and_errors():
+    model = make_model("llama", seed=6)
+    cls_forward = type(model).forward
+    patch_causal_lm(model)
+    clone = copy.deepcopy(model)
+    assert is_patched(clone) and clone.forward.__self__ is clone
+    ids, mask, labels = make_batch(8)
+    # the copy runs its own weights, not the original's
+    with torch.no_grad():
+        clone.lm_head.weight.mul_(0)
+    torch.testing.assert_close(clone(input_ids=ids, labels=labels).loss,
+                               torch.log(torch.tensor(float(V))), rtol=1e-5, atol=0)
+    assert model(input_ids=ids, labels=labels).loss.item() != pytest.approx(float(
+        torch.log(torch.tensor(float(V)))), rel=1e-3)
+    unpatch_causal_lm(model)
+    assert not is_patched(model) and "forward" not in model.__dict__
+    assert model.forward.__func__ is cls_forward
+    with pytest.raises(TypeError, match="chunk_sise"):
+        patch_causal_lm(model, chunk_sise=4)
+    with pytest.raises(ValueError, match="backend"):
+        patch_causal_lm(model, backend="cuda")
+    assert not is_patched(model)
+    moe = transformers.AutoModelForCausalLM.from_config(transformers.MixtralConfig(
+        **COMMON, num_local_experts=2, num_experts_per_tok=1))
+    with pytest.raises(NotImplementedError, match="mixtral"):
+        patch_causal_lm(moe)
+
+
+def test_causal_lm_loss_under_autocast():
+    """Under autocast the fused loss computes in the autocast dtype, as the head would."""
+    g = torch.Generator().manual_seed(9)
+    hidden = torch.randn(2, 7, H, generator=g, requires_grad=True)
+    w = torch.randn(V, H, generator=g) * 0.3
+    y = torch.randint(0, V, (2, 7), generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = causal_lm_loss(hidden, w, y)
+        ref = torch.nn.functional.cross_entropy(
+            torch.nn.functional.linear(hidden, w).float().flatten(0, 1), y.flatten())
+    torch.testing.assert_close(loss, ref, rtol=2e-3, atol=0)
+    loss.backward()
+    assert hidden.grad.dtype == torch.float32 and torch.isfinite(hidden.grad).all()
