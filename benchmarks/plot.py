@@ -1,6 +1,7 @@
 """PNG plots of benchmark result files: time relative to a baseline and peak extra memory,
-one group of bars per shape, one bar per candidate. matplotlib is optional (the CPU venv lacks
-it): without it the functions print why and return None.
+one group of bars per shape, one bar per candidate; and the sweeps of
+``benchmarks/sweeps.py`` as lines. matplotlib is optional: without it the functions print why
+and return None.
 
     python benchmarks/plot.py benchmarks/results/<device>-linear-cross-entropy.json
 """
@@ -116,13 +117,61 @@ def plot_benchmark(result: Dict[str, Any], path, *, baseline: Optional[str] = "a
     return path
 
 
+def plot_sweeps(result: Dict[str, Any], path) -> Optional[Path]:
+    """``benchmarks/sweeps.py`` results: one row per sweep (tokens, vocab), peak extra memory
+    (left) and fwd+bwd time (right) against the swept size, one line per candidate."""
+    plt = _pyplot()
+    if plt is None:
+        return None
+    sweeps = result["sweeps"]
+    fig, axes = plt.subplots(len(sweeps), 2, figsize=(11, 4 * len(sweeps)), squeeze=False)
+    cmap = plt.get_cmap("tab10")
+    for row, sw in zip(axes, sweeps):
+        names = []
+        for pt in sw["points"]:
+            names += [c["name"] for c in pt["candidates"] if c["name"] not in names]
+        xkey = "n" if sw["kind"] == "tokens" else "v"
+        for j, name in enumerate(names):
+            xs, mem, ms = [], [], []
+            for pt in sw["points"]:
+                c = next((c for c in pt["candidates"] if c["name"] == name), None)
+                if c is not None and c.get("status") == "ok":
+                    xs.append(pt["shape"][xkey])
+                    mem.append(max(c["peak_extra_bytes"], 0) / 2**20)
+                    ms.append(c["ms"])
+            style = dict(color=cmap(j % 10), marker="o", label=name)
+            row[0].plot(xs, mem, **style)
+            row[1].plot(xs, ms, **style)
+        fixed = f"H={sw['h']}, " + (f"V={sw['fixed']}" if xkey == "n" else f"N={sw['fixed']}")
+        xlabel = "tokens N" if xkey == "n" else "vocabulary V"
+        row[0].set_ylabel("peak extra memory (MiB)")
+        row[1].set_ylabel("fwd+bwd time (ms)")
+        for ax, what in ((row[0], "memory"), (row[1], "time")):
+            ax.set_xlabel(xlabel)
+            ax.set_title(f"{what} vs {xlabel.split()[-1]} ({fixed})", fontsize=10)
+            ax.grid(alpha=0.3)
+            ax.set_ylim(bottom=0)
+            ax.legend(fontsize=8)
+    env = result.get("env", {})
+    fig.suptitle(f"linear cross-entropy, bf16 - {env.get('gpu_name') or env.get('cpu_model', '')}"
+                 f" - {env.get('date', '')}", fontsize=10)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def main(argv=None):
     args = sys.argv[1:] if argv is None else argv
     if not args:
         print(__doc__)
         return 2
     for f in args:
-        out = plot_benchmark(json.loads(Path(f).read_text()), Path(f).with_suffix(".png"))
+        result = json.loads(Path(f).read_text())
+        draw = plot_sweeps if "sweeps" in result else plot_benchmark
+        out = draw(result, Path(f).with_suffix(".png"))
         if out:
             print(f"wrote {out}")
     return 0
