@@ -64,7 +64,8 @@ def test_non_contiguous_inputs(low_memory):
     a = _loss_and_grads(x, emb.t(), y, **kw)
     b = _loss_and_grads(x.contiguous(), emb.t().contiguous(), y, **kw)
     for u, v in zip(a, b):
-        torch.testing.assert_close(u, v, rtol=1e-5, atol=1e-6)
+        # same values up to fp32 rounding (cuBLAS may pick other algorithms for other strides)
+        assert ((u - v).norm() / v.norm()).item() < 1e-5
 
 
 def test_bf16_accumulator_option_is_close_but_fp32_is_default():
