@@ -480,12 +480,13 @@ def test_jax_jit_grad_vmap_of_any_fn_equal_untiled():
     loss = lambda f: lambda p, x: jnp.sum(jnp.sin(f(p, x)))
     tiled = lambda p, x: lj.tiled_mlp(mlp, p, x)  # ceil(21 / 16) = 2 shards
     want = jax.jit(jax.grad(loss(mlp), argnums=(0, 1)))(params, x)
-    got = jax.jit(jax.grad(loss(tiled), argnums=(0, 1)))(params, x)
-    vm = jax.jit(jax.vmap(jax.grad(loss(tiled), argnums=1), in_axes=(None, 0)))(params, x)
+    # per-example gradients under vmap: their sum over the mapped axis is the batch gradient
+    dp, dx = jax.jit(jax.vmap(jax.grad(loss(tiled), argnums=(0, 1)), in_axes=(None, 0)))(
+        params, x)
+    got = (jax.tree_util.tree_map(lambda g: g.sum(0), dp), dx)
     # fp32: the same values up to summation order (norm-wise; single elements may cancel)
     for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
         assert rel_err(a, b) <= FLOOR["float32"], rel_err(a, b)
-    assert rel_err(vm, want[1]) <= FLOOR["float32"], rel_err(vm, want[1])
 
 
 def test_jax_fused_path_and_accumulator_dtype(monkeypatch):
