@@ -70,7 +70,8 @@ def sweep(kind: str, points: Sequence[int], *, h: int, fixed: int, candidates, d
                                   warmup=warmup)
         rec.pop("timing", None)
         out[-1]["candidates"].append(rec)
-        common.log(f"[{kind} N={n} V={v}] {label}: {_brief(rec)}")
+        if show_progress:
+            common.log(f"[{kind} N={n} V={v}] {label}: {_brief(rec)}")
     inputs = None
     common.free_memory(device)
     return {"kind": kind, "h": h, "fixed": fixed, "points": out}
