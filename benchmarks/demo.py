@@ -1,16 +1,31 @@
-"""``make demo``: naive linear cross-entropy vs logitless, side by side (time, peak memory,
-accuracy).
+"""``make demo``: every op, every backend present here, every importable peer, side by side
+(time, peak memory, accuracy), with a progress bar, a summary table and a PNG.
 
-* On a GPU: the fused linear cross-entropy benchmark (``benchmarks/linear_cross_entropy.py``)
-  at the shapes of TARGETS.md, with every peer that is importable; results merge into
-  ``benchmarks/results/<gpu>-linear-cross-entropy.json`` (+ ``.png``).
-* On CPU: one small but telling shape (default N=2048 tokens, H=256, V=32000). Each
-  candidate runs in a fresh subprocess, so its peak memory is its own: the resident-set
-  high-water mark during one forward+backward minus the RSS just before it (inputs built,
-  first call done) minus the bytes of dX and dW. PyTorch: naive and ``backend="torch"``
-  (Triton needs CUDA here: the interpreter is far too slow for a demo); JAX (when
-  ``logitless.jax`` is present): naive ``jnp`` and the ``xla`` / ``pallas`` backends.
-  Errors are against an fp32-logits reference computed once in the parent.
+Sections, each a benchmark script of its own (``benchmarks/*.py``, which define the candidates,
+inputs, references and measurements; ``benchmarks/results/README.md`` has the definitions):
+
+* linear cross-entropy, PyTorch (and on CPU JAX too);
+* linear cross-entropy, JAX (GPU; on CPU its rows are in the first section);
+* linear JSD, PyTorch and JAX; tiled MLP (SwiGLU), PyTorch and JAX;
+* a Hugging Face ``LlamaForCausalLM`` training step with and without ``patch_causal_lm``.
+
+On a GPU each section runs the TARGETS.md shapes and writes its record file
+``benchmarks/results/<gpu>-<op>.json`` (+ ``.png``; linear cross-entropy merges into its file),
+then ``<gpu>-demo-summary.json`` / ``.png``. On CPU the shapes are small (seconds each; the
+whole demo takes a few minutes on 2 cores) and the files are ``demo-cpu*.json`` / ``.png``
+(git-ignored). A section that fails is reported and the others still run.
+
+CPU linear cross-entropy: one small but telling shape (default N=2048 tokens, H=256, V=32000),
+each candidate in a fresh subprocess, so its peak memory is its own: the resident-set
+high-water mark during one forward+backward minus the RSS just before it (inputs built, first
+call done) minus the bytes of dX and dW. PyTorch: naive and ``backend="torch"``; JAX: naive
+``jnp`` and ``backend="xla"``; the Triton and Pallas kernels run only with ``--interpreted``
+(their interpreters take minutes per call at this shape). Errors are against an fp32-logits
+reference computed once in the parent. The summary compares each candidate with the same
+framework's naive path at the same shape.
+
+    make demo                                    # = python benchmarks/demo.py
+    python benchmarks/demo.py --ops linear-cross-entropy,hf-llama
 """
 from __future__ import annotations
 
@@ -19,6 +34,7 @@ import dataclasses
 import importlib.util
 import json
 import os
+import re
 import secrets
 import subprocess
 import sys
@@ -157,7 +173,8 @@ def _jax_step(spec, data: Path):
 
 # ----------------------------------------------------------------------------- parent side
 def run_cpu(shape: lce.Shape, *, chunk: int, reps: int, timeout: float, seed: int,
-            plot: bool, out_dir: Path, interpreted: bool = False) -> int:
+            plot: bool, out_dir: Path, interpreted: bool = False, bar=None):
+    """The linear cross-entropy section on CPU; returns ``(result, report text)``."""
     import numpy as np
     import torch
     cands = cpu_candidates(chunk)
@@ -174,13 +191,13 @@ def run_cpu(shape: lce.Shape, *, chunk: int, reps: int, timeout: float, seed: in
         np.save(data / "w.npy", w.detach().float().numpy())
         np.save(data / "y.npy", y.numpy())
         del x, w
-        for i, c in enumerate(common.progress(cands, total=len(cands), desc="demo")):
+        for i, c in enumerate(cands):
             if c.interpreted and not interpreted:
                 records.append({"name": c.name, "about": c.about, "framework": c.framework,
                                 "status": "skipped", "error": "interpreter on CPU: minutes per "
                                 "call; --interpreted runs it"})
                 continue
-            common.log(f"  {c.name} ...")
+            _note(bar, f"{c.name} ...")
             spec = {**dataclasses.asdict(c), "data": str(data), "slot": f"c{i}", "reps": reps}
             rec = _spawn(spec, timeout, {"TRITON_INTERPRET": "1"} if c.interpreted else {})
             rec.update(about=c.about, framework=c.framework)
@@ -190,7 +207,7 @@ def run_cpu(shape: lce.Shape, *, chunk: int, reps: int, timeout: float, seed: in
                 rec.update(loss_rel_err=abs(rec["loss"] - ref_loss) / abs(ref_loss),
                            dx_rel_err=common.rel_err(dx, ref_dx),
                            dw_rel_err=common.rel_err(dw, ref_dw))
-            common.log(f"  {c.name}: {rec.get('status')} {rec.get('error', '')}")
+            _note(bar, f"{c.name}: {rec.get('status')} {rec.get('error', '')}")
             records.append(rec)
     env = common.environment("cpu")
     result = {
@@ -203,7 +220,6 @@ def run_cpu(shape: lce.Shape, *, chunk: int, reps: int, timeout: float, seed: in
                      "reference": {"loss": ref_loss, "seconds": ref_s},
                      "candidates": records}],
     }
-    print(format_cpu_report(result))
     js = common.write_json(out_dir / "demo-cpu.json", result)
     png = None
     if plot:
@@ -211,8 +227,17 @@ def run_cpu(shape: lce.Shape, *, chunk: int, reps: int, timeout: float, seed: in
         png = plotting.plot_benchmark(result, out_dir / "demo-cpu.png", baseline="torch naive",
                                       title=f"linear cross-entropy on CPU, N={shape.n} H={shape.h} "
                                             f"V={shape.v}")
-    print(f"wrote {js}" + (f" and {png}" if png else " (no plot: matplotlib is not installed)"))
-    return 0 if any(r.get("status") == "ok" for r in records) else 1
+    report = format_cpu_report(result) + "\n" + f"wrote {js}" + (
+        f" and {png}" if png else " (no plot: matplotlib is not installed)")
+    return result, report
+
+
+def _note(bar, msg: str) -> None:
+    """A progress message: in the progress bar when there is one, else on stderr."""
+    if bar is not None:
+        bar.set_postfix_str(msg.strip()[:70])
+    else:
+        common.log("  " + msg)
 
 
 def _spawn(spec, timeout: float, extra_env) -> Dict[str, Any]:
@@ -278,46 +303,252 @@ def format_cpu_report(result) -> str:
     return "\n".join(lines)
 
 
-def run_gpu(*, reps: Optional[int], seed: int, plot: bool) -> int:
+# ----------------------------------------------------------------------------- the other ops
+@dataclasses.dataclass(frozen=True)
+class Section:
+    """One op's benchmark script, run in its own process; its JSON feeds the summary."""
+    key: str                  # file name part: demo-cpu.<key>.json on CPU
+    title: str
+    script: str               # under benchmarks/
+    cpu_args: List[str]
+    gpu_args: List[str]
+    baselines: Dict[str, str]  # framework -> the candidate the others are compared with
+    records_field: str = "candidates"
+
+
+SECTIONS = [
+    Section("jax-linear-cross-entropy", "linear cross-entropy, JAX", "jax_linear_cross_entropy.py",
+            [], [], {"jax": "naive"}),
+    # on CPU the logitless rows get 128-token chunks: the default 1 GiB budget would hold the
+    # tiny shape's 600 tokens in one chunk and show no saving
+    Section("linear-jsd", "linear JSD (distillation)", "linear_jsd.py",
+            ["--shapes", "tiny", "--candidates",
+             "logitless-triton,logitless-torch[chunk_size=128],naive,torch-compile,liger,"
+             "jax-logitless-pallas[chunk_size=128],jax-logitless-xla[chunk_size=128],jax-naive"],
+            [], {"torch": "naive", "jax": "jax-naive"}),
+    Section("tiled-mlp", "tiled MLP (SwiGLU)", "tiled_mlp.py", ["--shapes", "tiny"], [],
+            {"torch": "plain", "jax": "jax-plain"}),
+    Section("hf-llama", "Hugging Face Llama training step", "hf_memory.py", ["--tiny"], [],
+            {"torch": "hf"}, records_field="variants"),
+]
+# on CPU the JAX linear-CE rows come from the linear-CE section's own subprocesses
+CPU_SECTIONS = [s.key for s in SECTIONS if s.key != "jax-linear-cross-entropy"]
+LOG_LINE = re.compile(r"^\s*(\[[^\]]*\]\s*)?[\w\-\[\]=.,]+( \.\.\.|: )")
+
+
+def run_section(sec: Section, *, device: str, out: Optional[Path], timeout: float, seed: int,
+                reps: Optional[int] = None, bar=None) -> Dict[str, Any]:
+    """Run one section's script; return ``{"section", "status", "result", "report"}``.
+    The child's log lines show in the progress bar; its report (stdout) is kept."""
+    args = list(sec.gpu_args if device == "cuda" else sec.cpu_args) + ["--seed", str(seed)]
+    if reps:
+        args += ["--reps", str(reps)]
+    if out is not None:
+        args += ["--out", str(out)]
+    cmd = [sys.executable, str(Path(__file__).resolve().parent / sec.script), *args]
+    env = {**os.environ, "TQDM_DISABLE": "1"}
+    root = str(common.REPO_ROOT)
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    rec: Dict[str, Any] = {"section": sec.key, "title": sec.title, "command": " ".join(cmd)}
+    tail: List[str] = []
+    t0 = time.perf_counter()
+    with tempfile.TemporaryFile("w+") as stdout:
+        proc = subprocess.Popen(cmd, stdout=stdout, stderr=subprocess.PIPE, text=True, env=env)
+        try:
+            for line in proc.stderr:
+                line = line.rstrip()
+                tail = (tail + [line])[-20:]
+                if bar is not None and LOG_LINE.match(line):
+                    bar.set_postfix_str(line.strip()[:70])
+                if time.perf_counter() - t0 > timeout:
+                    proc.kill()
+                    break
+            proc.wait(timeout=max(1.0, timeout - (time.perf_counter() - t0)))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        stdout.seek(0)
+        report = stdout.read()
+    rec["seconds"] = time.perf_counter() - t0
+    json_path = out
+    if json_path is None:  # the script's default record file: it prints "wrote <path>"
+        m = re.search(r"wrote (\S+\.json)", report)
+        json_path = Path(m.group(1)) if m else None
+    if proc.returncode == 0 and json_path is not None and Path(json_path).exists():
+        rec.update(status="ok", result=json.loads(Path(json_path).read_text()),
+                   report=report.strip(), json=str(json_path))
+    else:
+        rec.update(status="error", report=report.strip(),
+                   error=f"exit {proc.returncode}: " + " | ".join(tail[-3:])[-400:])
+    return rec
+
+
+def summary_rows(title: str, result: Dict[str, Any], baselines: Dict[str, str],
+                 records_field: str = "candidates") -> List[Dict[str, Any]]:
+    """One row per candidate of every shape: time and memory relative to its framework's
+    baseline candidate (same shape), gradient errors."""
+    rows = []
+    shapes = result.get("results") or [{
+        "shape": {"name": f"{result.get('config', {}).get('tokens', '?')} tokens"},
+        records_field: result.get(records_field, [])}]
+    for res in shapes:
+        recs = res.get(records_field, [])
+        shape = res.get("shape", {})
+        label = shape.get("name", "")
+        for r in recs:
+            fw = r.get("framework") or ("jax" if r["name"].startswith("jax") else "torch")
+            if title.endswith("JAX"):
+                fw = "jax"
+            base = next((b for b in recs if b["name"] == baselines.get(fw)
+                         and b.get("status") == "ok"), None)
+            mem = r.get("peak_extra_bytes", r.get("peak_over_base_bytes"))
+            base_mem = None if base is None else base.get("peak_extra_bytes",
+                                                          base.get("peak_over_base_bytes"))
+            ok = r.get("status") == "ok"
+            rows.append({
+                "op": title, "shape": label, "name": r["name"], "framework": fw,
+                "status": r.get("status"), "error": r.get("error"),
+                "ms": r.get("ms") if ok else None,
+                "time_ratio": r["ms"] / base["ms"] if ok and base else None,
+                "peak_extra_bytes": mem if ok else None,
+                "mem_ratio": mem / base_mem if ok and base and base_mem and base_mem > 0
+                and mem is not None else None,
+                "dx_rel_err": r.get("dx_rel_err", r.get("embed_tokens_grad_rel_err")),
+                "dw_rel_err": r.get("dw_rel_err", r.get("lm_head_grad_rel_err")),
+                "baseline": None if base is None else base["name"],
+            })
+    return rows
+
+
+def format_summary(rows: List[Dict[str, Any]]) -> str:
+    table = []
+    for r in rows:
+        if r["status"] != "ok":
+            table.append([r["op"], r["shape"], r["name"], "-", "", "-", "", "", "",
+                          f"{r['status']}: {r.get('error') or ''}"[:60]])
+            continue
+        table.append([r["op"], r["shape"], r["name"], common.fmt_ms(r["ms"]),
+                      common.fmt_ratio(r["time_ratio"]), common.fmt_bytes(r["peak_extra_bytes"]),
+                      common.fmt_ratio(r["mem_ratio"]), common.fmt_err(r["dx_rel_err"]),
+                      common.fmt_err(r["dw_rel_err"]),
+                      f"vs {r['baseline']}" if r["baseline"] and r["baseline"] != r["name"] else ""])
+    return common.format_table(["op", "shape", "candidate", "ms", "time", "peak extra", "memory",
+                                "dX err", "dW err", ""], table)
+
+
+def run_all(args) -> int:
+    device = args.device or common.default_device()
+    cuda = device == "cuda"
+    seed = args.seed if args.seed is not None else secrets.randbits(31)
+    out_dir = Path(args.out_dir)
+    wanted = [k.strip() for k in args.ops.split(",")] if args.ops else None
+    sections = [s for s in SECTIONS if cuda or s.key in CPU_SECTIONS]
+    if wanted is not None:
+        known = ["linear-cross-entropy"] + [s.key for s in sections]
+        bad = [k for k in wanted if k not in known]
+        if bad:
+            raise SystemExit(f"--ops: unknown {bad}; known here: {known}")
+        sections = [s for s in sections if s.key in wanted]
+    run_ce = wanted is None or "linear-cross-entropy" in wanted
+    jobs = (["linear-cross-entropy"] if run_ce else []) + [s.key for s in sections]
+    t_start = time.perf_counter()
+    try:
+        from tqdm.auto import tqdm
+        bar = tqdm(total=len(jobs), desc="make demo", file=sys.stderr, dynamic_ncols=True)
+    except ImportError:
+        bar = None
+    reports, rows, failed = [], [], []
+    if run_ce:
+        if bar is not None:
+            bar.set_description("linear cross-entropy")
+        if cuda:
+            result = run_gpu(reps=args.reps, seed=seed, plot=not args.no_plot)
+            reports.append(lce.format_report(result))
+            rows += summary_rows("linear cross-entropy", result, {"torch": "naive"})
+        else:
+            shape = CPU_SHAPE if not args.shape else lce.parse_shapes(args.shape)[0]
+            result, report = run_cpu(shape, chunk=args.chunk_size, reps=args.reps or 3,
+                                     timeout=args.timeout, seed=seed, plot=not args.no_plot,
+                                     out_dir=out_dir, interpreted=args.interpreted, bar=bar)
+            reports.append(report)
+            rows += summary_rows("linear cross-entropy", result,
+                                 {"torch": "torch naive", "jax": "jax naive"})
+        if bar is not None:
+            bar.update(1)
+    for sec in sections:
+        if bar is not None:
+            bar.set_description(sec.title)
+        out = None if cuda else out_dir / f"demo-cpu.{sec.key}.json"
+        rec = run_section(sec, device=device, out=out, timeout=args.timeout * 4, seed=seed,
+                          reps=args.reps, bar=bar)
+        if rec["status"] == "ok":
+            reports.append(rec["report"])
+            rows += summary_rows(sec.title, rec["result"], sec.baselines, sec.records_field)
+        else:
+            failed.append(rec)
+            reports.append(f"{sec.title}: FAILED ({rec['error']})\n  command: {rec['command']}")
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    where = "GPU" if cuda else "CPU"
+    print("\n\n".join(reports))
+    print(f"\n==== make demo summary ({where}, {time.perf_counter() - t_start:.0f} s): every op, "
+          f"every backend here; time and peak extra memory relative to the same framework's "
+          f"naive path (JAX memory: XLA temp buffers)\n")
+    print(format_summary(rows))
+    env = common.environment(device)
+    stem = f"{common.device_slug(env)}-demo-summary" if cuda else "demo-cpu.summary"
+    summary = {"schema": 1, "env": env, "seed": seed, "rows": rows,
+               "failed_sections": [{k: f[k] for k in ("section", "error", "command")}
+                                   for f in failed]}
+    js = common.write_json(out_dir / f"{stem}.json", summary)
+    png = None
+    if not args.no_plot:
+        from benchmarks import plot as plotting
+        png = plotting.plot_summary(rows, out_dir / f"{stem}.png",
+                                    title=f"make demo on {where}: "
+                                          f"{summary['env'].get('gpu_name') or summary['env'].get('cpu_model')}")
+    print(f"\nwrote {js}" + (f" and {png}" if png else " (no plot: matplotlib is not installed)"))
+    ok = any(r["status"] == "ok" for r in rows)
+    return 0 if ok and not failed else 1
+
+
+def run_gpu(*, reps: Optional[int], seed: int, plot: bool):
     shapes = lce.parse_shapes("targets")
     cands = lce.parse_candidates(None, "cuda")
-    result = lce.run_benchmark(shapes, cands, device="cuda", reps=reps or 10, warmup=2,
-                               seed=seed, merge=True, plot=plot)
-    print(lce.format_report(result))
-    return 0
+    return lce.run_benchmark(shapes, cands, device="cuda", reps=reps or 10, warmup=2,
+                             seed=seed, merge=True, plot=plot)
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", choices=("cpu", "cuda"), default=None,
                    help="default: cuda when available")
-    p.add_argument("--shape", default=None, help=f"CPU shape NxHxV (default "
+    p.add_argument("--ops", default=None,
+                   help="comma list of linear-cross-entropy, " + ", ".join(s.key for s in SECTIONS)
+                        + " (default: all that apply to the device)")
+    p.add_argument("--shape", default=None, help=f"CPU linear-CE shape NxHxV (default "
                    f"{CPU_SHAPE.n}x{CPU_SHAPE.h}x{CPU_SHAPE.v})")
     p.add_argument("--chunk-size", type=int, default=CPU_CHUNK,
-                   help="tokens per chunk for the logitless rows on CPU")
+                   help="tokens per chunk for the logitless linear-CE rows on CPU")
     p.add_argument("--reps", type=int, default=None, help="timed calls (default 3 CPU, 10 GPU)")
-    p.add_argument("--timeout", type=float, default=300, help="seconds per CPU candidate")
+    p.add_argument("--timeout", type=float, default=300, help="seconds per CPU candidate "
+                   "(x4 per section)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--out-dir", default=str(common.RESULTS_DIR))
     p.add_argument("--interpreted", action="store_true",
-                   help="CPU: also run the Triton and Pallas kernels under their interpreters "
-                        "(minutes per call; try a smaller --shape)")
+                   help="CPU: also run the Triton and Pallas linear-CE kernels under their "
+                        "interpreters (minutes per call; try a smaller --shape)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.worker:
         _worker(json.loads(a.worker))
         return 0
-    seed = a.seed if a.seed is not None else secrets.randbits(31)
-    device = a.device or common.default_device()
-    if device == "cuda":
-        return run_gpu(reps=a.reps, seed=seed, plot=not a.no_plot)
-    common.release_large_blocks_to_os()
-    shape = CPU_SHAPE
-    if a.shape:
-        (shape,) = lce.parse_shapes(a.shape)
-    return run_cpu(shape, chunk=a.chunk_size, reps=a.reps or 3, timeout=a.timeout, seed=seed,
-                   plot=not a.no_plot, out_dir=Path(a.out_dir), interpreted=a.interpreted)
+    if (a.device or common.default_device()) != "cuda":
+        common.release_large_blocks_to_os()
+    return run_all(a)
 
 
 if __name__ == "__main__":

@@ -43,6 +43,13 @@ def _fmt_time(t: float, relative: bool) -> str:
     return f"{t:.0f}" if t >= 100 else f"{t:.3g}"
 
 
+def _shape_label(shape: Dict[str, Any]) -> str:
+    """'llama3-8b\nN=16384 H=4096\nV=128256' for any op's shape fields (H_s, H_t, B, T...)."""
+    dims = [f"{k[0].upper()}{k[1:]}={v}" for k, v in shape.items() if k != "name"]
+    half = (len(dims) + 1) // 2
+    return "\n".join([shape.get("name", ""), " ".join(dims[:half]), " ".join(dims[half:])])
+
+
 def plot_benchmark(result: Dict[str, Any], path, *, baseline: Optional[str] = "auto",
                    title: Optional[str] = None) -> Optional[Path]:
     """Two panels: time (relative to ``baseline``) and peak extra memory (log scale).
@@ -89,8 +96,7 @@ def plot_benchmark(result: Dict[str, Any], path, *, baseline: Optional[str] = "a
                 else:
                     ax.text(xpos, val, text, rotation=90, ha="center", va="bottom",
                             fontsize=label_size)
-    labels = [f"{r['shape']['name']}\nN={r['shape']['n']} H={r['shape']['h']}\nV={r['shape']['v']}"
-              for r in shapes]
+    labels = [_shape_label(r["shape"]) for r in shapes]
     for ax in axes:
         ax.set_xticks(range(n_groups))
         ax.set_xticklabels(labels, fontsize=8)
@@ -155,6 +161,48 @@ def plot_sweeps(result: Dict[str, Any], path) -> Optional[Path]:
     env = result.get("env", {})
     fig.suptitle(f"linear cross-entropy, bf16 - {env.get('gpu_name') or env.get('cpu_model', '')}"
                  f" - {env.get('date', '')}", fontsize=10)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_summary(rows, path, *, title: str = "") -> Optional[Path]:
+    """``make demo``'s summary: one row of panels per op -- each candidate's time and peak extra
+    memory relative to its framework's naive path (bars; 1.0 = naive), first shape of each op.
+    ``rows`` are ``benchmarks/demo.py``'s summary rows."""
+    plt = _pyplot()
+    if plt is None:
+        return None
+    ops = []
+    for r in rows:
+        if r["op"] not in ops:
+            ops.append(r["op"])
+    fig, axes = plt.subplots(len(ops), 2, figsize=(12, 2.6 * len(ops) + 0.6), squeeze=False)
+    for (ax_t, ax_m), op in zip(axes, ops):
+        first_shape = next(r["shape"] for r in rows if r["op"] == op)
+        sel = [r for r in rows if r["op"] == op and r["shape"] == first_shape]
+        names = [r["name"] for r in sel]
+        colors = ["tab:gray" if r["baseline"] == r["name"] else
+                  "tab:orange" if r["framework"] == "jax" else "tab:blue" for r in sel]
+        for ax, key in ((ax_t, "time_ratio"), (ax_m, "mem_ratio")):
+            vals = [r[key] if r[key] is not None else 0 for r in sel]
+            ax.barh(range(len(sel)), vals, color=colors)
+            for i, r in enumerate(sel):
+                text = (f"{r[key]:.2f}x" if r[key] is not None else
+                        r["status"] if r["status"] != "ok" else "n/a")
+                ax.text(max(vals[i], 0) + 0.02, i, text, va="center", fontsize=7)
+            ax.set_yticks(range(len(sel)))
+            ax.set_yticklabels(names if ax is ax_t else [""] * len(sel), fontsize=7)
+            ax.invert_yaxis()
+            ax.axvline(1.0, color="k", lw=0.8, ls="--")
+            ax.grid(axis="x", alpha=0.3)
+            ax.margins(x=0.15)
+        ax_t.set_title(f"{op} ({first_shape}): time vs naive", fontsize=9, loc="left")
+        ax_m.set_title("peak extra memory vs naive (JAX: XLA temp)", fontsize=9, loc="left")
+    fig.suptitle(title or "make demo", fontsize=10)
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
