@@ -178,8 +178,8 @@ def run_cpu(shape: lce.Shape, *, chunk: int, reps: int, timeout: float, seed: in
     import numpy as np
     import torch
     cands = cpu_candidates(chunk)
-    common.log(f"demo on CPU: N={shape.n} H={shape.h} V={shape.v}, {len(cands)} candidates, "
-               f"each in a fresh process")
+    _note(bar, f"N={shape.n} H={shape.h} V={shape.v}: {len(cands)} candidates, each in a "
+               f"fresh process")
     x, w, y = lce.make_inputs(shape, "cpu", seed)
     t0 = time.perf_counter()
     ref_loss, ref_dx, ref_dw = lce.reference(x, w, y)
