@@ -212,21 +212,32 @@ def _tiled_swiglu_bwd(dy: torch.Tensor, x: torch.Tensor, w_gate: torch.Tensor,
     each one not in ``needs``), recomputing gate and up per shard."""
     n = x.shape[0]
     plan = spec.ShardPlan(n=n, shard=shard)
-    k = max(plan.num_shards, 1)
     params = (w_gate, w_up, w_down, b_gate, b_up, b_down)
     needs = [bool(f) and (i == 0 or params[i - 1] is not None) for i, f in enumerate(needs)]
-    need_x, need_wg, need_wu, need_wd, need_bg, need_bu, need_bd = needs
-    need_dh = need_x or need_wg or need_wu or need_bg or need_bu  # anything behind the SwiGLU
-    if n == 0 or not (need_dh or need_wd or need_bd):
+    if n == 0 or not any(needs):
         return [x.new_zeros(t.shape) if f else x.new_empty(0)
                 for f, t in zip(needs, (x,) + params)]
-    acc = [None if not f else torch.empty(p.shape, dtype=_accum_dtype(p, accum_fp32, k),
-                                          device=p.device)
+    acc = [None if not f else torch.empty(p.shape, device=p.device,
+                                          dtype=_accum_dtype(p, accum_fp32, plan.num_shards))
            for f, p in zip(needs[1:], params)]
+    dx = torch.empty_like(x) if needs[0] else None
+    _backward_sweep(plan, dy, x, params, acc, dx)  # its shard buffers are gone on return
+    out = [x.new_empty(0) if dx is None else dx]
+    for j, p in enumerate(params):  # the fp32 accumulators, cast and freed one at a time
+        a, acc[j] = acc[j], None
+        out.append(x.new_empty(0) if a is None else a if a.dtype == p.dtype else a.to(p.dtype))
+        del a
+    return out
+
+
+def _backward_sweep(plan, dy, x, params, acc, dx):
+    """The shard loop of the fused backward: accumulates into ``acc`` (one tensor or None per
+    parameter) and writes ``dx`` (or None)."""
+    w_gate, w_up, w_down, b_gate, b_up, b_down = params
     dwg, dwu, dwd, dbg, dbu, dbd = acc
-    dx = torch.empty_like(x) if need_x else None
+    need_dh = any(a is not None for a in (dx, dwg, dwu, dbg, dbu))  # anything behind the SwiGLU
     fwd, bwd = _swiglu_kernels(x)
-    rows = min(shard, n)
+    rows = min(plan.shard, plan.n)
     gbuf = torch.empty(rows, w_gate.shape[0], dtype=x.dtype, device=x.device)
     ubuf = torch.empty_like(gbuf)
     half = -(-rows // SCRATCH_SPLIT)
@@ -237,37 +248,30 @@ def _tiled_swiglu_bwd(dy: torch.Tensor, x: torch.Tensor, w_gate: torch.Tensor,
         g, u = gbuf[: e - s], ubuf[: e - s]
         _linear_into(xs, w_gate, b_gate, g)
         _linear_into(xs, w_up, b_up, u)
-        for j, t0 in enumerate(range(0, e - s, half) if (need_wd or need_dh) else ()):
+        for j, t0 in enumerate(range(0, e - s, half) if (dwd is not None or need_dh) else ()):
             t1 = min(t0 + half, e - s)
             gt, ut, dyt, h = g[t0:t1], u[t0:t1], dys[t0:t1], hbuf[: t1 - t0]
-            if need_wd:
+            if dwd is not None:
                 fwd(gt, ut, out=h)
                 common.accumulate_mm_(dwd, dyt.t(), h, first=first and j == 0)
             if need_dh:
                 torch.mm(dyt, w_down, out=h)            # dh (h is no longer needed)
                 bwd(h, gt, ut, grad_gate=gt, grad_up=ut)  # d gate over g, d up over u
-        if need_bd:
+        if dbd is not None:
             _sum_tokens_(dbd, dys, first)
         if not need_dh:
             continue
-        if need_wg:
+        if dwg is not None:
             common.accumulate_mm_(dwg, g.t(), xs, first=first)
-        if need_wu:
+        if dwu is not None:
             common.accumulate_mm_(dwu, u.t(), xs, first=first)
-        if need_bg:
+        if dbg is not None:
             _sum_tokens_(dbg, g, first)
-        if need_bu:
+        if dbu is not None:
             _sum_tokens_(dbu, u, first)
-        if need_x:
+        if dx is not None:
             torch.mm(g, w_gate, out=dx[s:e])
             torch.addmm(dx[s:e], u, w_up, out=dx[s:e])
-    del dwg, dwu, dwd, dbg, dbu, dbd, gbuf, ubuf, hbuf, g, u
-    out = [dx if need_x else x.new_empty(0)]
-    for j, p in enumerate(params):  # the fp32 accumulators, cast and freed one at a time
-        a, acc[j] = acc[j], None
-        out.append(x.new_empty(0) if a is None else a if a.dtype == p.dtype else a.to(p.dtype))
-        del a
-    return out
 
 
 @_tiled_swiglu_bwd.register_fake
