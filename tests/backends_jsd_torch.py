@@ -105,15 +105,22 @@ def naive_torch_jsd(case, inp):
     return torch_collect(loss, xs, ws, xt, wt, g)
 
 
-def _triton_split_tuning():
-    """Rows split over several programs (blocks of 32 columns): on a GPU the fused kernel's
-    barriers; in the interpreter (which runs programs one by one) the three-launch path."""
-    return dict(block_v=32)
+def triton_split_runner(case, inp):
+    """Rows split over several programs with a ragged last segment: on a GPU the fused kernel
+    waits at its per-row barriers (64-column segments: up to 17 programs per row); in the
+    interpreter, which runs programs one by one, the three-launch path over two segments
+    (its cost grows with programs x blocks)."""
+    import torch
+    if torch.cuda.is_available():
+        return jsd_runner("triton", block_v=32, segment_size=64)(case, inp)
+    block = 32 if case.v < 256 else 128
+    segment = block * -(-(-(-case.v // 2)) // block)
+    return jsd_runner("triton", block_v=block, segment_size=segment)(case, inp)
 
 
 register(Backend("naive-torch", naive_torch_jsd, naive="naive-torch", requires=("torch",), op=OP))
 register(Backend("torch", jsd_runner("torch"), naive="naive-torch", requires=("torch",), op=OP))
 register(Backend("triton", jsd_runner("triton"), naive="naive-torch",
                  requires=("torch", "triton"), op=OP))
-register(Backend("triton-split", jsd_runner("triton", **_triton_split_tuning()),
-                 naive="naive-torch", requires=("torch", "triton"), op=OP))
+register(Backend("triton-split", triton_split_runner, naive="naive-torch",
+                 requires=("torch", "triton"), op=OP))

@@ -85,6 +85,11 @@ def draw(case: SpecCase):
     return dict(xs=xs, ws=ws, xt=xt, wt=wt, y=y, g=g)
 
 
+def _log_softmax(u):
+    return u - np.log(np.exp(u - u.max(1, keepdims=True)).sum(1, keepdims=True)) - \
+        u.max(1, keepdims=True)
+
+
 def run_spec(case, d):
     r = spec.reference(d["xs"], d["ws"], d["xt"], d["wt"], d["y"], options=case.options(),
                        grad_output=d["g"])
@@ -266,14 +271,18 @@ def test_endpoints_are_the_limits_of_the_normalized_divergence():
     """β = 0 and β = 1 are defined as KL(P‖Q) and KL(Q‖P): the limits of J_β/β and
     J_β/(1−β), while J_β itself tends to 0 (the general formula degenerates there)."""
     d = draw(SpecCase(ignore="no-targets", reduction="none"))
-    jsd = lambda beta: spec.reference(d["xs"], d["ws"], d["xt"], d["wt"],
+    ws, wt = d["ws"] / 3, d["wt"] / 3  # logits of std ~1
+    jsd = lambda beta: spec.reference(d["xs"], ws, d["xt"], wt,
                                       options=spec.LinearJSDOptions(beta=beta))["jsd"]
-    # independent random heads have P/Q up to e^20: the O(β²) term fades only for tiny β
-    fwd, rev, eps = jsd(0.0), jsd(1.0), 1e-10
+    # J_β = β·KL(P‖Q) + O(β²·max P/Q): pick β small against the largest probability ratio
+    lq = _log_softmax(d["xs"] @ ws.T)
+    lp = _log_softmax(d["xt"] @ wt.T)
+    ratio = float(np.exp(np.abs(lq - lp).max()))
+    fwd, rev, eps = jsd(0.0), jsd(1.0), min(1e-6, 1e-6 / ratio)
     assert np.all(fwd > 0) and np.all(rev > 0) and not np.allclose(fwd, rev)
     np.testing.assert_allclose(jsd(eps) / eps, fwd, rtol=1e-3)
     np.testing.assert_allclose(jsd(1 - eps) / (1 - (1 - eps)), rev, rtol=1e-3)
-    assert np.all(jsd(eps) < 1e-8 * fwd)
+    assert np.all(jsd(eps) < 2 * eps * fwd)  # while J_β itself vanishes
 
 
 def test_jsd_properties():
@@ -409,23 +418,23 @@ def _rel(a, b):
 
 
 TRITON_TUNINGS = {
-    "sub-chunks": dict(chunk_size=48, logits_chunk_size=16),
-    "three-launches": dict(chunk_size=64, block_v=64, segment_size=128, row_sync=False),
-    "blocks-ragged": dict(chunk_size=50, logits_chunk_size=20, block_v=32, segment_size=96),
-    "bf16-logits": dict(chunk_size=48, fp32_logits=False),
-    "bf16-accumulator": dict(chunk_size=48, grad_accum_dtype="bfloat16"),
+    "sub-chunks": dict(chunk_size=24, logits_chunk_size=10),
+    "three-launches": dict(chunk_size=32, block_v=64, segment_size=128, row_sync=False),
+    "blocks-ragged": dict(chunk_size=25, logits_chunk_size=11, block_v=32, segment_size=96),
+    "bf16-logits": dict(chunk_size=24, fp32_logits=False),
+    "bf16-accumulator": dict(chunk_size=24, grad_accum_dtype="bfloat16"),
 }
 
 
-@pytest.mark.parametrize("tuning", sorted(TRITON_TUNINGS))
-@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("tuning, reduction", [(t, "mean") for t in sorted(TRITON_TUNINGS)]
+                         + [("sub-chunks", "none"), ("bf16-accumulator", "none")])
 def test_triton_tunings_match_the_torch_backend(tuning, reduction):
     torch = _torch()
     kw = dict(TRITON_TUNINGS[tuning])
     if kw.get("grad_accum_dtype") == "bfloat16":
         kw["grad_accum_dtype"] = torch.bfloat16
-    data = _data(150, 40, 24, 301, dtype="bfloat16", seed=1)
-    g = None if reduction == "mean" else torch.rand(150, device=data[0].device) - 0.5
+    data = _data(70, 40, 24, 211, dtype="bfloat16", seed=1)
+    g = None if reduction == "mean" else torch.rand(70, device=data[0].device) - 0.5
     opts = dict(beta=0.4, temperature=1.5, hard_loss_weight=0.2, reduction=reduction)
     ref = _loss_and_grads(*[t.double() if t.is_floating_point() else t for t in data],
                           None if g is None else g.double(), backend="torch", **opts)
