@@ -21,7 +21,7 @@ from jax import lax
 
 from . import _jax_common as common
 from .specs import linear_jsd as spec
-from .specs.tiling import ChunkPlan
+from .specs.tiling import ChunkPlan, plan_token_chunks
 
 __all__ = ["linear_jsd", "available_backends"]
 
@@ -235,25 +235,45 @@ class Head:
 @dataclasses.dataclass(frozen=True)
 class _Static:
     opts: spec.LinearJSDOptions
-    plan: ChunkPlan
+    plan: ChunkPlan        # tokens per dX / dW chunk: one [chunk, V] gradient buffer
+    sub_chunk: int         # tokens per logits GEMM and head call (<= plan.chunk)
     v: int
     layout: str
     head: Head
 
 
+def _walk(n: int, size: int, body, carry, start0=0):
+    """``carry = body(start, length, carry)`` over [start0, start0 + n) in pieces of ``size``:
+    the first piece on its own (so ``body`` may create accumulators by assignment there), a
+    loop over the other full pieces, then the ragged tail (all lengths static)."""
+    full, tail = divmod(n, size)
+    if n == 0:
+        return carry
+    carry = body(start0, size if full else tail, carry)
+    if full > 1:
+        carry = lax.fori_loop(1, full, lambda i, c: body(start0 + i * size, size, c), carry)
+    if full and tail:
+        carry = body(start0 + full * size, tail, carry)
+    return carry
+
+
+def _tokens(a, start, size):
+    return lax.dynamic_slice_in_dim(a, start, size, axis=0)
+
+
 def _chunk_logits(st, xs, ws, xt, wt, start, size):
     dt = st.head.logits_dtype
-    zs = common.logits(common._tokens(xs, start, size), ws, st.layout, dt)
-    zt = common.logits(common._tokens(xt, start, size), wt, st.layout, dt)
+    zs = common.logits(_tokens(xs, start, size), ws, st.layout, dt)
+    zt = common.logits(_tokens(xt, start, size), wt, st.layout, dt)
     return zs, zt
 
 
 def _y_chunk(y, start, size):
-    return None if y is None else common._tokens(y, start, size)
+    return None if y is None else _tokens(y, start, size)
 
 
 def _forward(st: _Static, xs, ws, xt, wt, y):
-    """Per-token losses l_i (N,), masked, without gradients."""
+    """Per-token losses l_i (N,), masked, without gradients (sub-chunk by sub-chunk)."""
     n = xs.shape[0]
     m = token_mask(y, n, st.opts, st.v)
     ys = None if y is None else safe_targets(y, st.opts, st.v)
@@ -263,13 +283,16 @@ def _forward(st: _Static, xs, ws, xt, wt, y):
         return lax.dynamic_update_slice_in_dim(tok, st.head.loss(zs, zt, _y_chunk(ys, start, size)),
                                                start, 0)
 
-    tok = common._walk_chunks(st, n, body, jnp.zeros((n,), jnp.float32))
+    tok = _walk(n, st.sub_chunk, body, jnp.zeros((n,), jnp.float32))
     return tok * m, m
 
 
 def _grads(st: _Static, xs, ws, xt, wt, y, g):
     """One sweep: masked per-token losses, dX (input dtype) and dW (float32) for the upstream
-    gradient g ((N,) per token, already divided by Σm for "mean")."""
+    gradient g ((N,) per token, already divided by Σm for "mean"). Per chunk, the logits come
+    in sub-chunks and the head writes their gradient into the chunk's [chunk, V] buffer; the
+    dX / dW GEMMs then run once per chunk (dW's float32 accumulator is read and written once
+    per chunk, so chunks should be large; the logits buffers stay small)."""
     n = xs.shape[0]
     m = token_mask(y, n, st.opts, st.v)
     ys = None if y is None else safe_targets(y, st.opts, st.v)
@@ -277,17 +300,24 @@ def _grads(st: _Static, xs, ws, xt, wt, y, g):
 
     def body(start, size, carry):
         tok, dx, dw = carry
-        zs, zt = _chunk_logits(st, xs, ws, xt, wt, start, size)
-        xc = common._tokens(xs, start, size)
-        l_c, dz = st.head.loss_grad(zs, zt, _y_chunk(ys, start, size),
-                                    common._tokens(coef, start, size), xs.dtype)
+
+        def sub_body(s0, length, sub_carry):
+            tok, dz = sub_carry
+            zs, zt = _chunk_logits(st, xs, ws, xt, wt, s0, length)
+            l_c, dz_c = st.head.loss_grad(zs, zt, _y_chunk(ys, s0, length),
+                                          _tokens(coef, s0, length), xs.dtype)
+            return (lax.dynamic_update_slice_in_dim(tok, l_c, s0, 0),
+                    lax.dynamic_update_slice_in_dim(dz, dz_c, s0 - start, 0))
+
+        dz = jnp.zeros((size, st.v), xs.dtype)  # every row is overwritten by a sub-chunk
+        tok, dz = _walk(size, min(st.sub_chunk, size), sub_body, (tok, dz), start0=start)
+        xc = _tokens(xs, start, size)
         dx = lax.dynamic_update_slice_in_dim(dx, common.grad_input(dz, ws, st.layout), start, 0)
         dw_c = common.grad_weight(dz, xc, st.layout)  # the first chunk assigns: no zero-fill
-        return (lax.dynamic_update_slice_in_dim(tok, l_c, start, 0), dx,
-                dw_c if dw is None else dw + dw_c)
+        return tok, dx, dw_c if dw is None else dw + dw_c
 
-    tok, dx, dw = common._walk_chunks(st, n, body, (jnp.zeros((n,), jnp.float32),
-                                                    jnp.zeros(xs.shape, xs.dtype), None))
+    tok, dx, dw = _walk(n, st.plan.chunk, body, (jnp.zeros((n,), jnp.float32),
+                                                 jnp.zeros(xs.shape, xs.dtype), None))
     if dw is None:  # no tokens at all
         dw = jnp.zeros(ws.shape, jnp.float32)
     return tok * m, dx, dw
@@ -344,9 +374,35 @@ def _custom_vjp_fn(st: _Static):
     return f
 
 
-def chunked_linear_jsd(p: Prepared, opts: spec.LinearJSDOptions, plan: ChunkPlan, head: Head):
-    """The loss reduced per ``opts.reduction`` (flat ``(N,)`` for "none")."""
-    st = _Static(opts=opts, plan=plan, v=p.problem.v, layout=p.layout, head=head)
+def plan_chunks(p: Prepared, fp32_logits: bool, share: int, budget, chunk_size,
+                logits_chunk_size, temporaries: int = 1):
+    """(plan, sub_chunk): chunks of C tokens for the gradient buffer [C, V] (input dtype) and
+    the dX / dW GEMMs, sub-chunks of c tokens for the two logits buffers [c, V] (``share`` =
+    C / c when fp32 logits of half-precision inputs, 1 otherwise), both from one budget;
+    ``temporaries``: [c, V] float32 working arrays a head keeps besides the logits."""
+    in_bytes = p.xs.dtype.itemsize
+    logit_bytes = 4 if fp32_logits else in_bytes
+    share = share if logit_bytes > in_bytes else 1
+    per_token = in_bytes + (2 * logit_bytes + 4 * (temporaries - 1)) / share
+    plan = plan_token_chunks(p.problem.n, p.problem.v, bytes_per_element=max(1, round(per_token)),
+                             budget_bytes=budget, chunk_size=chunk_size)
+    if logits_chunk_size is None:
+        sub = plan.chunk if (share == 1 or plan.chunk <= 128) else \
+            max(128, plan.chunk // share // 128 * 128)
+    else:
+        if isinstance(logits_chunk_size, bool) or not isinstance(logits_chunk_size, int) \
+                or logits_chunk_size < 1:
+            raise ValueError(f"logits_chunk_size must be a positive int, got {logits_chunk_size!r}")
+        sub = logits_chunk_size
+    return plan, min(sub, plan.chunk)
+
+
+def chunked_linear_jsd(p: Prepared, opts: spec.LinearJSDOptions, plan: ChunkPlan, head: Head,
+                       sub_chunk: Optional[int] = None):
+    """The loss reduced per ``opts.reduction`` (flat ``(N,)`` for "none"). ``plan``: tokens per
+    dX / dW chunk; ``sub_chunk``: tokens per logits GEMM and head call (default: the chunk)."""
+    sub = plan.chunk if sub_chunk is None else max(1, min(sub_chunk, plan.chunk))
+    st = _Static(opts=opts, plan=plan, sub_chunk=sub, v=p.problem.v, layout=p.layout, head=head)
     return _custom_vjp_fn(st)(p.xs, p.ws, p.xt, p.wt, p.y)
 
 

@@ -15,10 +15,10 @@ from jax import lax
 
 from . import _jax_jsd as jc
 from .specs import linear_jsd as spec
-from .specs.tiling import plan_token_chunks
 
-TUNING = ("chunk_size", "memory_budget")
-_TEMPORARIES = 8  # live [chunk, V] float32 arrays per chunk, budgeted by the plan
+TUNING = ("chunk_size", "logits_chunk_size", "memory_budget")
+_TEMPORARIES = 8  # live [sub-chunk, V] float32 arrays of the head, budgeted by the plan
+_LOGITS_SHARE = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,10 +60,12 @@ class XlaHead(jc.Head):
 
 
 def linear_jsd(p: jc.Prepared, opts: spec.LinearJSDOptions, *, chunk_size=None,
-               memory_budget=None):
-    """The loss reduced per ``opts.reduction`` (flat for "none")."""
-    plan = plan_token_chunks(p.problem.n, p.problem.v, bytes_per_element=4 * _TEMPORARIES,
-                             budget_bytes=memory_budget, chunk_size=chunk_size)
+               logits_chunk_size=None, memory_budget=None):
+    """The loss reduced per ``opts.reduction`` (flat for "none"). ``chunk_size``: tokens per
+    dX / dW chunk; ``logits_chunk_size``: tokens per logits GEMM and head call;
+    ``memory_budget``: bytes for both (default 1 GiB)."""
+    plan, sub = jc.plan_chunks(p, True, _LOGITS_SHARE, memory_budget, chunk_size,
+                               logits_chunk_size, temporaries=_TEMPORARIES)
     head = XlaHead(kind=opts.kind, beta=opts.beta, temperature=opts.temperature,
                    hard_w=opts.hard_loss_weight, t_one=opts.temperature == 1.0)
-    return jc.chunked_linear_jsd(p, opts, plan, head)
+    return jc.chunked_linear_jsd(p, opts, plan, head, sub)

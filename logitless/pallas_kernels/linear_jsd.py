@@ -32,16 +32,20 @@ from jax.experimental.pallas import triton as plgpu
 from .. import _jax_common as common
 from .. import _jax_jsd as jc
 from ..specs import linear_jsd as spec
-from ..specs.tiling import ceil_div, next_power_of_2, plan_token_chunks
+from ..specs.tiling import ceil_div, next_power_of_2
 
-TUNING = ("chunk_size", "memory_budget", "block_rows", "block_v", "num_warps", "num_stages",
-          "grid_size", "fp32_logits", "interpret")
+TUNING = ("chunk_size", "logits_chunk_size", "memory_budget", "block_rows", "block_v",
+          "num_warps", "num_stages", "grid_size", "fp32_logits", "interpret")
 
 # GPU defaults, by analogy with the linear-CE kernel's H100 tuning (long column blocks, one
 # 16-warp program per SM); to be re-tuned with benchmarks/linear_jsd.py. The budget covers the
 # chunk's two float32 logits buffers and its gradient buffer.
-GPU_DEFAULTS = dict(memory_budget=1 << 30, block_rows=1, block_v=8192, num_warps=16,
+GPU_DEFAULTS = dict(memory_budget=896 << 20, block_rows=1, block_v=8192, num_warps=16,
                     num_stages=2, programs_per_sm=1)
+# With float32 logits of half-precision inputs the logits GEMMs and the kernel run on
+# sub-chunks of chunk / LOGITS_SHARE tokens (the gradient buffer keeps the whole chunk, so
+# that dW's float32 accumulator is read and written once per chunk): as the Triton backend.
+LOGITS_SHARE = 4
 _I0 = np.int32(0)
 
 
@@ -181,12 +185,15 @@ def _default_grid_size() -> Optional[int]:
 
 
 def linear_jsd(p: jc.Prepared, opts: spec.LinearJSDOptions, *, chunk_size=None,
-               memory_budget=None, block_rows=None, block_v=None, num_warps=None,
-               num_stages=None, grid_size=None, fp32_logits=True, interpret=None):
+               logits_chunk_size=None, memory_budget=None, block_rows=None, block_v=None,
+               num_warps=None, num_stages=None, grid_size=None, fp32_logits=True,
+               interpret=None):
     """The loss reduced per ``opts.reduction`` (flat for "none").
 
-    Tuning: ``chunk_size`` / ``memory_budget`` (bytes of the chunk's logits and gradient
-    buffers), ``block_rows`` × ``block_v`` (the kernel's tile, powers of two), ``num_warps``,
+    Tuning: ``chunk_size`` (tokens per dX / dW chunk), ``logits_chunk_size`` (tokens per
+    logits GEMM and kernel call), ``memory_budget`` (bytes of the chunk's gradient and logits
+    buffers; sets both sizes when not given), ``block_rows`` × ``block_v`` (the kernel's tile,
+    powers of two), ``num_warps``,
     ``num_stages`` (Triton), ``grid_size`` (persistent programs; default SMs ×
     ``GPU_DEFAULTS["programs_per_sm"]`` on a GPU, one per row block when interpreted),
     ``fp32_logits`` (False: logits in the input dtype, less memory and traffic, ~1e-2 less
@@ -215,11 +222,6 @@ def linear_jsd(p: jc.Prepared, opts: spec.LinearJSDOptions, *, chunk_size=None,
                                       power_of_2=True, hi=32),
         num_stages=common.check_tuning("num_stages", pick(num_stages, "num_stages"), hi=8),
         grid_size=grid_size, interpret=interpret, fp32_logits=fp32_logits)
-    in_bytes = p.xs.dtype.itemsize
-    logit_bytes = 4 if fp32_logits else in_bytes
-    grad_bytes = 0 if logit_bytes == in_bytes else in_bytes  # else dz overwrites the logits
-    plan = plan_token_chunks(p.problem.n, p.problem.v,
-                             bytes_per_element=2 * logit_bytes + grad_bytes,
-                             budget_bytes=pick(memory_budget, "memory_budget"),
-                             chunk_size=chunk_size)
-    return jc.chunked_linear_jsd(p, opts, plan, head)
+    plan, sub = jc.plan_chunks(p, fp32_logits, LOGITS_SHARE, pick(memory_budget, "memory_budget"),
+                               chunk_size, logits_chunk_size)
+    return jc.chunked_linear_jsd(p, opts, plan, head, sub)

@@ -125,6 +125,14 @@ def _max_resident_segments(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def _rows_buffer(rows, v, dtype, device):
+    """A [rows, V] buffer whose rows start at 16-element boundaries (a view of [rows, V_pad]),
+    so that the row kernel's loads and stores vectorize whatever V is; cuBLAS reads and writes
+    it through its leading dimension."""
+    v_pad = -(-v // 16) * 16
+    return torch.empty(rows, v_pad, dtype=dtype, device=device)[:, :v]
+
+
 def _logits(x, w, out, fp32):
     if fp32:
         return jsd_common.logits_f32(x, w, out=out)
@@ -152,9 +160,9 @@ def _sweep(xs, ws, xt, wt, y, g, opts_t, cfg: Config, want_loss, want_grad, accu
             dw_a = torch.empty(v, hs, dtype=dt, device=dev)
     ldt = torch.float32 if cfg.fp32_logits else dt
     c = min(cfg.sub_chunk, n)
-    zs_buf = torch.empty(c, v, dtype=ldt, device=dev)
-    zt_buf = torch.empty(c, v, dtype=ldt if cfg.fp32_logits else xt.dtype, device=dev)
-    dz_buf = torch.empty(min(cfg.chunk, n), v, dtype=dt, device=dev) if want_grad else None
+    zs_buf = _rows_buffer(c, v, ldt, dev)
+    zt_buf = _rows_buffer(c, v, ldt if cfg.fp32_logits else xt.dtype, dev)
+    dz_buf = _rows_buffer(min(cfg.chunk, n), v, dt, dev) if want_grad else None
     for s in range(0, n, cfg.chunk):
         e = min(s + cfg.chunk, n)
         for ss in range(s, e, cfg.sub_chunk):
