@@ -53,8 +53,9 @@ def _close(a, r, tol=TOL):
 def test_jit_value_and_grad_and_teacher_cotangents(backend):
     xs, ws, xt, wt, y = _problem()
     opts = dict(beta=0.3, temperature=2.0, hard_loss_weight=0.25)
+    # chunks of 8 tokens for dX / dW, logits in sub-chunks of 3 (ragged at both levels)
     f = lambda xs, ws, xt, wt: lj.linear_jsd(xs, ws, xt, wt, y, backend=backend, chunk_size=8,
-                                             **opts, **_tuning(backend))
+                                             logits_chunk_size=3, **opts, **_tuning(backend))
     loss, (dx, dw, dxt, dwt) = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3)))(xs, ws, xt, wt)
     ref = _ref(xs, ws, xt, wt, y, **opts)
     _close(loss, ref["loss"])
