@@ -216,18 +216,23 @@ def _zero_seg(dz_row, col0, col1, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _wait_row(cnt_ptr, target, MAX_SPIN: tl.constexpr):
+def _wait_row(cnt_ptr, abort_ptr, target, MAX_SPIN: tl.constexpr):
     """Arrive at a row's counter and wait until ``target`` arrivals: True unless timed out.
     The barrier orders this program's partial stores before the release; the acquire polls
-    (one thread each, result broadcast) order the other segments' stores before our loads."""
+    (one thread each, result broadcast: the loop condition is uniform) order the other
+    segments' stores before our loads. A timeout raises the launch's abort flag, so that
+    later rows give up at once instead of each waiting MAX_SPIN polls."""
     tl.debug_barrier()
     tl.atomic_add(cnt_ptr, 1, sem="release", scope="gpu")
     c = tl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")
-    spins = 0
+    spins = tl.where(tl.atomic_add(abort_ptr, 0, sem="relaxed", scope="gpu") != 0, MAX_SPIN, 0)
     while (c < target) & (spins < MAX_SPIN):
         c = tl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")
         spins += 1
-    return c >= target
+    ok = c >= target
+    if not ok:
+        tl.atomic_xchg(abort_ptr, 1, sem="relaxed", scope="gpu")
+    return ok
 
 
 @triton.jit
@@ -275,7 +280,7 @@ def _row_segment(row, seg, s_ptr, s_stride, t_ptr, t_stride, dz_ptr, dz_stride, 
                 tl.store(p + F_SZ, s_z)
                 tl.store(p + F_ZY, z_y)
         if sync:
-            ok = ok & _wait_row(sync_ptr + 1 + row64, SEGS, MAX_SPIN)
+            ok = ok & _wait_row(sync_ptr + 2 + row64, sync_ptr + 1, SEGS, MAX_SPIN)
         if PHASE != 1:
             if SEGS > 1:
                 l_a = _combine_lse(part, F_MA, F_SA, segs_idx, smask)
@@ -323,7 +328,8 @@ def _row_segment(row, seg, s_ptr, s_stride, t_ptr, t_stride, dz_ptr, dz_stride, 
                         kk = k_seg
                         jj = j_seg
                 if sync:
-                    ok = ok & _wait_row(sync_ptr + 1 + row64, 2 * SEGS, MAX_SPIN)
+                    ok = ok & _wait_row(sync_ptr + 2 + row64, sync_ptr + 1, 2 * SEGS,
+                                        MAX_SPIN)
                 if PHASE != 2:
                     if SEGS > 1:
                         kk = _combine_sum(part, F_K, segs_idx, smask)
@@ -368,13 +374,13 @@ def jsd_rows_kernel(
     KIND: tl.constexpr, HAS_Y: tl.constexpr, HARD: tl.constexpr, T_ONE: tl.constexpr,
     WRITE_LOSS: tl.constexpr, WRITE_GRAD: tl.constexpr, PHASE: tl.constexpr,
     SEGS: tl.constexpr, SEGS_P2: tl.constexpr, SEG: tl.constexpr, BLOCK: tl.constexpr,
-    ROUND_BF16: tl.constexpr = False, MAX_SPIN: tl.constexpr = 1 << 22,
+    ROUND_BF16: tl.constexpr = False, MAX_SPIN: tl.constexpr = 1 << 20,
 ):
     """Per-token loss (``loss_ptr``, fp32) and/or the student logit gradient (``dz_ptr``) for
     rows [0, n_rows) of the student / teacher logits buffers. ``c_s`` = log2(e)/T, ``inv_t`` =
     1/T, ``g`` the upstream gradient per row (``g_stride`` 0: one for all rows), ``part_ptr``
-    fp32 [n_rows, SEGS, 10] partials (SEGS > 1), ``sync_ptr`` int32 [1 + n_rows] zeros
-    (``PHASE`` 0 with SEGS > 1: the ticket counter, then one counter per row)."""
+    fp32 [n_rows, SEGS, 10] partials (SEGS > 1), ``sync_ptr`` int32 [2 + n_rows] zeros
+    (``PHASE`` 0 with SEGS > 1: the ticket counter, the abort flag, one counter per row)."""
     if PHASE == 0:
         if SEGS > 1:
             total = n_rows * SEGS
@@ -416,7 +422,7 @@ def compile_report(arch: int = 90, variants=None) -> str:
 
     base = dict(KIND=KIND_JSD, HAS_Y=True, HARD=False, T_ONE=True, WRITE_LOSS=True,
                 WRITE_GRAD=True, PHASE=0, SEGS=16, SEGS_P2=16, SEG=8192, BLOCK=2048,
-                ROUND_BF16=False, MAX_SPIN=1 << 22)
+                ROUND_BF16=False, MAX_SPIN=1 << 20)
     variants = variants or [
         dict(), dict(KIND=KIND_FORWARD_KL), dict(KIND=KIND_REVERSE_KL, HARD=True),
         dict(HARD=True, T_ONE=False), dict(SEGS=1, SEGS_P2=2, SEG=131072),
@@ -428,13 +434,19 @@ def compile_report(arch: int = 90, variants=None) -> str:
                dz_stride="i32", y_ptr="*i64", g_ptr="*fp32", g_stride="i32", loss_ptr="*fp32",
                part_ptr="*fp32", sync_ptr="*i32", n_rows="i32", V="i32", ignore_index="i32",
                c_s="fp32", inv_t="fp32", beta="fp32", hard_w="fp32")
+    # what the launcher's specialization sees at runtime: 16-aligned buffers and row strides
+    # (the buffers' rows are padded), V a multiple of 16 (as 128256)
+    names = list(sig)
+    aligned = [n for n in names if n.endswith("_ptr") or n.endswith("_stride") or n == "V"]
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned
+             if n != "g_stride"}
     lines = []
     for v in variants:
         v = dict(v)
         num_warps = v.pop("num_warps", 8)
         cons = {**base, **v}
         src = ASTSource(fn=jsd_rows_kernel, signature={**sig, **{k: "constexpr" for k in cons}},
-                        constexprs=cons)
+                        constexprs=cons, attrs=attrs)
         compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
                                   options={"num_warps": num_warps})
         info = ""

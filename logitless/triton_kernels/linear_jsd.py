@@ -93,7 +93,7 @@ def _row_kernel(zs, zt, dz, y, g, loss, opts_t, v, cfg: Config, write_loss, writ
     # absent buffers are never dereferenced (constexpr switches): any tensor stands in
     part = (torch.empty(rows, segs, jsd_rows.NUM_FIELDS, dtype=torch.float32, device=dev)
             if segs > 1 else zs)
-    sync = (torch.zeros(1 + rows, dtype=torch.int32, device=dev) if (fused and segs > 1)
+    sync = (torch.zeros(2 + rows, dtype=torch.int32, device=dev) if (fused and segs > 1)
             else part)
     dummy = zs
     args = (zs, zs.stride(0), zt, zt.stride(0),
