@@ -18,7 +18,9 @@ backward with per-token upstream gradients.
 dW accumulates in an fp32 accumulator through ``torch.addmm(out_dtype=float32, out=acc)``
 (in place, no ``[V, H]`` temporaries; the first chunk assigns), which backward narrows into the
 final gradient *in place* (:mod:`.narrow_cast`): accumulator and result never coexist. One chunk
-needs no accumulator (one GEMM, one rounding).
+needs no accumulator (one GEMM, one rounding). Since backward finishes the saved gradients in
+place, a second backward through the same graph (``retain_graph=True``) is refused by
+autograd's version check rather than returning gradients scaled twice.
 
 Memory beyond inputs and gradients: the fp32 accumulator's extra ``2·V·H`` bytes, plus
 ``C·V·itemsize + 2·c·V·4`` bytes of buffers (``memory_budget``, default 896 MiB: C = 1792,
