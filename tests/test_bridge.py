@@ -218,7 +218,13 @@ def test_jax_function_matches_torch_autograd(gen, dtype, used):
     want = _grads((ref_loss, ref_lse), (x, w, b), cts)
     for a, r in zip(got, want):
         assert a.dtype == r.dtype and a.shape == r.shape
-        np.testing.assert_allclose(as_np(a), as_np(r), **tol)
+        if dtype == torch.float32:
+            np.testing.assert_allclose(as_np(a), as_np(r), **tol)
+        else:  # bf16: each side rounds its own logits, so single elements may stray; the whole
+            # gradient must agree to bf16 precision
+            a64, r64 = as_np(a).astype(np.float64), as_np(r).astype(np.float64)
+            assert np.isfinite(a64).all()
+            assert np.linalg.norm(a64 - r64) <= 2e-2 * np.linalg.norm(r64)
 
 
 def test_jax_function_compiles_once_per_config(gen):
