@@ -136,10 +136,8 @@ def test_flax_hv_layout_uses_the_kernel_as_is(backend):
     assert not moved, moved
 
 
-def test_default_backend_on_cpu_is_xla():
-    if jax.default_backend() == "gpu":
-        pytest.skip("checks the CPU default")
-    assert lj.available_backends()[0] == "xla"
+def test_default_backend_follows_the_platform():
+    assert lj.available_backends()[0] == ("pallas" if jax.default_backend() == "gpu" else "xla")
     x, w, y, _ = _problem(salt=5)
     a = lj.linear_cross_entropy(x, w, y)
     _assert_close(a, _ref(x, w, y)["loss"])
