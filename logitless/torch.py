@@ -68,7 +68,8 @@ except ImportError:
 
 def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weight=None,
                          reduction="mean", ignore_index=-100, label_smoothing=0.0, z_loss=0.0,
-                         softcap=None, return_lse=False, backend=None, **tuning):
+                         softcap=None, return_lse=False, backend=None, process_group=None,
+                         vocab_start_index=None, vocab_size=None, **tuning):
     """``cross_entropy(input @ linear_weight.T + linear_bias, target)`` without the logits.
 
     Args:
@@ -92,6 +93,13 @@ def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weig
             (chunked plain PyTorch) or ``"pallas"`` (the JAX/Pallas port through DLPack).
         **tuning: chunk and block sizes of the chosen backend as plain keywords (e.g.
             ``chunk_size``, ``memory_budget``); unknown keywords are an error.
+        process_group: vocab (tensor) parallelism: ``linear_weight``, ``linear_bias`` and
+            ``weight`` are this rank's contiguous slice of the vocabulary, ``input`` and
+            ``target`` (global class indices) are the same on every rank of the group; the
+            loss and lse are global, dX is summed over the group, dW/db are this rank's
+            slices. Runs :mod:`logitless.vocab_parallel_torch` (backend ``None``/"torch").
+        vocab_start_index, vocab_size: with ``process_group``, where this rank's slice starts
+            and the global V; default an equal split (``rank * V_local``, ``world * V_local``).
 
     Returns:
         The loss (float32; float64 for float64 inputs), or ``(loss, lse)`` with
@@ -101,6 +109,9 @@ def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weig
         reduction=reduction, ignore_index=-100 if ignore_index is None else ignore_index,
         label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap, return_lse=return_lse)
     prepared = common.prepare(input, linear_weight, target, linear_bias, weight)
+    if process_group is not None or vocab_start_index is not None or vocab_size is not None:
+        return _vocab_parallel(prepared, opts, backend, process_group, vocab_start_index,
+                               vocab_size, tuning)
     name, impl = _resolve(backend, prepared.x.device)
     unknown = sorted(set(tuning) - set(impl.TUNING))
     if unknown:
@@ -108,10 +119,32 @@ def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weig
                         f"it accepts {list(impl.TUNING)}")
     common.check_targets(prepared.y, prepared.problem.v, opts.ignore_index)
     loss, lse = impl.linear_cross_entropy(prepared, opts, **tuning)
+    return _shaped(loss, lse, prepared, opts)
+
+
+def _shaped(loss, lse, prepared, opts):
     shape = prepared.problem.batch_shape
     if opts.reduction == "none":
         loss = loss.reshape(shape)
-    return (loss, lse.reshape(shape)) if return_lse else loss
+    return (loss, lse.reshape(shape)) if opts.return_lse else loss
+
+
+def _vocab_parallel(prepared, opts, backend, process_group, vocab_start_index, vocab_size,
+                    tuning):
+    from . import vocab_parallel_torch as vp
+    if process_group is None:
+        raise ValueError("vocab_start_index / vocab_size need process_group")
+    if backend not in (None, "torch"):
+        raise ValueError(f"process_group (vocab parallelism) runs on backend None or 'torch', "
+                         f"got backend={backend!r}")
+    unknown = sorted(set(tuning) - set(vp.TUNING))
+    if unknown:
+        raise TypeError(f"unknown tuning keyword(s) {unknown} with process_group; "
+                        f"it accepts {list(vp.TUNING)}")
+    shard = vp.resolve_shard(process_group, prepared.problem.v, vocab_start_index, vocab_size)
+    common.check_targets(prepared.y, shard.v, opts.ignore_index)
+    loss, lse = vp.vocab_parallel_linear_cross_entropy(prepared, opts, shard, **tuning)
+    return _shaped(loss, lse, prepared, opts)
 
 
 class LinearCrossEntropyLoss(torch.nn.Module):
@@ -119,7 +152,8 @@ class LinearCrossEntropyLoss(torch.nn.Module):
     ``forward(input, linear_weight, target, linear_bias=None)``."""
 
     def __init__(self, *, weight=None, reduction="mean", ignore_index=-100, label_smoothing=0.0,
-                 z_loss=0.0, softcap=None, return_lse=False, backend=None, **tuning):
+                 z_loss=0.0, softcap=None, return_lse=False, backend=None, process_group=None,
+                 vocab_start_index=None, vocab_size=None, **tuning):
         super().__init__()
         self.register_buffer("weight", weight)
         self.options = LinearCrossEntropyOptions(
@@ -127,6 +161,8 @@ class LinearCrossEntropyLoss(torch.nn.Module):
             label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
             return_lse=return_lse)
         self.backend = backend
+        self.process_group = process_group
+        self.vocab_parallel = dict(vocab_start_index=vocab_start_index, vocab_size=vocab_size)
         self.tuning = dict(tuning)
 
     def forward(self, input, linear_weight, target, linear_bias=None):
@@ -135,7 +171,8 @@ class LinearCrossEntropyLoss(torch.nn.Module):
             input, linear_weight, target, linear_bias=linear_bias, weight=self.weight,
             reduction=o.reduction, ignore_index=o.ignore_index,
             label_smoothing=o.label_smoothing, z_loss=o.z_loss, softcap=o.softcap,
-            return_lse=o.return_lse, backend=self.backend, **self.tuning)
+            return_lse=o.return_lse, backend=self.backend, process_group=self.process_group,
+            **self.vocab_parallel, **self.tuning)
 
     def extra_repr(self):
         return f"{self.options}, backend={self.backend!r}"
@@ -150,3 +187,8 @@ __all__ += ["tiled_mlp", "TiledMLP", "SwiGLUMLP", "swiglu"]
 from ._torch_jsd import LinearJSDLoss, linear_jsd  # noqa: E402
 
 __all__ += ["linear_jsd", "LinearJSDLoss"]
+
+# Data-parallel normalisation (logitless/distributed_torch.py).
+from .distributed_torch import global_token_count  # noqa: E402
+
+__all__ += ["global_token_count"]

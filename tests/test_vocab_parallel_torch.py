@@ -1,0 +1,285 @@
+"""Vocab-parallel linear cross-entropy on torch.distributed: 2 and 4 gloo processes (CPU).
+
+Each rank holds a slice of W (and of the bias and class weights); loss, lse, dX and the
+rank's dW/db slices must equal the float64 spec reference computed on the whole W, within the
+shared harness's rule (``harness.compare``: 2x the naive single-device path's error in the
+case dtype, per-dtype floor, NaN never passes, exact zeros matched exactly). The cases cover
+every option and reduction, fp32 and bf16, several chunks, an all-ignored batch, a rank owning
+none of the targets, equal, uneven and permuted splits (rank order != vocab order), plus the
+error paths. All cases of one world size run inside one spawned group (start-up dominates).
+"""
+import dataclasses
+import os
+import pickle
+import socket
+import traceback
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import harness
+import op_linear_cross_entropy as op
+from backends_torch import naive_torch
+
+EVERYTHING = dict(bias=True, class_weight=True, label_smoothing=0.2, z_loss=1e-2, softcap=5.0,
+                  lse_grad=True)
+
+
+def _cases():
+    base = dict(n=37, h=33)
+    out = []
+    for dtype in ("float32", "bfloat16"):
+        for red in ("mean", "sum", "none"):
+            out.append(op.Case(**base, v=97, dtype=dtype, reduction=red))
+            out.append(op.Case(**base, v=96, dtype=dtype, reduction=red, **EVERYTHING))
+    for opt in (dict(bias=True), dict(class_weight=True), dict(label_smoothing=0.1),
+                dict(z_loss=1e-3), dict(softcap=4.0), dict(lse_grad=True),
+                dict(class_weight=True, label_smoothing=0.3)):
+        out.append(op.Case(**base, v=97, **opt))
+    out += [
+        op.Case(n=1, h=16, v=61, ignore="none", **EVERYTHING),                  # N = 1
+        op.Case(n=130, h=24, v=211, dtype="bfloat16", chunk_size=48, **EVERYTHING),  # chunks
+        op.Case(n=130, h=24, v=211, reduction="none", chunk_size=32, class_weight=True),
+    ]
+    for red in ("mean", "sum", "none"):  # every token ignored: zeros, no NaN
+        out.append(op.Case(**base, v=97, reduction=red, ignore="all",
+                           **{**EVERYTHING, "lse_grad": False}))
+    out.append(op.Case(**base, v=97, dtype="bfloat16", ignore="all", **EVERYTHING))
+    return out
+
+
+def _splits(v, world):
+    """(name, per-rank (start, size)) vocab splits of [0, v) for ``world`` ranks."""
+    out = []
+    if v % world == 0:
+        k = v // world
+        out.append(("equal", None))  # defaults: vocab_start_index / vocab_size left out
+    # uneven: the first rank holds 1 class, the rest share the remainder unevenly
+    sizes = [1] + [0] * (world - 1)
+    rest = v - 1
+    for r in range(1, world):
+        sizes[r] = rest // (world - r) + (r % 2)
+        rest -= sizes[r]
+    sizes[-1] += rest
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).tolist()
+    out.append(("uneven", list(zip(starts, sizes))))
+    # permuted: rank r holds the slice of rank (r + 1) % world of the uneven split
+    perm = [(starts[(r + 1) % world], sizes[(r + 1) % world]) for r in range(world)]
+    out.append(("permuted", perm))
+    return out
+
+
+def _no_target_shard(inp, start, size):
+    """Targets moved out of [start, start+size): that rank owns none of them."""
+    y = inp.y.copy()
+    hit = (y >= start) & (y < start + size)
+    y[hit] = (start + size) % (inp.w.shape[0]) if size < inp.w.shape[0] else -100
+    return dataclasses.replace(inp, y=y)
+
+
+def _run_vp(case, inp, rank, world, split, group):
+    import logitless.torch as lt
+    from backends_torch import _torch_collect, _torch_inputs
+    x, w, b, y, cw, g, gl = _torch_inputs(case, inp)
+    v = w.shape[0]
+    if split is None:
+        k = v // world
+        start, size, kw = rank * k, k, {}
+    else:
+        start, size = split[rank]
+        kw = dict(vocab_start_index=start, vocab_size=v)
+    sl = slice(start, start + size)
+    w_l = w.detach()[sl].clone().requires_grad_()
+    b_l = None if b is None else b.detach()[sl].clone().requires_grad_()
+    cw_l = None if cw is None else cw[sl].contiguous()
+    tuning = {"chunk_size": case.chunk_size} if case.chunk_size else {}
+    loss, lse = lt.linear_cross_entropy(
+        x, w_l, y, linear_bias=b_l, weight=cw_l, reduction=case.reduction,
+        label_smoothing=case.label_smoothing, z_loss=case.z_loss, softcap=case.softcap,
+        return_lse=True, process_group=group, **kw, **tuning)
+    return _torch_collect(case, loss, lse, x, w_l, b_l, g, gl), sl
+
+
+def _variants(world):
+    """Every (id, case, inputs, split) run in a group of ``world`` ranks, in one order."""
+    for case in _cases():
+        inp = op.make_inputs(case)
+        for split_name, split in _splits(case.v, world):
+            yield f"{case.id}-{split_name}", case, inp, split
+            if split is not None and case.ignore == "some" and case.n > 1:
+                # the rank holding the largest slice owns none of the targets
+                s0, n0 = max(split, key=lambda t: t[1])
+                yield (f"{case.id}-{split_name}-no-target-shard", case,
+                       _no_target_shard(inp, s0, n0), split)
+
+
+def _check_all(rank, world, group):
+    """{id: (outputs, this rank's vocab slice)} or {id: traceback}."""
+    out = {}
+    for cid, case, inp, split in _variants(world):
+        try:
+            res, sl = _run_vp(case, inp, rank, world, split, group)
+            out[cid] = (res, (sl.start, sl.stop))
+        except Exception:  # noqa: BLE001 - reported by the parent
+            out[cid] = traceback.format_exc(limit=4)
+    return out
+
+
+def _check_errors(rank, world, group):
+    """Error paths inside the group; returns the messages seen (the parent asserts on them)."""
+    import logitless.torch as lt
+    msgs = {}
+    x = torch.randn(5, 8)
+    w = torch.randn(6, 8)
+    y = torch.randint(0, 6 * world, (5,))
+    try:  # a slice outside [0, vocab_size): local, raised before any collective
+        lt.linear_cross_entropy(x, w, y, process_group=group, vocab_start_index=6 * world - 3)
+    except ValueError as e:
+        msgs["range"] = str(e)
+    try:  # every rank claims start 0: the slices overlap; caught after the gather, on all ranks
+        lt.linear_cross_entropy(x, w, y, process_group=group, vocab_start_index=0,
+                                vocab_size=6 * world)
+    except RuntimeError as e:
+        msgs["tiling"] = str(e)
+    try:
+        lt.linear_cross_entropy(x, w, y, process_group=group, backend="triton")
+    except ValueError as e:
+        msgs["backend"] = str(e)
+    try:
+        lt.linear_cross_entropy(x, w, y, process_group="world")
+    except TypeError as e:
+        msgs["type"] = str(e)
+    try:  # a global target beyond V: the front door's target check with the global V
+        lt.linear_cross_entropy(x, w, torch.full((5,), 6 * world), process_group=group)
+    except RuntimeError as e:
+        msgs["target"] = str(e)
+    return msgs
+
+
+def _check_module_and_count(rank, world, group):
+    """The module form with process_group, and global_token_count, against local math."""
+    import logitless.torch as lt
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(9, 8, generator=g)
+    w = torch.randn(4 * world, 8, generator=g)
+    y = torch.randint(0, 4 * world, (9,), generator=g)
+    y[::3] = -100
+    full = lt.linear_cross_entropy(x, w, y, reduction="sum")
+    mod = lt.LinearCrossEntropyLoss(reduction="sum", process_group=group)
+    part = mod(x, w[4 * rank:4 * rank + 4], y)
+    # every rank counts its own tokens: here rank r ignores its first r tokens too
+    y_r = y.clone()
+    y_r[:rank] = -100
+    count = lt.global_token_count(y_r, process_group=group)
+    expected = sum(int(((y != -100) & (torch.arange(9) >= r)).sum()) for r in range(world))
+    cw = torch.rand(4 * world, generator=g) + 0.5
+    wcount = lt.global_token_count(y, weight=cw, process_group=group)
+    wexpected = world * float((cw[torch.where(y != -100, y, 0)] * (y != -100)).sum())
+    return dict(module=(float(part), float(full)), count=(float(count), expected),
+                count_dtype=str(count.dtype), wcount=(float(wcount), wexpected))
+
+
+def _worker(rank, world, port, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    res = {}
+    try:
+        group = dist.group.WORLD
+        res["cases"] = _check_all(rank, world, group)
+        res["errors"] = _check_errors(rank, world, group)
+        res["module"] = _check_module_and_count(rank, world, group)
+    except Exception:  # noqa: BLE001
+        res["crash"] = traceback.format_exc()
+    finally:
+        with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
+            pickle.dump(res, f)
+        dist.destroy_process_group()
+
+
+def _free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["world2", "world4"])
+def results(request, tmp_path_factory):
+    world = request.param
+    out = tmp_path_factory.mktemp(f"vp{world}")
+    os.environ["LOGITLESS_TEST_SEED"] = str(harness.SEED)  # every rank draws the same inputs
+    mp.spawn(_worker, args=(world, _free_port(), str(out)), nprocs=world, join=True)
+    res = [pickle.loads((out / f"rank{r}.pkl").read_bytes()) for r in range(world)]
+    for r in res:
+        assert "crash" not in r, r["crash"]
+    return world, res
+
+
+def test_vocab_parallel_equals_spec(results):
+    """Per case: each rank's loss, lse and dX, and the dW/db assembled from the ranks' slices
+    (the slices must tile [0, V)), against the float64 spec on the whole W."""
+    world, res = results
+    failures, n = [], 0
+    for cid, case, inp, _ in _variants(world):
+        n += 1
+        per_rank = [r["cases"][cid] for r in res]
+        errs = [p for p in per_rank if isinstance(p, str)]
+        if errs:
+            failures.append(f"{cid}: {errs[0]}")
+            continue
+        ref, naive = op.reference(case, inp), naive_torch(case, inp)
+        full = {k: np.zeros_like(ref[k]) for k in ("dw", "db") if k in ref}
+        covered = np.zeros(case.v, int)
+        try:
+            for out, (a, b) in per_rank:
+                covered[a:b] += 1
+                for k in full:
+                    full[k][a:b] = out[k]  # this rank's slice, shape (b - a, ...)
+                harness.compare(case, {k: out[k] for k in out if k not in full},
+                                {k: ref[k] for k in ref if k not in full},
+                                {k: naive[k] for k in naive if k not in full})
+            assert (covered == 1).all(), f"slices do not tile [0, V): {covered}"
+            harness.compare(case, full, {k: ref[k] for k in full},
+                            {k: naive[k] for k in full})
+        except AssertionError as e:
+            failures.append(f"{cid}: {e}")
+    assert not failures, "\n".join(failures)
+    assert n >= 3 * len(_cases())
+
+
+def test_vocab_parallel_errors(results):
+    world, res = results
+    for r in res:
+        e = r["errors"]
+        assert "vocab_start_index" in e["range"] and "vocab_size" in e["range"], e
+        assert "do not tile" in e["tiling"], e
+        assert "backend" in e["backend"], e
+        assert "process_group" in e["type"], e
+        assert "target out of range" in e["target"], e
+
+
+def test_module_and_global_token_count(results):
+    world, res = results
+    for r in res:
+        m = r["module"]
+        part, full = m["module"]
+        assert abs(part - full) <= 1e-5 * abs(full), m
+        assert m["count"][0] == m["count"][1], m
+        assert m["count_dtype"] == "torch.float32"
+        assert abs(m["wcount"][0] - m["wcount"][1]) <= 1e-5 * m["wcount"][1], m
+
+
+def test_process_group_needs_init():
+    import logitless.torch as lt
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match="not initialized"):
+        lt.linear_cross_entropy(torch.randn(2, 4), torch.randn(3, 4), torch.tensor([0, 1]),
+                                process_group=object())
+    with pytest.raises(ValueError, match="need process_group"):
+        lt.linear_cross_entropy(torch.randn(2, 4), torch.randn(3, 4), torch.tensor([0, 1]),
+                                vocab_size=6)
+    # no group, no distributed: the local count
+    assert float(lt.global_token_count(torch.tensor([1, -100, 3]))) == 2.0
