@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from . import _jax_common as common
 from .specs.linear_cross_entropy import LinearCrossEntropyOptions
 
-__all__ = ["linear_cross_entropy", "available_backends"]
+__all__ = ["linear_cross_entropy", "available_backends", "global_token_count"]
 
 # backend name -> module implementing ``linear_cross_entropy(prepared, opts, **tuning)`` and
 # listing its tuning keywords in ``TUNING``. Imported lazily (Pallas is only needed for "pallas").
@@ -43,7 +43,7 @@ def _resolve(backend: Optional[str]):
 def linear_cross_entropy(x, linear_weight, labels, *, linear_bias=None, weight=None,
                          reduction="mean", ignore_index=-100, label_smoothing=0.0, z_loss=0.0,
                          softcap=None, return_lse=False, weight_layout="vh", backend=None,
-                         **tuning):
+                         axis_name=None, **tuning):
     """``cross_entropy(x @ linear_weight.T + linear_bias, labels)`` without the logits.
 
     Args:
@@ -74,6 +74,10 @@ def linear_cross_entropy(x, linear_weight, labels, *, linear_bias=None, weight=N
         **tuning: chunk and block sizes of the chosen backend as plain keywords (e.g.
             ``chunk_size``, ``memory_budget``; "pallas" also ``block_rows``, ``block_v``,
             ``num_warps``, ``num_stages``, ``interpret``); unknown keywords are a TypeError.
+        axis_name: vocab (tensor) parallelism inside ``shard_map``: ``linear_weight`` (and
+            ``linear_bias``, ``weight``) are this device's equal slice of V along the mesh axis
+            ``axis_name``; ``x`` and ``labels`` (global indices) are the same on every device of
+            it. Runs :mod:`logitless.vocab_parallel_jax` (backend ``None``/"xla").
 
     Returns:
         The loss (float32), or ``(loss, lse)`` with ``return_lse=True``. Logits and their
@@ -83,6 +87,9 @@ def linear_cross_entropy(x, linear_weight, labels, *, linear_bias=None, weight=N
     opts = LinearCrossEntropyOptions(
         reduction=reduction, ignore_index=-100 if ignore_index is None else ignore_index,
         label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap, return_lse=return_lse)
+    if axis_name is not None:
+        return _vocab_parallel(x, linear_weight, labels, linear_bias, weight, opts,
+                               weight_layout, backend, axis_name, tuning)
     name, impl = _resolve(backend)
     unknown = sorted(set(tuning) - set(impl.TUNING))
     if unknown:
@@ -91,10 +98,37 @@ def linear_cross_entropy(x, linear_weight, labels, *, linear_bias=None, weight=N
     prepared = common.prepare(x, linear_weight, labels, linear_bias, weight,
                               ignore_index=opts.ignore_index, weight_layout=weight_layout)
     loss, lse = impl.linear_cross_entropy(prepared, opts, **tuning)
+    return _shaped(loss, lse, prepared, opts)
+
+
+def _shaped(loss, lse, prepared, opts):
     shape = prepared.problem.batch_shape
     if opts.reduction == "none":
         loss = jnp.reshape(loss, shape)
-    return (loss, jnp.reshape(lse, shape)) if return_lse else loss
+    return (loss, jnp.reshape(lse, shape)) if opts.return_lse else loss
+
+
+def _vocab_parallel(x, linear_weight, labels, linear_bias, weight, opts, weight_layout, backend,
+                    axis_name, tuning):
+    from . import vocab_parallel_jax as vp
+    if backend not in (None, "xla"):
+        raise ValueError(f"axis_name (vocab parallelism) runs on backend None or 'xla', "
+                         f"got backend={backend!r}")
+    unknown = sorted(set(tuning) - set(vp.TUNING))
+    if unknown:
+        raise TypeError(f"unknown tuning keyword(s) {unknown} with axis_name; "
+                        f"it accepts {list(vp.TUNING)}")
+    prepared = common.prepare(x, linear_weight, labels, linear_bias, weight,
+                              ignore_index=opts.ignore_index, weight_layout=weight_layout)
+    loss, lse = vp.vocab_parallel_linear_cross_entropy(prepared, opts, axis_name, **tuning)
+    return _shaped(loss, lse, prepared, opts)
+
+
+def global_token_count(labels, *, ignore_index=-100, weight=None, axis_name=None):
+    """Non-ignored labels (or Σ of their class weights), ``psum``-ed over ``axis_name``: the
+    data-parallel "mean" denominator (see :func:`logitless.vocab_parallel_jax.global_token_count`)."""
+    from .vocab_parallel_jax import global_token_count as count
+    return count(labels, ignore_index=ignore_index, weight=weight, axis_name=axis_name)
 
 
 # Tiled MLP and the fused SwiGLU (logitless/tiled_mlp_jax.py).

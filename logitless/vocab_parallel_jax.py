@@ -1,0 +1,220 @@
+r"""Vocab-parallel (tensor-parallel) linear cross-entropy for JAX: ``lax.pmax``/``lax.psum``
+over a named mesh axis, for use inside ``shard_map``.
+
+Inside the mapped function each device holds an equal contiguous slice of the LM head along V
+(``(V/n, H)``, or ``(H, V/n)`` with ``weight_layout="hv"``; the same slice of the bias and class
+weights), the same hidden states ``x`` and the same *global* labels. The slice of device ``i``
+of the axis is ``[i·V/n, (i+1)·V/n)`` (``lax.axis_index``); global ``V = n·V_local``.
+Every device returns the same loss/lse; dX is the full gradient (summed over the axis inside
+the VJP), dW/db are the device's slices. Splits are equal (as ``shard_map`` makes them): the axis size
+must divide V; uneven splits are a PyTorch-side feature (``vocab_start_index``).
+
+Recipe (``jax.sharding`` + ``shard_map``; ``jax.shard_map`` in jax >= 0.8)::
+
+    mesh = jax.make_mesh((n,), ("tp",))
+    def loss_fn(x, w, labels):
+        return logitless.jax.linear_cross_entropy(x, w, labels, axis_name="tp")
+    sharded = jax.shard_map(loss_fn, mesh=mesh, in_specs=(P(), P("tp", None), P()),
+                            out_specs=P())
+    loss, (dx, dw) = jax.value_and_grad(sharded, argnums=(0, 1))(x, w, labels)
+
+``w`` may live sharded (``jax.device_put(w, NamedSharding(mesh, P("tp", None)))``); ``dw``
+comes back with that sharding. With a second, data-parallel axis, shard ``x``/``labels`` on it
+and use ``reduction="sum"`` divided by :func:`global_token_count` over that axis.
+
+Per call: the chunked forward computes each device's per-token (lse_r, c_y,r, Σ w·c) with no
+collective; then one ``pmax`` of lse_r and one ``psum`` of the stacked per-token rows give the
+global lse, target logit (from the owning device, masked: no sentinel), smoothing sum and
+token weight. Backward recomputes each chunk, dz from the global lse (the shared
+:func:`logitless._jax_common.grad_logits`), and ``psum``\ s each chunk's float32 dX.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from . import _jax_common as common
+from .specs import linear_cross_entropy as spec
+from .specs.tiling import ChunkPlan, plan_token_chunks
+
+__all__ = ["vocab_parallel_linear_cross_entropy", "global_token_count", "TUNING"]
+
+TUNING = ("chunk_size", "memory_budget")
+
+
+def _axis_size(axis_name) -> int:
+    size = getattr(lax, "axis_size", None)
+    return size(axis_name) if size is not None else lax.psum(1, axis_name)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+    opts: spec.LinearCrossEntropyOptions
+    plan: ChunkPlan
+    v_local: int
+    layout: str
+    axis_name: object
+    # what common._walk_chunks reads
+    head: object = None
+
+
+def _capped(z, bias, softcap):
+    z = z.astype(jnp.float32)
+    if bias is not None:
+        z = z + bias.astype(jnp.float32)[None, :]
+    return common.capped(z, softcap)
+
+
+def _ownership(st, y):
+    """Global V, mask m, own (target in this device's slice), local index, bad targets."""
+    v = st.v_local * _axis_size(st.axis_name)
+    v0 = lax.axis_index(st.axis_name) * st.v_local
+    mask = y != st.opts.ignore_index
+    bad = mask & ((y < 0) | (y >= v))
+    own = mask & ~bad & (y >= v0) & (y < v0 + st.v_local)
+    return v, mask, bad, own, jnp.where(own, y - v0, 0)
+
+
+def _global_terms(st, x, w, bias, y, cw):
+    """Per-token global lse, ω, the per-token loss (N,), Ω and V."""
+    n = x.shape[0]
+    v, mask, bad, own, y_loc = _ownership(st, y)
+    smoothing = st.opts.uses_smoothing
+
+    def body(start, size, carry):
+        lse_l, cy_l, wc_l = carry
+        c = _capped(common.logits(common._tokens(x, start, size), w, st.layout), bias,
+                    st.opts.softcap)
+        yl = common._tokens(y_loc, start, size)
+        is_t = lax.broadcasted_iota(jnp.int32, c.shape, 1) == yl[:, None]
+        upd = lambda a, val: lax.dynamic_update_slice_in_dim(a, val, start, 0)
+        lse_l = upd(lse_l, jax.nn.logsumexp(c, axis=1))
+        cy_l = upd(cy_l, jnp.sum(jnp.where(is_t, c, 0.0), axis=1))
+        if smoothing:
+            wc_l = upd(wc_l, jnp.sum(c, axis=1) if cw is None else c @ cw)
+        return lse_l, cy_l, wc_l
+
+    zeros = jnp.zeros((n,), jnp.float32)
+    lse_l, cy_l, wc_l = common._walk_chunks(st, n, body, (zeros, zeros, zeros))
+    cy_l = jnp.where(own, cy_l, 0.0)
+    wy_l = zeros if cw is None else jnp.where(own, cw[y_loc], 0.0)
+    # lse over devices, stable: each lse_r already has its own max
+    gmax = lax.stop_gradient(lax.pmax(lse_l, st.axis_name))
+    omega_l = jnp.full((), st.v_local, jnp.float32) if cw is None else jnp.sum(cw)
+    sums = lax.psum(jnp.concatenate([jnp.stack([jnp.exp(lse_l - gmax), cy_l, wc_l, wy_l]),
+                                     jnp.broadcast_to(omega_l, (4, 1))], axis=1), st.axis_name)
+    lse = gmax + jnp.log(sums[0, :n])
+    m = mask.astype(jnp.float32)
+    omega = m if cw is None else sums[3, :n]
+    omega = jnp.where(bad, jnp.nan, omega)  # a label outside [0, V): NaN, loud
+    big_omega = sums[0, n]
+    coefs = _coefs(st, omega, m, big_omega, v)
+    wc = sums[2, :n] if smoothing else None
+    tok = common.token_loss(lse, sums[1, :n], wc, *coefs)
+    return tok, lse, omega, big_omega
+
+
+def _coefs(st, omega, m, big_omega, v):
+    """(b, sm, smo, zw) of the shared per-token math, with the global V and Ω."""
+    eps = st.opts.label_smoothing
+    sm = m * (eps / v)
+    return (1.0 - eps) * omega, sm, sm * big_omega, st.opts.z_loss * omega
+
+
+def _reduce(st, tok, omega):
+    if st.opts.reduction == "none":
+        return tok
+    total = jnp.sum(tok)
+    return total / common.mean_denominator(omega) if st.opts.reduction == "mean" else total
+
+
+def _grads(st, x, w, bias, y, cw, lse, omega, big_omega, g_tok, h_tok):
+    n = x.shape[0]
+    v, mask, _, own, y_loc = _ownership(st, y)
+    b, sm, smo, zw = _coefs(st, omega, mask.astype(jnp.float32), big_omega, v)
+    dx_dims = (((1,), (0,)), ((), ())) if st.layout == "vh" else (((1,), (1,)), ((), ()))
+
+    def body(start, size, carry):
+        dx, dw, db = carry
+        tk = lambda a: common._tokens(a, start, size)
+        xc = tk(x)
+        c = _capped(common.logits(xc, w, st.layout), bias, st.opts.softcap)
+        is_t = (lax.broadcasted_iota(jnp.int32, c.shape, 1) == tk(y_loc)[:, None]) & \
+            tk(own)[:, None]
+        dz = common.grad_logits(c, tk(lse), is_t, cw, tk(b), tk(sm), tk(smo), tk(zw),
+                                tk(g_tok), tk(h_tok), softcap=st.opts.softcap,
+                                smoothing=st.opts.uses_smoothing).astype(x.dtype)
+        # this device's part of dX in fp32, summed over the axis, rounded once
+        part = lax.dot_general(dz, w, dx_dims, preferred_element_type=jnp.float32,
+                               precision=common._precision(dz, w))
+        dx = lax.dynamic_update_slice_in_dim(
+            dx, lax.psum(part, st.axis_name).astype(x.dtype), start, 0)
+        dw_c = common.grad_weight(dz, xc, st.layout)
+        dw = dw_c if dw is None else dw + dw_c
+        if bias is not None:
+            db_c = jnp.sum(dz.astype(jnp.float32), axis=0)
+            db = db_c if db is None else db + db_c
+        return dx, dw, db
+
+    dx, dw, db = common._walk_chunks(st, n, body, (jnp.zeros(x.shape, x.dtype), None, None))
+    if dw is None:  # no tokens
+        dw = jnp.zeros(w.shape, jnp.float32)
+        db = None if bias is None else jnp.zeros(bias.shape, jnp.float32)
+    return dx, dw, db
+
+
+@functools.lru_cache(maxsize=256)
+def _custom_vjp_fn(st: _Static):
+    @jax.custom_vjp
+    def f(x, w, bias, y, cw):
+        tok, lse, omega, _ = _global_terms(st, x, w, bias, y, cw)
+        return _reduce(st, tok, omega), lse
+
+    def f_fwd(x, w, bias, y, cw):
+        tok, lse, omega, big_omega = _global_terms(st, x, w, bias, y, cw)
+        return (_reduce(st, tok, omega), lse), (x, w, bias, y, cw, lse, omega, big_omega)
+
+    def f_bwd(res, cts):
+        x, w, bias, y, cw, lse, omega, big_omega = res
+        g, h = cts
+        n = x.shape[0]
+        g = g.astype(jnp.float32)
+        if st.opts.reduction == "mean":
+            g = g / common.mean_denominator(omega)
+        g_tok = jnp.broadcast_to(g, (n,))
+        h_tok = jnp.broadcast_to(h.astype(jnp.float32), (n,))
+        dx, dw, db = _grads(st, x, w, bias, y, cw, lse, omega, big_omega, g_tok, h_tok)
+        return (dx, dw.astype(w.dtype), None if db is None else db.astype(bias.dtype),
+                None, None)
+
+    f.defvjp(f_fwd, f_bwd)
+    return f
+
+
+def vocab_parallel_linear_cross_entropy(p: common.Prepared, opts: spec.LinearCrossEntropyOptions,
+                                        axis_name, *, chunk_size=None, memory_budget=None):
+    """Returns ``(loss, lse)`` (lse None unless ``opts.return_lse``); ``p`` holds this device's
+    slices (``p.problem.v`` = V_local). Must run inside ``shard_map`` binding ``axis_name``."""
+    plan = plan_token_chunks(p.problem.n, p.problem.v, bytes_per_element=8,
+                             budget_bytes=memory_budget, chunk_size=chunk_size)
+    st = _Static(opts=opts, plan=plan, v_local=p.problem.v, layout=p.layout, axis_name=axis_name)
+    loss, lse = _custom_vjp_fn(st)(p.x, p.w, p.bias, p.y, p.class_weight)
+    return loss, (lse if opts.return_lse else None)
+
+
+def global_token_count(labels, *, ignore_index: int = -100, weight=None, axis_name=None):
+    """Σ of the non-ignored labels (or of their class weights ``weight[labels]``) as float32,
+    ``psum``-ed over ``axis_name`` (a data-parallel mesh axis; ``None``: this array only).
+    The data-parallel mean is ``linear_cross_entropy(..., reduction="sum") / count``."""
+    labels = jnp.asarray(labels)
+    mask = labels != ignore_index
+    if weight is None:
+        count = jnp.sum(mask, dtype=jnp.float32)
+    else:
+        count = jnp.sum(jnp.where(mask, jnp.asarray(weight, jnp.float32)[jnp.where(mask, labels, 0)],
+                                  0.0))
+    return count if axis_name is None else lax.psum(count, axis_name)

@@ -1,0 +1,120 @@
+"""Worker of tests/test_vocab_parallel_jax.py, run as a subprocess: XLA_FLAGS must give JAX 4
+host devices before it initialises, which the pytest process (JAX already imported) cannot.
+
+For 2 and 4 devices on a mesh axis "tp", each case runs ``jit(vjp)`` of ``shard_map`` of
+``logitless.jax.linear_cross_entropy(..., axis_name="tp")`` (W, bias, class weights sharded
+on V; x, labels replicated) and is compared with the float64 spec by the shared harness rule
+(``harness.compare`` against the naive jnp path's error). Prints one JSON line: the failures
+and the number of checks; exit status 0 either way (the test asserts on the JSON).
+"""
+import json
+import os
+import sys
+import traceback
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                           " --xla_force_host_platform_device_count=4")
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [_HERE, os.path.dirname(_HERE)]  # the tests helpers, then the repo root
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh, PartitionSpec as P  # noqa: E402
+
+import harness  # noqa: E402
+import op_linear_cross_entropy as op  # noqa: E402
+from backends_jax import _jax_inputs, _run_vjp, naive_jax  # noqa: E402
+
+# jax >= 0.8 has jax.shard_map (keyword check_vma); older ones only the experimental module
+shard_map = getattr(jax, "shard_map", None)
+if shard_map is None:  # pragma: no cover - older JAX
+    from jax.experimental.shard_map import shard_map
+
+EVERYTHING = dict(bias=True, class_weight=True, label_smoothing=0.2, z_loss=1e-2, softcap=5.0,
+                  lse_grad=True)
+
+
+def cases():
+    base = dict(n=37, h=33, v=96)
+    out = []
+    for dtype in ("float32", "bfloat16"):
+        for red in ("mean", "sum", "none"):
+            out.append(op.Case(**base, dtype=dtype, reduction=red))
+            out.append(op.Case(**base, dtype=dtype, reduction=red, **EVERYTHING))
+    for opt in (dict(bias=True), dict(class_weight=True), dict(label_smoothing=0.1),
+                dict(z_loss=1e-3), dict(softcap=4.0), dict(lse_grad=True)):
+        out.append(op.Case(**base, **opt))
+    out += [op.Case(n=1, h=16, v=64, ignore="none", **EVERYTHING),
+            op.Case(n=130, h=24, v=212, dtype="bfloat16", chunk_size=48, **EVERYTHING)]
+    for red in ("mean", "none"):
+        out.append(op.Case(**base, reduction=red, ignore="all",
+                           **{**EVERYTHING, "lse_grad": False}))
+    out.append(op.Case(**base, dtype="bfloat16", ignore="all", **EVERYTHING))
+    return out
+
+
+def no_target_shard(inp, ndev):
+    """Targets of the last device's slice moved to class 0: that device owns none."""
+    v = inp.w.shape[0]
+    y = inp.y.copy()
+    y[y >= v - v // ndev] = 0
+    inp.y = y
+    return inp
+
+
+def run_vp(case, inp, mesh):
+    import logitless.jax as lj
+    tuning = {"chunk_size": case.chunk_size} if case.chunk_size else {}
+
+    def loss_and_lse(x, w, b, y, cw):
+        args = [x, w, y] + [a for a in (b, cw) if a is not None]
+        specs = (P(), P("tp", None), P()) + (P("tp"),) * (len(args) - 3)
+
+        def local(x, w, y, *rest):
+            rest = list(rest)
+            b_l = rest.pop(0) if b is not None else None
+            cw_l = rest.pop(0) if cw is not None else None
+            out = lj.linear_cross_entropy(
+                x, w, y, linear_bias=b_l, weight=cw_l, reduction=case.reduction,
+                label_smoothing=case.label_smoothing, z_loss=case.z_loss, softcap=case.softcap,
+                return_lse=case.lse_grad, axis_name="tp", **tuning)
+            return out if case.lse_grad else (out, None)
+
+        return shard_map(local, mesh=mesh, in_specs=specs, out_specs=(P(), P()))(*args)
+
+    return _run_vjp(case, loss_and_lse, _jax_inputs(case, inp))
+
+
+def main():
+    failures, checked = [], 0
+    for ndev in (2, 4):
+        mesh = Mesh(np.array(jax.devices()[:ndev]), ("tp",))
+        # 4 devices: every case; 2 devices: those with every option on
+        for case in (c for c in cases() if ndev == 4 or c.label_smoothing == 0.2):
+            for variant in ("", "-no-target-shard"):
+                if variant and case.ignore == "all":
+                    continue
+                cid = f"{ndev}dev-{case.id}{variant}"
+                try:
+                    inp = op.make_inputs(case)
+                    if variant:
+                        inp = no_target_shard(inp, ndev)
+                    ref = op.reference(case, inp)
+                    harness.compare(case, run_vp(case, inp, mesh), ref, naive_jax(case, inp))
+                    checked += 1
+                except Exception:  # noqa: BLE001 - reported to the test
+                    failures.append(f"{cid}: {traceback.format_exc(limit=4)}")
+    # the data-parallel count: psum over the axis of each device's labels
+    import jax.numpy as jnp
+    import logitless.jax as lj
+    mesh = Mesh(np.array(jax.devices()[:4]), ("dp",))
+    labels = jnp.asarray(np.array([[1, -100, 2], [-100, -100, 3], [4, 5, 6], [-100] * 3]),
+                         jnp.int32)
+    count = shard_map(lambda l: lj.global_token_count(l[0], axis_name="dp"), mesh=mesh,
+                      in_specs=P("dp"), out_specs=P())(labels)
+    print(json.dumps(dict(failures=failures, checked=checked, count=float(count),
+                          devices=len(jax.devices()), jax=jax.__version__)))
+
+
+if __name__ == "__main__":
+    main()
