@@ -1,0 +1,152 @@
+"""Training under data parallelism: 2 gloo processes on CPU, FSDP2 and DDP.
+
+A tiny LM (input projection, a tiled SwiGLU MLP, an LM head whose loss is the fused
+``linear_cross_entropy``) trains on different data on each rank with the global-token mean
+recipe (``reduction="sum"`` / ``global_token_count`` × world size, since DDP and FSDP2 average
+gradients over ranks). Its gradients must equal those of the same model run in one process on
+the concatenated batch with ``reduction="mean"``:
+
+* FSDP2 (``fully_shard``, DTensor parameters), the ``TiledMLP`` module sharded on its own and
+  the root sharded: gradients (``full_tensor()``) equal; the fused SwiGLU path runs because
+  FSDP2 unshards the parameters to plain tensors inside the sharded module's forward, where
+  the fused loss and tiled MLP read them;
+* DDP with the fused loss and the tiled MLP: gradients equal, same on both ranks;
+* the DTensor an FSDP2-sharded head exposes *outside* its forward is refused with an error
+  (what the loss must be given is the unsharded weight, i.e. call it inside the forward).
+"""
+import os
+import pickle
+import socket
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+WORLD = 2
+H, I, V, B, T = 16, 24, 37, 2, 10
+
+
+class LM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        import logitless.torch as lt
+        torch.manual_seed(4321)  # the same weights in every process
+        self.inp = nn.Linear(H, H)
+        self.mlp = lt.TiledMLP(lt.SwiGLUMLP(H, I), num_shards=3)
+        self.head = nn.Linear(H, V, bias=False)
+
+    def forward(self, x, y, count=None, world=1):
+        import logitless.torch as lt
+        h = self.mlp(self.inp(x))
+        if count is None:
+            return lt.linear_cross_entropy(h, self.head.weight, y, backend="torch", chunk_size=7)
+        loss = lt.linear_cross_entropy(h, self.head.weight, y, reduction="sum", backend="torch",
+                                       chunk_size=7)
+        return loss / count * world
+
+
+def _data(rank):
+    g = torch.Generator().manual_seed(50 + rank)
+    x = torch.randn(B, T, H, generator=g)
+    y = torch.randint(0, V, (B, T), generator=g)
+    y[torch.rand(B, T, generator=g) < 0.2 + 0.3 * rank] = -100  # unequal token counts
+    return x, y
+
+
+def _reference():
+    """One process, the whole batch, the global mean."""
+    data = [_data(r) for r in range(WORLD)]
+    x = torch.cat([d[0] for d in data])
+    y = torch.cat([d[1] for d in data])
+    model = LM()
+    model(x, y).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _step(model, rank):
+    import logitless.torch as lt
+    x, y = _data(rank)
+    count = lt.global_token_count(y)  # all-reduced over the default group
+    model(x, y, count, WORLD).backward()
+
+
+def _worker(rank, port, out_dir):
+    os.environ.pop("TRITON_INTERPRET", None)  # the torch SwiGLU formula: fast on CPU
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    res = {}
+    try:
+        res["reference"] = _reference()
+        # --- DDP
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        ddp = DDP(LM())
+        _step(ddp, rank)
+        res["ddp"] = {n[len("module."):]: p.grad.clone() for n, p in ddp.named_parameters()}
+        # --- FSDP2
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor import DTensor
+        mesh = init_device_mesh("cpu", (WORLD,))
+        model = LM()
+        fully_shard(model.mlp, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        res["fsdp_param_is_dtensor"] = isinstance(model.head.weight, DTensor)
+        _step(model, rank)
+        res["fsdp"] = {n: p.grad.full_tensor().clone() for n, p in model.named_parameters()}
+        # outside its forward the head weight is the sharded DTensor: refused loudly
+        import logitless.torch as lt
+        try:
+            x, y = _data(rank)
+            lt.linear_cross_entropy(torch.randn(3, H), model.head.weight, y[0, :3],
+                                    backend="torch")
+            res["dtensor_error"] = None
+        except Exception as e:  # noqa: BLE001
+            res["dtensor_error"] = f"{type(e).__name__}: {e}"
+    except Exception:  # noqa: BLE001 - reported by the parent
+        res["crash"] = traceback.format_exc()
+    finally:
+        with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
+            pickle.dump(res, f)
+        dist.destroy_process_group()
+
+
+def _free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dp")
+    mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=True)
+    res = [pickle.loads((out / f"rank{r}.pkl").read_bytes()) for r in range(WORLD)]
+    for r in res:
+        assert "crash" not in r, r["crash"]
+    return res
+
+
+def _rel_err(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+def test_data_parallel_grads_equal_single_process(results, kind):
+    for rank, r in enumerate(results):
+        ref = r["reference"]
+        assert set(r[kind]) == set(ref), (sorted(r[kind]), sorted(ref))
+        for n, g in r[kind].items():
+            assert torch.isfinite(g).all(), (kind, rank, n)
+            assert _rel_err(g, ref[n]) <= 1e-5, (kind, rank, n, _rel_err(g, ref[n]))
+            torch.testing.assert_close(g, results[0][kind][n], rtol=0, atol=0)
+
+
+def test_fsdp2_parameters_are_dtensors_and_refused_outside_forward(results):
+    for r in results:
+        assert r["fsdp_param_is_dtensor"]
+        # today DTensor's own "mixed torch.Tensor and DTensor" error, raised by the first GEMM
+        assert r["dtensor_error"] is not None and "DTensor" in r["dtensor_error"]
