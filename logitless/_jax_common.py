@@ -187,9 +187,11 @@ def logits(xc, w, layout, dtype=None):
                            precision=_precision(xc, w))
 
 
-def grad_input(dz, w, layout):
+def grad_input(dz, w, layout, dtype=None):
+    """dz·W (either weight layout), fp32 accumulation, the result in ``dtype`` (dz's by
+    default)."""
     dims = (((1,), (0,)), ((), ())) if layout == "vh" else (((1,), (1,)), ((), ()))
-    return lax.dot_general(dz, w, dims, preferred_element_type=dz.dtype,
+    return lax.dot_general(dz, w, dims, preferred_element_type=dtype or dz.dtype,
                            precision=_precision(dz, w))
 
 

@@ -28,8 +28,6 @@ __all__ = ["linear_jsd", "available_backends"]
 _BACKENDS = {"xla": "logitless.xla_jsd", "pallas": "logitless.pallas_kernels.linear_jsd"}
 _INT32 = np.iinfo(np.int32)
 KINDS = ("forward_kl", "reverse_kl", "jsd")
-# M = βP + (1−β)Q at or below this contributes nothing measurable: zero loss terms and gradient.
-M_TINY = 1e-30
 
 
 def available_backends():
@@ -88,12 +86,38 @@ def prepare(xs, ws, xt, wt, y, opts: spec.LinearJSDOptions, weight_layout="vh") 
 
 # ------------------------------------------------------------------ per-block math (fp32)
 # Rows are tokens, (R,) per-row values, (R, C) blocks of columns. a = z_s/T, b = z_t/T, z_s the
-# raw student logits; every quantity in natural units.
+# raw student logits; every quantity in natural units. As in the Triton kernel
+# (logitless/triton_kernels/jsd_rows.py, whose docstring derives it): the normalizer gap
+# c = L_b − L_a comes from log1p(E_Q[expm1(b − a)]) and the per-element terms from
+# δ = b − a − c = log P − log Q and Λ = log1p(β·expm1(δ)), so that a KL or JSD of nearly equal
+# distributions (second order in their difference) is not swamped by rounding of O(10) values.
+FAR = 30.0    # b − a (or δ) beyond which the heads are far apart: no expm1 overflow
+SMALL = 0.1   # below it expm1 / log1p use their Taylor polynomials
+
+
+def expm1(x):
+    """e^x − 1 to a few ulps relative, also for small |x| (polynomial: Pallas-lowerable)."""
+    small = jnp.abs(x) < SMALL
+    t = jnp.where(small, x, 0.0)
+    p = t * (1.0 + t * (0.5 + t * (1.0 / 6.0 + t * (1.0 / 24.0 + t * (1.0 / 120.0 +
+                                                                       t * (1.0 / 720.0))))))
+    return jnp.where(small, p, jnp.exp(x) - 1.0)
+
+
+def log1p(y):
+    """log(1 + y) to a few ulps relative, also for small |y| (y > −1)."""
+    small = jnp.abs(y) < SMALL
+    t = jnp.where(small, y, 0.0)
+    p = t * (1.0 - t * (0.5 - t * (1.0 / 3.0 - t * (0.25 - t * (0.2 - t * (1.0 / 6.0 -
+                                                                          t * (1.0 / 7.0)))))))
+    return jnp.where(small, p, jnp.log(1.0 + y))
+
+
 def stats_init(rows: int):
-    """(m_a, s_a, m_b, s_b, w, m_z, s_z, z_y) before any column."""
+    """(m_a, s_a, m_b, s_b, u, md, w, m_z, s_z, z_y) before any column."""
     zeros = jnp.zeros((rows,), jnp.float32)
     ninf = jnp.full((rows,), -jnp.inf, jnp.float32)
-    return ninf, zeros, ninf, zeros, zeros, ninf, zeros, zeros
+    return ninf, zeros, ninf, zeros, zeros, ninf, zeros, ninf, zeros, zeros
 
 
 def _online(m, s, x):
@@ -103,89 +127,89 @@ def _online(m, s, x):
 
 
 def stats_update(carry, a, b, zs, cmask, is_target, *, kind, hard, t_one):
-    """Pass 1 over a column block: online normalizers of a and b (and of z_s when the
-    hard-label term needs them at T != 1), the target logit, and for the KL kinds the online
-    w = Σ exp(b − m_b)·(b − a) (forward) or Σ exp(a − m_a)·(a − b) (reverse)."""
-    m_a, s_a, m_b, s_b, w, m_z, s_z, z_y = carry
+    """Pass 1 over a column block: online normalizers of a and b, u = Σ e^(a−m_a)·expm1(b − a),
+    md = max(b − a), for the KL kinds w = Σ e^(b−m_b)·(b − a) (forward) or Σ e^(a−m_a)·(a − b)
+    (reverse), and for the hard-label term the target logit (and z_s's normalizer, T != 1)."""
+    m_a, s_a, m_b, s_b, u, md, w, m_z, s_z, z_y = carry
     live = jnp.ones(a.shape, bool) if cmask is None else jnp.broadcast_to(cmask[None, :], a.shape)
-    a_l = jnp.where(live, a, -jnp.inf)
-    b_l = jnp.where(live, b, -jnp.inf)
-    if kind == "jsd":
-        m_a, s_a = _online(m_a, s_a, a_l)
-        m_b, s_b = _online(m_b, s_b, b_l)
-    else:
-        lead, lead_m, lead_s = (b_l, m_b, s_b) if kind == "forward_kl" else (a_l, m_a, s_a)
-        diff = jnp.where(live, b - a if kind == "forward_kl" else a - b, 0.0)
-        m_new = jnp.maximum(lead_m, jnp.max(lead, axis=1))
-        e = jnp.exp(lead - m_new[:, None])
-        rescale = jnp.exp(lead_m - m_new)
-        w = w * rescale + jnp.sum(e * diff, axis=1)
-        if kind == "forward_kl":
-            m_b, s_b = m_new, s_b * rescale + jnp.sum(e, axis=1)
-            m_a, s_a = _online(m_a, s_a, a_l)
-        else:
-            m_a, s_a = m_new, s_a * rescale + jnp.sum(e, axis=1)
-            m_b, s_b = _online(m_b, s_b, b_l)
+    d = jnp.where(live, b - a, 0.0)
+    ma_new = jnp.maximum(m_a, jnp.max(jnp.where(live, a, -jnp.inf), axis=1))
+    ra = jnp.exp(m_a - ma_new)
+    ea = jnp.where(live, jnp.exp(a - ma_new[:, None]), 0.0)
+    s_a = s_a * ra + jnp.sum(ea, axis=1)
+    u = u * ra + jnp.sum(ea * expm1(jnp.minimum(d, FAR)), axis=1)
+    md = jnp.maximum(md, jnp.max(jnp.where(live, d, -jnp.inf), axis=1))
+    mb_new = jnp.maximum(m_b, jnp.max(jnp.where(live, b, -jnp.inf), axis=1))
+    rb = jnp.exp(m_b - mb_new)
+    eb = jnp.where(live, jnp.exp(b - mb_new[:, None]), 0.0)
+    s_b = s_b * rb + jnp.sum(eb, axis=1)
+    if kind == "forward_kl":
+        w = w * rb + jnp.sum(eb * d, axis=1)
+    elif kind == "reverse_kl":
+        w = w * ra - jnp.sum(ea * d, axis=1)
     if hard:
         if not t_one:
             m_z, s_z = _online(m_z, s_z, jnp.where(live, zs, -jnp.inf))
         z_y = z_y + jnp.sum(jnp.where(is_target, zs, 0.0), axis=1)
-    return m_a, s_a, m_b, s_b, w, m_z, s_z, z_y
+    return ma_new, s_a, mb_new, s_b, u, md, w, m_z, s_z, z_y
 
 
 def stats_finish(carry, *, kind, hard, t_one):
-    """-> (lse_a, lse_b, lse_z, z_y, kl): kl the row's KL (nats) for the KL kinds, else 0."""
-    m_a, s_a, m_b, s_b, w, m_z, s_z, z_y = carry
+    """-> (L_a, c, L_z, z_y, kl): c = L_b − L_a (accurate), kl the row's KL (nats) for the KL
+    kinds, else 0."""
+    m_a, s_a, m_b, s_b, u, md, w, m_z, s_z, z_y = carry
     l_a = m_a + jnp.log(s_a)
     l_b = m_b + jnp.log(s_b)
+    c = jnp.where(md < FAR, log1p(u / s_a), l_b - l_a)
     l_z = l_a if (t_one or not hard) else m_z + jnp.log(s_z)
     if kind == "forward_kl":
-        kl = w * jnp.exp(m_b - l_b) - l_b + l_a
+        kl = w * jnp.exp(m_b - l_b) - c        # Σ P·(b − a) − (L_b − L_a)
     elif kind == "reverse_kl":
-        kl = w * jnp.exp(m_a - l_a) - l_a + l_b
+        kl = w * jnp.exp(m_a - l_a) + c        # Σ Q·(a − b) + (L_b − L_a)
     else:
         kl = jnp.zeros_like(l_a)
-    return l_a, l_b, l_z, z_y, kl
+    return l_a, c, l_z, z_y, kl
 
 
-def _log_m(lq, lp, beta):
-    q = jnp.exp(lq)
-    mm = beta * jnp.exp(lp) + (1.0 - beta) * q
-    live = mm > M_TINY
-    return q, jnp.log(jnp.where(live, mm, 1.0)), live
-
-
-def jsd_sums_update(carry, a, b, l_a, l_b, cmask, *, beta):
-    """Pass 2 (0 < β < 1) over a column block: K = Σ Q·ℓ and J = Σ β·P·(log P − log M) +
-    (1−β)·Q·ℓ, with ℓ = log Q − log M."""
-    k, j = carry
+def _jsd_terms(a, b, l_a, c, beta):
+    """Q, P, δ = log P − log Q and Λ = log Q − log M negated, per element (0 < β < 1)."""
     lq = a - l_a[:, None]
-    lp = b - l_b[:, None]
-    q, lm, live = _log_m(lq, lp, beta)
-    if cmask is not None:
-        live = live & cmask[None, :]
-    qell = q * (lq - lm)
-    k = k + jnp.sum(jnp.where(live, qell, 0.0), axis=1)
-    j = j + jnp.sum(jnp.where(live, beta * jnp.exp(lp) * (lp - lm) + (1.0 - beta) * qell, 0.0),
-                    axis=1)
+    delta = (b - a) - c[:, None]
+    q = jnp.exp(lq)
+    p = jnp.exp(lq + delta)
+    lam = jnp.where(delta > FAR, np.log(beta) + delta,
+                    log1p(beta * expm1(jnp.minimum(delta, FAR))))
+    return q, p, delta, lam
+
+
+def jsd_sums_update(carry, a, b, l_a, c, cmask, *, beta):
+    """Pass 2 (0 < β < 1) over a column block: K = −Σ Q·Λ = KL(Q‖M) and
+    J = Σ β·P·(δ − Λ) − (1−β)·Q·Λ."""
+    k, j = carry
+    q, p, delta, lam = _jsd_terms(a, b, l_a, c, beta)
+    qlam = q * lam
+    live = True if cmask is None else cmask[None, :]
+    k = k - jnp.sum(jnp.where(live, qlam, 0.0), axis=1)
+    j = j + jnp.sum(jnp.where(live, beta * p * (delta - lam) - (1.0 - beta) * qlam, 0.0), axis=1)
     return k, j
 
 
-def grad_block(a, b, zs, is_target, l_a, l_b, l_z, kk, coef, hard_coef, *, kind, beta,
+def grad_block(a, b, zs, is_target, l_a, c, l_z, kk, coef, hard_coef, *, kind, beta,
                temperature, hard, t_one):
     """Pass 3: the student logit gradient of a column block, coef·(1/T)·∂J/∂a +
-    hard_coef·(S − onehot), with coef = g·m per row (and hard_coef = coef·w_h)."""
+    hard_coef·(S − onehot), with coef = g·m per row (and hard_coef = coef·w_h); kk the row's
+    KL (reverse KL) or K (JSD)."""
     lq = a - l_a[:, None]
-    lp = b - l_b[:, None]
+    delta = (b - a) - c[:, None]
     if kind == "forward_kl":
         q = jnp.exp(lq)
-        d = q - jnp.exp(lp)
+        d = jnp.where(jnp.abs(delta) < SMALL, -q * expm1(delta), q - jnp.exp(lq + delta))
     elif kind == "reverse_kl":
         q = jnp.exp(lq)
-        d = q * (lq - lp - kk[:, None])
+        d = -q * (delta + kk[:, None])
     else:
-        q, lm, live = _log_m(lq, lp, beta)
-        d = jnp.where(live, (1.0 - beta) * q * (lq - lm - kk[:, None]), 0.0)
+        q, _, _, lam = _jsd_terms(a, b, l_a, c, beta)
+        d = -(1.0 - beta) * q * (lam + kk[:, None])
     d = d * (coef / temperature)[:, None]
     if hard:
         sv = q if t_one else jnp.exp(zs - l_z[:, None])
@@ -287,9 +311,9 @@ def _forward(st: _Static, xs, ws, xt, wt, y):
     return tok * m, m
 
 
-def _grads(st: _Static, xs, ws, xt, wt, y, g):
-    """One sweep: masked per-token losses, dX (input dtype) and dW (float32) for the upstream
-    gradient g ((N,) per token, already divided by Σm for "mean"). Per chunk, the logits come
+def _grads(st: _Static, xs, ws, xt, wt, y, g, dx_dtype):
+    """One sweep: masked per-token losses, dX (in ``dx_dtype``) and dW (float32) for the
+    upstream gradient g ((N,) per token, already divided by Σm for "mean"). Per chunk, the logits come
     in sub-chunks and the head writes their gradient into the chunk's [chunk, V] buffer; the
     dX / dW GEMMs then run once per chunk (dW's float32 accumulator is read and written once
     per chunk, so chunks should be large; the logits buffers stay small)."""
@@ -312,12 +336,13 @@ def _grads(st: _Static, xs, ws, xt, wt, y, g):
         dz = jnp.zeros((size, st.v), xs.dtype)  # every row is overwritten by a sub-chunk
         tok, dz = _walk(size, min(st.sub_chunk, size), sub_body, (tok, dz), start0=start)
         xc = _tokens(xs, start, size)
-        dx = lax.dynamic_update_slice_in_dim(dx, common.grad_input(dz, ws, st.layout), start, 0)
+        dx = lax.dynamic_update_slice_in_dim(dx, common.grad_input(dz, ws, st.layout, dx_dtype),
+                                             start, 0)
         dw_c = common.grad_weight(dz, xc, st.layout)  # the first chunk assigns: no zero-fill
         return tok, dx, dw_c if dw is None else dw + dw_c
 
     tok, dx, dw = _walk(n, st.plan.chunk, body, (jnp.zeros((n,), jnp.float32),
-                                                 jnp.zeros(xs.shape, xs.dtype), None))
+                                                 jnp.zeros(xs.shape, dx_dtype), None))
     if dw is None:  # no tokens at all
         dw = jnp.zeros(ws.shape, jnp.float32)
     return tok * m, dx, dw
@@ -336,9 +361,9 @@ def _custom_vjp_fn(st: _Static):
     targets get no cotangent.
 
     mean/sum: the forward rule runs the gradient sweep for an upstream gradient of 1 (or
-    1/Σm), and the backward rule only scales dX and dW by the scalar cotangent; dW stays in
-    float32 until then. "none": the backward rule recomputes every chunk with per-token
-    cotangents.
+    1/Σm), and the backward rule only scales dX and dW by the scalar cotangent; both stay in
+    float32 until then (rounded once, whatever the cotangent). "none": the backward rule
+    recomputes every chunk with per-token cotangents (in dz: dX is rounded once there too).
     """
     opts = st.opts
 
@@ -352,14 +377,14 @@ def _custom_vjp_fn(st: _Static):
             n = xs.shape[0]
             m = token_mask(y, n, opts, st.v)
             scale = 1.0 / mean_denominator(m) if opts.reduction == "mean" else 1.0
-            tok, dx, dw = _grads(st, xs, ws, xt, wt, y, jnp.full((n,), scale, jnp.float32))
-            return _reduce(st, tok, m), (dx, dw, xt, wt, y)
+            tok, dx, dw = _grads(st, xs, ws, xt, wt, y, jnp.full((n,), scale, jnp.float32),
+                                 jnp.float32)
+            return _reduce(st, tok, m), (dx, dw, jnp.zeros((), xs.dtype))  # dtype tag
 
         def f_bwd(res, g):
-            dx, dw, xt, wt, y = res
+            dx, dw, dt = res[0], res[1], res[2].dtype
             g = g.astype(jnp.float32)
-            scale = lambda a: (g * a.astype(jnp.float32)).astype(dx.dtype)
-            return scale(dx), scale(dw), None, None, None
+            return (g * dx).astype(dt), (g * dw).astype(dt), None, None, None
     else:
         def f_fwd(xs, ws, xt, wt, y):
             tok, m = _forward(st, xs, ws, xt, wt, y)
@@ -367,7 +392,7 @@ def _custom_vjp_fn(st: _Static):
 
         def f_bwd(res, g):
             xs, ws, xt, wt, y = res
-            _, dx, dw = _grads(st, xs, ws, xt, wt, y, g.astype(jnp.float32))
+            _, dx, dw = _grads(st, xs, ws, xt, wt, y, g.astype(jnp.float32), xs.dtype)
             return dx, dw.astype(ws.dtype), None, None, None
 
     f.defvjp(f_fwd, f_bwd)

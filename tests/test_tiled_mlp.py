@@ -311,7 +311,9 @@ def test_micro_batches_accumulate_into_existing_grads(cls):
     for xb in (x, x2):  # two micro-batches, no zero_grad between them
         tiled(xb.requires_grad_()).sum().backward()
     for n, p in m.named_parameters():
-        torch.testing.assert_close(p.grad, g1[n] + g2[n], rtol=0, atol=0)
+        # Not bit-exact on CUDA (cuBLAS may pick another algorithm for the second call); a
+        # dropped micro-batch would be off by a whole gradient, far beyond this tolerance.
+        torch.testing.assert_close(p.grad, g1[n] + g2[n], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("use_reentrant", [False, True])

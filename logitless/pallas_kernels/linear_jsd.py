@@ -90,11 +90,11 @@ def _rows_kernel(zs_ref, zt_ref, *refs, v, block_rows, block_v, grid_size, kind,
             return jc.stats_update(carry, zs * inv_t, zt * inv_t, zs, cmask, is_target, **kw)
 
         stats = lax.fori_loop(_I0, np.int32(n_vblocks), sweep1, jc.stats_init(block_rows))
-        l_a, l_b, l_z, z_y, kl = jc.stats_finish(stats, **kw)
+        l_a, c, l_z, z_y, kl = jc.stats_finish(stats, **kw)
         if kind == "jsd":
             def sweep2(j, carry):
                 zs, zt, cmask, _, _ = block(j)
-                return jc.jsd_sums_update(carry, zs * inv_t, zt * inv_t, l_a, l_b, cmask,
+                return jc.jsd_sums_update(carry, zs * inv_t, zt * inv_t, l_a, c, cmask,
                                           beta=beta)
 
             zero = jnp.zeros((block_rows,), jnp.float32)
@@ -108,7 +108,7 @@ def _rows_kernel(zs_ref, zt_ref, *refs, v, block_rows, block_v, grid_size, kind,
 
             def sweep3(j, carry):
                 zs, zt, cmask, is_target, span = block(n_vblocks - 1 - j)
-                dz = jc.grad_block(zs * inv_t, zt * inv_t, zs, is_target, l_a, l_b, l_z, kk,
+                dz = jc.grad_block(zs * inv_t, zt * inv_t, zs, is_target, l_a, c, l_z, kk,
                                    coef, coef * hard_w, beta=beta, temperature=temperature, **kw)
                 plgpu.store(dz_ref.at[rows, span], dz.astype(dz_ref.dtype),
                             mask=rmask[:, None] & cmask[None, :])

@@ -17,12 +17,14 @@ backward with per-token upstream gradients.
 
 dW accumulates in an fp32 accumulator through ``torch.addmm(out_dtype=float32, out=acc)``
 (in place, no ``[V, H]`` temporaries; the first chunk assigns), which backward narrows into the
-final gradient *in place* (:mod:`.narrow_cast`): accumulator and result never coexist. One chunk
-needs no accumulator (one GEMM, one rounding). Since backward finishes the saved gradients in
+final gradient *in place* (:mod:`.narrow_cast`): accumulator and result never coexist, and the
+upstream scalar is applied before the one rounding. dX is kept in fp32 (written by fp32-output
+GEMMs) and narrowed the same way, so it too is rounded once whatever the upstream scalar (a
+bf16 dX scaled in backward would be rounded twice). Since backward finishes the saved gradients in
 place, a second backward through the same graph (``retain_graph=True``) is refused by
 autograd's version check rather than returning gradients scaled twice.
 
-Memory beyond inputs and gradients: the fp32 accumulator's extra ``2·V·H`` bytes, plus
+Memory beyond inputs and gradients: the fp32 accumulators' extra ``2·(V + N)·H`` bytes, plus
 ``C·V·itemsize + 2·c·V·4`` bytes of buffers (``memory_budget``, default 896 MiB: C = 1792,
 c = 448 at V = 128256 in bf16). No host syncs; the ops are ``torch.library`` custom ops with
 fake implementations, so ``torch.compile`` traces them.
@@ -30,7 +32,6 @@ fake implementations, so ``torch.compile`` traces them.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Optional, Tuple
 
 import torch
@@ -103,8 +104,7 @@ def _row_kernel(zs, zt, dz, y, g, loss, opts_t, v, cfg: Config, write_loss, writ
             y if y is not None else dummy, g if g is not None else dummy,
             0 if (g is None or g.numel() == 1) else 1,
             loss if loss is not None else dummy, part, sync,
-            rows, v, ignore_index, math.log2(math.e) / temperature, 1.0 / temperature, beta,
-            hard_w)
+            rows, v, ignore_index, 1.0 / temperature, beta, hard_w)
     meta = dict(KIND=kind, HAS_Y=y is not None, HARD=hard_w > 0, T_ONE=temperature == 1.0,
                 WRITE_LOSS=write_loss, WRITE_GRAD=write_grad, SEGS=segs,
                 SEGS_P2=max(2, next_power_of_2(segs)), SEG=cfg.segment, BLOCK=cfg.block,
@@ -141,25 +141,46 @@ def _logits(x, w, out, fp32):
     return torch.mm(x, w.t(), out=out)
 
 
-def _sweep(xs, ws, xt, wt, y, g, opts_t, cfg: Config, want_loss, want_grad, accum):
+def _split_f32(rows, cols, device):
+    """The two fp32 halves of a [rows, cols] result that :mod:`.narrow_cast` narrows in place."""
+    r1 = split_rows(rows)
+    return (torch.empty(r1, cols, dtype=torch.float32, device=device),
+            torch.empty(rows - r1, cols, dtype=torch.float32, device=device))
+
+
+def _mm_rows_f32(a, w, parts, s):
+    """Rows [s, s + len(a)) of ``a @ w`` in fp32 into the split pair ``parts`` (one or two
+    GEMMs: a chunk may straddle the split)."""
+    top, bottom = parts
+    r1 = top.shape[0]
+    e = s + a.shape[0]
+    if s < r1:
+        jsd_common.logits_f32(a[: min(e, r1) - s], w.t(), out=top[s:min(e, r1)])
+    if e > r1:
+        lo = max(s, r1)
+        jsd_common.logits_f32(a[lo - s:], w.t(), out=bottom[lo - r1:e - r1])
+
+
+def _sweep(xs, ws, xt, wt, y, g, opts_t, cfg: Config, want_loss, want_grad, accum, dx_fp32):
     """One pass over the tokens: per-token losses (fp32, when ``want_loss``) and, when
     ``want_grad``, dX and dW for the upstream gradient ``g`` ((1,) uniform or (N,) per token).
-    ``accum``: "fp32" (split fp32 accumulator), "input" (accumulate in the input dtype) or
-    "direct" (one chunk: dW written once)."""
+    ``accum``: "fp32" (dW in a split fp32 accumulator, to be narrowed in place) or "input"
+    (dW in the input dtype); ``dx_fp32``: dX kept in fp32 the same way (the fast mode, whose
+    backward still applies the upstream scalar: rounding once, then). Returns
+    (token_loss, dX part a, dX part b, dW part a, dW part b); part b is empty when unsplit."""
     n, hs = xs.shape
     v = ws.shape[0]
     dev = xs.device
     dt = xs.dtype
     token_loss = torch.empty(n, dtype=torch.float32, device=dev) if want_loss else None
-    dx = torch.empty(n, hs, dtype=dt, device=dev) if want_grad else xs.new_empty(0)
-    dw_a, dw_b = xs.new_empty(0), xs.new_empty(0)
+    dx = (xs.new_empty(0), xs.new_empty(0))
+    dw = (xs.new_empty(0), xs.new_empty(0))
     if want_grad:
-        if accum == "fp32":
-            v1 = split_rows(v)
-            dw_a = torch.empty(v1, hs, dtype=torch.float32, device=dev)
-            dw_b = torch.empty(v - v1, hs, dtype=torch.float32, device=dev)
-        else:
-            dw_a = torch.empty(v, hs, dtype=dt, device=dev)
+        dx = _split_f32(n, hs, dev) if dx_fp32 else (torch.empty(n, hs, dtype=dt, device=dev),
+                                                    xs.new_empty(0))
+        dw = _split_f32(v, hs, dev) if accum == "fp32" else (torch.empty(v, hs, dtype=dt,
+                                                                         device=dev),
+                                                              xs.new_empty(0))
     ldt = torch.float32 if cfg.fp32_logits else dt
     c = min(cfg.sub_chunk, n)
     zs_buf = _rows_buffer(c, v, ldt, dev)
@@ -178,17 +199,20 @@ def _sweep(xs, ws, xt, wt, y, g, opts_t, cfg: Config, want_loss, want_grad, accu
                         write_loss=want_loss, write_grad=want_grad)
         if want_grad:
             dz = dz_buf[: e - s]
-            torch.mm(dz, ws, out=dx[s:e])
-            if accum == "fp32":
-                v1 = dw_a.shape[0]
-                common.accumulate_mm_(dw_a, dz[:, :v1].t(), xs[s:e], first=s == 0)
-                common.accumulate_mm_(dw_b, dz[:, v1:].t(), xs[s:e], first=s == 0)
+            if dx_fp32:
+                _mm_rows_f32(dz, ws, dx, s)
             else:
-                common.accumulate_mm_(dw_a, dz.t(), xs[s:e], first=s == 0)
+                torch.mm(dz, ws, out=dx[0][s:e])
+            if accum == "fp32":
+                v1 = dw[0].shape[0]
+                common.accumulate_mm_(dw[0], dz[:, :v1].t(), xs[s:e], first=s == 0)
+                common.accumulate_mm_(dw[1], dz[:, v1:].t(), xs[s:e], first=s == 0)
+            else:
+                common.accumulate_mm_(dw[0], dz.t(), xs[s:e], first=s == 0)
     if want_grad and n == 0:
-        dw_a.zero_()
-        dw_b.zero_()
-    return token_loss, dx, dw_a, dw_b
+        for t in dw:
+            t.zero_()
+    return (token_loss,) + dx + dw
 
 
 def _opts_tuple(beta, temperature, ignore_index, hard_w):
@@ -196,12 +220,10 @@ def _opts_tuple(beta, temperature, ignore_index, hard_w):
     return kind, beta, temperature, ignore_index, hard_w
 
 
-def _accum(dtype, n, chunk, accum_fp32):
-    """How dW accumulates: "direct" (one chunk: one GEMM writes it), "fp32" (the split fp32
-    accumulator, narrowed in place at the end) or "input" (in the input dtype: fp32 inputs,
-    or a half-precision accumulator by request)."""
-    if n <= chunk:
-        return "direct"
+def _accum(dtype, accum_fp32):
+    """How dW accumulates: "fp32" (the split fp32 accumulator, narrowed in place at the end:
+    one rounding whatever the number of chunks and the upstream scalar) or "input" (in the
+    input dtype: fp32 inputs, or a half-precision accumulator by request)."""
     return "fp32" if (accum_fp32 and dtype != torch.float32) else "input"
 
 
@@ -222,9 +244,11 @@ def _fwd_op(xs: torch.Tensor, ws: torch.Tensor, xt: torch.Tensor, wt: torch.Tens
             ignore_index: int, hard_w: float, grad_mode: int, chunk: int, sub_chunk: int,
             fp32_logits: bool, accum_fp32: bool, block: int, segment: int, num_warps: int,
             grid: int, row_sync: int
-            ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """-> (loss, Σm or 1, dX, dW part a, dW part b); the gradients (for an upstream 1, with
-    1/Σm folded in unless fp16) only with ``grad_mode`` (mean/sum)."""
+            ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                       torch.Tensor]:
+    """-> (loss, Σm or 1, dX part a, dX part b, dW part a, dW part b): the gradients (for an
+    upstream 1, with 1/Σm folded in unless fp16) only with ``grad_mode`` (mean/sum), in fp32
+    split pairs for half-precision inputs (see :func:`_sweep`)."""
     cfg = _cfg(chunk, sub_chunk, fp32_logits, block, segment, num_warps, grid, row_sync)
     n = xs.shape[0]
     opts_t = _opts_tuple(beta, temperature, ignore_index, hard_w)
@@ -233,33 +257,33 @@ def _fwd_op(xs: torch.Tensor, ws: torch.Tensor, xt: torch.Tensor, wt: torch.Tens
         denom = jsd_common.mean_denominator(y, n, ignore_index, xs)
     g = (1.0 / denom).reshape(1) if _folds_mean(reduction, xs.dtype) else \
         torch.ones(1, dtype=torch.float32, device=xs.device)
-    token_loss, dx, dw_a, dw_b = _sweep(
+    token_loss, dx_a, dx_b, dw_a, dw_b = _sweep(
         xs, ws, xt, wt, y, g, opts_t, cfg, True, grad_mode == FULL_GRAD,
-        _accum(xs.dtype, n, chunk, accum_fp32))
+        _accum(xs.dtype, accum_fp32), xs.dtype != torch.float32)
     loss = token_loss if reduction == REDUCTIONS["none"] else token_loss.sum() / denom
-    return loss, denom, dx, dw_a, dw_b
+    return loss, denom, dx_a, dx_b, dw_a, dw_b
 
 
-def _fake_grads(xs, ws, n, chunk, accum_fp32, full):
-    hs, v = xs.shape[1], ws.shape[0]
-    if not full:
-        return xs.new_empty(0), xs.new_empty(0), xs.new_empty(0)
-    dx = xs.new_empty(n, hs)
-    if _accum(xs.dtype, n, chunk, accum_fp32) == "fp32":
-        v1 = split_rows(v)
-        return (dx, xs.new_empty(v1, hs, dtype=torch.float32),
-                xs.new_empty(v - v1, hs, dtype=torch.float32))
-    return dx, xs.new_empty(v, hs), xs.new_empty(0)
+def _fake_pair(xs, rows, cols, split):
+    if split:
+        r1 = split_rows(rows)
+        return (xs.new_empty(r1, cols, dtype=torch.float32),
+                xs.new_empty(rows - r1, cols, dtype=torch.float32))
+    return xs.new_empty(rows, cols), xs.new_empty(0)
 
 
 @_fwd_op.register_fake
 def _(xs, ws, xt, wt, y, reduction, beta, temperature, ignore_index, hard_w, grad_mode, chunk,
       sub_chunk, fp32_logits, accum_fp32, block, segment, num_warps, grid, row_sync):
-    n = xs.shape[0]
+    n, hs, v = xs.shape[0], xs.shape[1], ws.shape[0]
     f32 = dict(dtype=torch.float32)
     loss = xs.new_empty(n, **f32) if reduction == REDUCTIONS["none"] else xs.new_empty((), **f32)
-    return (loss, xs.new_empty((), **f32)) + _fake_grads(xs, ws, n, chunk, accum_fp32,
-                                                        grad_mode == FULL_GRAD)
+    if grad_mode != FULL_GRAD:
+        grads = tuple(xs.new_empty(0) for _ in range(4))
+    else:
+        grads = (_fake_pair(xs, n, hs, xs.dtype != torch.float32) +
+                 _fake_pair(xs, v, hs, _accum(xs.dtype, accum_fp32) == "fp32"))
+    return (loss, xs.new_empty((), **f32)) + grads
 
 
 @torch.library.custom_op("logitless::linear_jsd_bwd", mutates_args=())
@@ -268,12 +292,13 @@ def _bwd_op(xs: torch.Tensor, ws: torch.Tensor, xt: torch.Tensor, wt: torch.Tens
             ignore_index: int, hard_w: float, chunk: int, sub_chunk: int, fp32_logits: bool,
             accum_fp32: bool, block: int, segment: int, num_warps: int, grid: int,
             row_sync: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Recomputing backward for per-token upstream gradients ``g`` (N,): (dX, dW)."""
+    """Recomputing backward for per-token upstream gradients ``g`` (N,): (dX, dW). g is in
+    dz already, so dX is written (rounded) once; dW is narrowed from fp32 without a scale."""
     cfg = _cfg(chunk, sub_chunk, fp32_logits, block, segment, num_warps, grid, row_sync)
-    n, v, hs = xs.shape[0], ws.shape[0], xs.shape[1]
-    _, dx, dw_a, dw_b = _sweep(xs, ws, xt, wt, y, g, _opts_tuple(beta, temperature,
-                                                                ignore_index, hard_w),
-                               cfg, False, True, _accum(xs.dtype, n, chunk, accum_fp32))
+    v, hs = ws.shape
+    _, dx, _, dw_a, dw_b = _sweep(xs, ws, xt, wt, y, g, _opts_tuple(beta, temperature,
+                                                                   ignore_index, hard_w),
+                                  cfg, False, True, _accum(xs.dtype, accum_fp32), False)
     if dw_a.dtype == xs.dtype:
         return dx, dw_a
     narrow_op(dw_a, dw_b, None, xs.dtype, _interpret())
@@ -289,8 +314,8 @@ def _(xs, ws, xt, wt, y, g, beta, temperature, ignore_index, hard_w, chunk, sub_
 def _setup_context(ctx, inputs, output):
     (xs, ws, xt, wt, y, reduction, beta, temperature, ignore_index, hard_w, grad_mode, chunk,
      sub_chunk, fp32_logits, accum_fp32, block, segment, num_warps, grid, row_sync) = inputs
-    loss, denom, dx, dw_a, dw_b = output
-    ctx.save_for_backward(xs, ws, xt, wt, y, denom, dx, dw_a, dw_b)
+    loss, denom, dx_a, dx_b, dw_a, dw_b = output
+    ctx.save_for_backward(xs, ws, xt, wt, y, denom, dx_a, dx_b, dw_a, dw_b)
     ctx.args = dict(reduction=reduction, beta=beta, temperature=temperature,
                     ignore_index=ignore_index, hard_w=hard_w, grad_mode=grad_mode, chunk=chunk,
                     sub_chunk=sub_chunk, fp32_logits=fp32_logits, accum_fp32=accum_fp32,
@@ -299,8 +324,18 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
-def _backward(ctx, g_loss, _g_denom, _g_dx, _g_dwa, _g_dwb):
-    xs, ws, xt, wt, y, denom, dx_saved, dw_a, dw_b = ctx.saved_tensors
+def _finish(a, b, scale, shape, dtype):
+    """The saved gradient scaled by the upstream scalar, in ``dtype``, in place: narrowed from
+    its fp32 split pair (one rounding), or scaled where it is (already in ``dtype``)."""
+    if a.dtype == dtype:
+        scale_op(a, scale, _interpret())
+        return a
+    narrow_op(a, b, scale, dtype, _interpret())
+    return narrowed_view(a, shape[0], shape[1], dtype)
+
+
+def _backward(ctx, g_loss, _g_denom, _g_dxa, _g_dxb, _g_dwa, _g_dwb):
+    xs, ws, xt, wt, y, denom, dx_a, dx_b, dw_a, dw_b = ctx.saved_tensors
     a = ctx.args
     need_x, need_w = ctx.needs_input_grad[:2]
     none = (None,) * 18
@@ -308,22 +343,12 @@ def _backward(ctx, g_loss, _g_denom, _g_dx, _g_dwa, _g_dwb):
         return (None, None) + none
     if a["grad_mode"] == FULL_GRAD:
         # The forward holds the gradients for the upstream 1 (or 1/Σm): scale them (exact in
-        # fp32; a no-op rounding for the usual upstream 1.0). dX is ours alone (the front door
-        # drops it), and so is the accumulator: both are finished in place.
+        # fp32). They are ours alone (the front door drops them): finished in place.
         scale = g_loss.float().reshape(1)
         if not _folds_mean(a["reduction"], xs.dtype):
             scale = scale / denom
-        gx = gw = None
-        if need_x:
-            scale_op(dx_saved, scale, _interpret())
-            gx = dx_saved
-        if need_w:
-            if dw_a.dtype == xs.dtype:
-                scale_op(dw_a, scale, _interpret())
-                gw = dw_a
-            else:
-                narrow_op(dw_a, dw_b, scale, xs.dtype, _interpret())
-                gw = narrowed_view(dw_a, ws.shape[0], ws.shape[1], xs.dtype)
+        gx = _finish(dx_a, dx_b, scale, xs.shape, xs.dtype) if need_x else None
+        gw = _finish(dw_a, dw_b, scale, ws.shape, xs.dtype) if need_w else None
         return (gx, gw) + none
     # reduction="none": per-token upstream gradients, recompute.
     gx, gw = _bwd_op(xs, ws, xt, wt, y, g_loss.float().contiguous(), a["beta"],
@@ -413,7 +438,7 @@ def linear_jsd(p: jsd_common.Prepared, opts: spec.LinearJSDOptions, *, chunk_siz
     y = p.y
     if y is not None and y.dtype not in (torch.int32, torch.int64):
         y = y.long()
-    loss, _denom, _dx, _dwa, _dwb = _fwd_op(
+    loss, _denom, _dxa, _dxb, _dwa, _dwb = _fwd_op(
         xs, p.ws, p.xt, p.wt, y, REDUCTIONS[opts.reduction], opts.beta, opts.temperature,
         opts.ignore_index, opts.hard_loss_weight, grad_mode, chunk, sub, fp32_logits,
         grad_accum_dtype == torch.float32, block, segment, num_warps or GPU_WARPS, grid,

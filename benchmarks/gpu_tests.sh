@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The test suite on a CUDA machine, in groups with time limits, logs under ${OUT:-/tmp/gpu-tests}:
+#   bash benchmarks/gpu_tests.sh [group ...]     (groups: lce jsd mlp bridge all; default all)
+# On the device tool's machine carry .whl/ so that peers import (benchmarks/gpu_peers.sh).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpu-tests}
+mkdir -p "$OUT"
+[ -d .whl ] && source benchmarks/gpu_peers.sh
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" XLA_PYTHON_CLIENT_PREALLOCATE=false
+PY=${PY:-python3}
+groups=${*:-all}
+[ "$groups" = all ] && groups="lce jsd mlp bridge"
+status=0
+for g in $groups; do
+  case $g in
+    lce) files="tests/test_linear_cross_entropy.py tests/test_triton_backend.py tests/test_parity.py" ;;
+    jsd) files="tests/test_linear_jsd.py tests/test_parity_jsd.py tests/test_linear_jsd_jax.py" ;;
+    mlp) files="tests/test_tiled_mlp.py tests/test_swiglu.py tests/test_tiled_mlp_ddp.py" ;;
+    bridge) files="tests/test_bridge.py tests/test_jax_api.py tests/test_torch_errors.py" ;;
+    *) echo "unknown group $g"; exit 2 ;;
+  esac
+  start=$(date +%s)
+  timeout "${LIMIT:-300}" $PY -m pytest -q -p no:cacheprovider $files > "$OUT/tests-$g.log" 2>&1
+  rc=$?
+  echo "$g: rc=$rc in $(( $(date +%s) - start )) s: $(tail -1 "$OUT/tests-$g.log")"
+  [ $rc -ne 0 ] && status=1
+done
+exit $status
