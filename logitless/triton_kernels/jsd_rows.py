@@ -436,6 +436,19 @@ def jsd_rows_kernel(
 
 
 # ----------------------------------------------------------------------------- diagnostics
+def _cuda_tool(name: str) -> str:
+    """Triton's bundled CUDA tool, else one on PATH or in /usr/local/cuda/bin."""
+    import os
+    import shutil
+
+    for path in (os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                              name),
+                 shutil.which(name) or "", os.path.join("/usr/local/cuda/bin", name)):
+        if path and os.path.exists(path):
+            return path
+    raise RuntimeError(f"{name} not found (Triton's bundled tools, PATH, /usr/local/cuda/bin)")
+
+
 def compile_report(arch: int = 90, variants=None) -> str:
     """Compile the kernel for a CUDA ``arch`` without a GPU (CI runs interpreted and never
     compiles) and report ptxas' registers and spills per variant, one ``variant ...`` line
@@ -456,7 +469,7 @@ def compile_report(arch: int = 90, variants=None) -> str:
         dict(PHASE=1), dict(PHASE=2), dict(PHASE=3, HAS_Y=False), dict(WRITE_GRAD=False),
         dict(num_warps=16, BLOCK=4096, SEG=16384, SEGS=8, SEGS_P2=8),
     ]
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    ptxas = _cuda_tool("ptxas")
     sig = dict(s_ptr="*fp32", s_stride="i32", t_ptr="*fp32", t_stride="i32", dz_ptr="*bf16",
                dz_stride="i32", y_ptr="*i64", g_ptr="*fp32", g_stride="i32", loss_ptr="*fp32",
                part_ptr="*fp32", sync_ptr="*i32", n_rows="i32", V="i32", ignore_index="i32",
@@ -476,22 +489,20 @@ def compile_report(arch: int = 90, variants=None) -> str:
                         constexprs=cons, attrs=attrs)
         compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
                                   options={"num_warps": num_warps})
-        info = ""
-        if os.path.exists(ptxas):
-            with tempfile.TemporaryDirectory() as d:
-                path = os.path.join(d, "k.ptx")
-                with open(path, "w") as f:
-                    f.write(compiled.asm["ptx"])
-                cubin = os.path.join(d, "k.cubin")
-                r = subprocess.run([ptxas, f"-arch=sm_{arch}a", "-v", path, "-o", cubin],
-                                   capture_output=True, text=True)
-                info = "; ".join(ln.split("info    : ")[-1].strip() for ln in r.stderr.splitlines()
-                                 if "registers" in ln or "spill" in ln)
-                # A few per-row scalars spilled outside the column loops cost nothing; a spill
-                # inside an (unrolled) column loop shows as many local loads/stores.
-                sass = subprocess.run([os.path.join(os.path.dirname(ptxas), "cuobjdump"),
-                                       "-sass", cubin], capture_output=True, text=True).stdout
-                n_local = sum(("STL " in ln) or ("LDL " in ln) for ln in sass.splitlines())
-                info += f"; {n_local} local ops"
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "k.ptx")
+            with open(path, "w") as f:
+                f.write(compiled.asm["ptx"])
+            cubin = os.path.join(d, "k.cubin")
+            r = subprocess.run([ptxas, f"-arch=sm_{arch}a", "-v", path, "-o", cubin],
+                               capture_output=True, text=True, check=True)
+            info = "; ".join(ln.split("info    : ")[-1].strip() for ln in r.stderr.splitlines()
+                             if "registers" in ln or "spill" in ln)
+            # A few per-row scalars spilled outside the column loops cost nothing; a spill
+            # inside an (unrolled) column loop shows as many local loads/stores.
+            sass = subprocess.run([_cuda_tool("cuobjdump"), "-sass", cubin],
+                                  capture_output=True, text=True, check=True).stdout
+            n_local = sum(("STL " in ln) or ("LDL " in ln) for ln in sass.splitlines())
+            info += f"; {n_local} local ops"
         lines.append(f"variant {v} num_warps={num_warps}: {info}")
     return "\n".join(lines)

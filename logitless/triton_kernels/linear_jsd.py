@@ -96,8 +96,8 @@ def _row_kernel(zs, zt, dz, y, g, loss, opts_t, v, cfg: Config, write_loss, writ
     # absent buffers are never dereferenced (constexpr switches): any tensor stands in
     part = (torch.empty(rows, segs, jsd_rows.NUM_FIELDS, dtype=torch.float32, device=dev)
             if segs > 1 else zs)
-    sync = (torch.zeros(2 + rows, dtype=torch.int32, device=dev) if (fused and segs > 1)
-            else part)
+    # int32 even when unused: Triton 3.6 type-checks the (dead) barrier code's atomics
+    sync = torch.zeros(2 + rows if (fused and segs > 1) else 1, dtype=torch.int32, device=dev)
     dummy = zs
     args = (zs, zs.stride(0), zt, zt.stride(0),
             dz if dz is not None else zs, dz.stride(0) if dz is not None else 0,
