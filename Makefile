@@ -6,6 +6,7 @@ VENV ?= .venv
 PY ?= $(VENV)/bin/python
 BASE_PY ?= python3.11
 PYTEST_ARGS ?=
+DEMO_ARGS ?=
 
 .PHONY: test demo bench env clean
 
@@ -27,7 +28,7 @@ test: $(ENV_DEP)
 	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(PY) -m pytest -q $(PYTEST_ARGS)
 
 demo: $(ENV_DEP)
-	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(PY) benchmarks/demo.py
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(PY) benchmarks/demo.py $(DEMO_ARGS)
 
 bench: $(ENV_DEP)
 	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(PY) benchmarks/linear_cross_entropy.py
