@@ -30,6 +30,16 @@ def _require_tensor(name, t, optional=False):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
 
 
+def _refuse_dtensor(name, t):
+    # By class name: importing torch.distributed.tensor costs time on every import.
+    if t is not None and type(t).__name__ == "DTensor":
+        raise TypeError(
+            f"{name} is a DTensor (a sharded parameter, e.g. FSDP2 outside the module's "
+            "forward): call the loss inside the sharded module's forward, where FSDP2 hands "
+            "over plain tensors, or give a vocab-parallel head's local slice with "
+            "process_group=")
+
+
 def prepare(input, linear_weight, target, linear_bias, weight, *, weight_layout="vh") -> Prepared:
     """Check types, dtypes, devices and shapes (errors name the argument); flatten to 2-D."""
     _require_tensor("input", input)
@@ -37,6 +47,9 @@ def prepare(input, linear_weight, target, linear_bias, weight, *, weight_layout=
     _require_tensor("target", target)
     _require_tensor("linear_bias", linear_bias, optional=True)
     _require_tensor("weight", weight, optional=True)
+    for name, t in (("input", input), ("linear_weight", linear_weight),
+                    ("linear_bias", linear_bias)):
+        _refuse_dtensor(name, t)
     if input.dtype not in FLOAT_DTYPES:
         raise TypeError(f"input must be a floating tensor (float32/bfloat16/float16/float64), got {input.dtype}")
     if linear_weight.dtype != input.dtype:

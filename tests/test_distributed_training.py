@@ -148,5 +148,6 @@ def test_data_parallel_grads_equal_single_process(results, kind):
 def test_fsdp2_parameters_are_dtensors_and_refused_outside_forward(results):
     for r in results:
         assert r["fsdp_param_is_dtensor"]
-        # today DTensor's own "mixed torch.Tensor and DTensor" error, raised by the first GEMM
-        assert r["dtensor_error"] is not None and "DTensor" in r["dtensor_error"]
+        assert r["dtensor_error"] is not None
+        assert r["dtensor_error"].startswith("TypeError: linear_weight is a DTensor"), \
+            r["dtensor_error"]
