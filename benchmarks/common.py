@@ -13,11 +13,13 @@ Conventions (the same for every op, so results are comparable across files):
 * error: ``‖a − ref‖ / ‖ref‖`` accumulated in float64, over row blocks so that no full-size
   temporary is made.
 
-Only ``torch`` is imported here (lazily, per function), never jax: the JAX benchmarks use the
-framework-free parts (environment, CPU memory, tables, JSON).
+Frameworks are imported lazily, per function: ``torch`` by the torch helpers, ``jax`` only by
+``time_jax``; the JAX benchmarks use the framework-free parts (environment, CPU memory, the
+command-line parsers, tables, JSON).
 """
 from __future__ import annotations
 
+import ast
 import ctypes
 import dataclasses
 import datetime
@@ -179,6 +181,22 @@ def time_gemms(pairs: Sequence[tuple], *, device: str, reps: int, warmup: int = 
     return time_fn(run, device=device, reps=reps, warmup=warmup), flops
 
 
+def time_jax(fn: Callable[[], Any], *, reps: int, warmup: int) -> Timing:
+    """Median wall time of ``fn()`` up to ``jax.block_until_ready`` of its outputs."""
+    import jax
+    for _ in range(warmup):
+        jax.block_until_ready(fn())
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        out = fn()
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) * 1e3)
+        del out
+    return Timing(statistics.median(times), min(times), max(times), times,
+                  "perf_counter to jax.block_until_ready")
+
+
 def tflops(flops: float, ms: float) -> float:
     return flops / (ms * 1e-3) / 1e12
 
@@ -331,6 +349,98 @@ def _ru_maxrss_bytes() -> int:
     return kb if sys.platform == "darwin" else kb * 1024  # macOS reports bytes
 
 
+# ----------------------------------------------------------------------------- command line
+def parse_shapes(spec: str, shapes: Dict[str, Any], groups: Dict[str, List[str]], *, form: str,
+                 from_parts: Callable[[str, List[int]], Any], unique: bool = True) -> List[Any]:
+    """Comma-separated group names, shape names or ``form`` tuples of positive integers.
+
+    ``from_parts(token, ints)`` makes the shape of a tuple, or returns None where the count of
+    numbers does not fit ``form``. ``unique``: a shape named twice runs once (the first place).
+    """
+    out: List[Any] = []
+    for tok in filter(None, (t.strip() for t in spec.split(","))):
+        if tok in groups:
+            out += [shapes[n] for n in groups[tok]]
+        elif tok in shapes:
+            out.append(shapes[tok])
+        else:
+            parts = tok.lower().split("x")
+            shape = (from_parts(tok, list(map(int, parts)))
+                     if all(p.isdigit() and int(p) > 0 for p in parts) else None)
+            if shape is None:
+                raise SystemExit(f"--shapes: {tok!r} is neither a group {sorted(groups)}, a "
+                                 f"shape {sorted(shapes)}, nor {form}")
+            out.append(shape)
+    if not unique:
+        return out
+    seen, uniq = set(), []
+    for s in out:
+        if s.name not in seen:
+            seen.add(s.name)
+            uniq.append(s)
+    return uniq
+
+
+def parse_candidates(spec: str, candidates: Dict[str, Any],
+                     aliases: Optional[Dict[str, Sequence[Any]]] = None) -> List[tuple]:
+    """``name`` or ``name[key=value,...]`` tokens, comma-separated, as ``(label, candidate,
+    keywords)``; the keywords go to the candidate (e.g. tuning). A token in ``aliases`` stands
+    for its candidates, each without keywords."""
+    out = []
+    for tok in split_top_level(spec):
+        if aliases and tok in aliases:
+            out += [(c.name, c, {}) for c in aliases[tok]]
+            continue
+        name, kw = tok, {}
+        if "[" in tok:
+            if not tok.endswith("]"):
+                raise SystemExit(f"--candidates: malformed {tok!r}; use name[key=value,...]")
+            name, body = tok[:-1].split("[", 1)
+            for item in filter(None, body.split(",")):
+                k, sep, val = item.partition("=")
+                if not sep:
+                    raise SystemExit(f"--candidates: {item!r} in {tok!r} is not key=value")
+                try:
+                    kw[k.strip()] = ast.literal_eval(val.strip())
+                except (ValueError, SyntaxError):
+                    kw[k.strip()] = val.strip()
+        if name not in candidates:
+            raise SystemExit(f"--candidates: unknown {name!r}; known: {', '.join(candidates)}")
+        out.append((tok, candidates[name], kw))
+    return out
+
+
+def split_top_level(spec: str) -> List[str]:
+    """Split at the commas outside ``[...]``: ``a[x=1,y=2],b`` -> ``['a[x=1,y=2]', 'b']``."""
+    parts, depth, cur = [], 0, ""
+    for ch in spec:
+        depth += ch == "["
+        depth -= ch == "]"
+        if ch == "," and depth == 0:
+            parts.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    parts.append(cur.strip())
+    return [p for p in parts if p]
+
+
+def no_kwargs(name: str, kw: Dict[str, Any]) -> None:
+    """Refuse keywords (``name[key=value]``) for a candidate that takes none."""
+    if kw:
+        raise TypeError(f"candidate {name!r} takes no keyword arguments, got {sorted(kw)}")
+
+
+def skip_reason(c, device: str) -> Optional[str]:
+    """Why candidate ``c`` (with ``cuda_only`` and ``triton`` flags) cannot run on ``device``."""
+    cuda = device.startswith("cuda")
+    if c.cuda_only and not cuda:
+        return "needs CUDA"
+    if c.triton and not cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        return "Triton on CPU needs TRITON_INTERPRET=1 (slow)"
+    return None
+
+
 # ----------------------------------------------------------------------------- errors
 def rel_err(a, ref, *, block_rows: int = 4096) -> float:
     """``‖a − ref‖ / ‖ref‖`` in float64, block by block (no full-size temporaries).
@@ -433,6 +543,37 @@ def format_table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
 
     return "\n".join([line(list(map(str, header))), line(["-" * w for w in widths])]
                      + [line(r) for r in rows])
+
+
+def candidate_table(header: Sequence[str], records: Iterable[Dict[str, Any]],
+                    cells: Callable[[Dict[str, Any]], List[str]], *, note_width: int = 70) -> str:
+    """``format_table`` of one row a candidate record: its name, then ``cells(record)`` where it
+    finished ("ok"), else blanks and "status: error" in the last (note) column."""
+    rows = []
+    for c in records:
+        if c.get("status") == "ok":
+            rows.append([c["name"], *cells(c)])
+        else:
+            rows.append([c["name"], "-", *[""] * (len(header) - 3),
+                         f"{c.get('status')}: {c.get('error', '')}"[:note_width]])
+    return format_table(header, rows)
+
+
+def loss_cells(c: Dict[str, Any], ratios: Sequence[Optional[float]],
+               memory: Optional[float]) -> List[str]:
+    """A loss candidate's table cells after its name: ms, ``ratios``, ``memory`` (bytes), the
+    dX, dW and loss errors, an empty note."""
+    return [fmt_ms(c["ms"]), *map(fmt_ratio, ratios), fmt_bytes(memory),
+            fmt_err(c.get("dx_rel_err")), fmt_err(c.get("dw_rel_err")),
+            fmt_err(c.get("loss_rel_err")), ""]
+
+
+def wrote_lines(result: Dict[str, Any]) -> List[str]:
+    """The report's last lines: where the JSON (and the PNG) went, if anywhere."""
+    if not result.get("json"):
+        return []
+    return ["", f"wrote {result['json']}" + (f" and {result['png']}" if result.get("png")
+                                             else "")]
 
 
 def progress(iterable, *, total: Optional[int] = None, desc: str = ""):

@@ -36,17 +36,15 @@ PNG beside it when matplotlib is installed.
 from __future__ import annotations
 
 import argparse
-import ast
 import dataclasses
 import gc
 import math
 import os
 import secrets
-import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Optional
 
 # torch (for the optional cuBLAS floor) and JAX share the GPU: JAX must not take 75% at start.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -56,7 +54,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
 
 from benchmarks import common  # noqa: E402
 from benchmarks.linear_cross_entropy import (  # noqa: E402  (shapes shared with it)
-    GROUPS, SHAPES, Shape, _split_top_level, parse_shapes)
+    GROUPS, SHAPES, Shape, parse_shapes)
 
 OP = "jax_linear_cross_entropy"
 IGNORE_INDEX = -100
@@ -78,7 +76,7 @@ class Candidate:
 
 
 def _naive(**kw):
-    _no_kwargs("naive", kw)
+    common.no_kwargs("naive", kw)
     import jax
     import jax.numpy as jnp
 
@@ -105,7 +103,7 @@ def _logitless(backend, **fixed):
 
 
 def _tokamax(**kw):
-    _no_kwargs("tokamax-chunked-xla", kw)
+    common.no_kwargs("tokamax-chunked-xla", kw)
     import tokamax
 
     def loss(x, w_hv, y):
@@ -120,11 +118,6 @@ def _jax_cce(**kw):
     def loss(x, w, y):
         return jax_cce.linear_cross_entropy(x, w, y, **kw)
     return loss
-
-
-def _no_kwargs(name, kw):
-    if kw:
-        raise TypeError(f"candidate {name!r} takes no keyword arguments, got {sorted(kw)}")
 
 
 CANDIDATES = {c.name: c for c in (
@@ -146,25 +139,7 @@ def parse_candidates(spec: Optional[str]):
     """``name`` or ``name[key=value,...]``; default: every candidate."""
     if not spec:
         return [(c.name, c, {}) for c in CANDIDATES.values()]
-    out = []
-    for tok in _split_top_level(spec):
-        name, kw = tok, {}
-        if "[" in tok:
-            if not tok.endswith("]"):
-                raise SystemExit(f"--candidates: malformed {tok!r}; use name[key=value,...]")
-            name, body = tok[:-1].split("[", 1)
-            for item in filter(None, body.split(",")):
-                k, sep, val = item.partition("=")
-                if not sep:
-                    raise SystemExit(f"--candidates: {item!r} in {tok!r} is not key=value")
-                try:
-                    kw[k.strip()] = ast.literal_eval(val.strip())
-                except (ValueError, SyntaxError):
-                    kw[k.strip()] = val.strip()
-        if name not in CANDIDATES:
-            raise SystemExit(f"--candidates: unknown {name!r}; known: {', '.join(CANDIDATES)}")
-        out.append((tok, CANDIDATES[name], kw))
-    return out
+    return common.parse_candidates(spec, CANDIDATES)
 
 
 # ----------------------------------------------------------------------------- data, reference
@@ -232,22 +207,6 @@ def _float_or_nan(v) -> float:
 
 
 # ----------------------------------------------------------------------------- timing
-def time_calls(fn, *, reps: int, warmup: int) -> common.Timing:
-    """Median wall time of ``fn()`` up to ``block_until_ready`` of its outputs."""
-    import jax
-    for _ in range(warmup):
-        jax.block_until_ready(fn())
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        out = fn()
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t0) * 1e3)
-        del out
-    return common.Timing(statistics.median(times), min(times), max(times), times,
-                         "perf_counter to jax.block_until_ready")
-
-
 def bench_floor(shape: Shape, x, w, *, reps: int, warmup: int, seed: int):
     import jax
     import jax.numpy as jnp
@@ -255,7 +214,7 @@ def bench_floor(shape: Shape, x, w, *, reps: int, warmup: int, seed: int):
         .astype(jnp.bfloat16)
     gemms = jax.jit(lambda x, w, g: (x @ w.T, g @ w, g.T @ x)).lower(x, w, g).compile()
     try:
-        t = time_calls(lambda: gemms(x, w, g), reps=reps, warmup=warmup)
+        t = common.time_jax(lambda: gemms(x, w, g), reps=reps, warmup=warmup)
     finally:
         del g, gemms
         gc.collect()
@@ -325,7 +284,7 @@ def bench_candidate(label, cand: Candidate, kwargs, data, refs, *, reps, warmup)
         else:
             rec["loss"] = float(loss)
         out = loss = dx = dw = None
-        t = time_calls(step, reps=reps, warmup=0)
+        t = common.time_jax(step, reps=reps, warmup=0)
         rec.update(status="ok", ms=t.median_ms, timing=t.as_dict())
     except Exception as e:  # noqa: BLE001 - one candidate's failure must not stop the run
         rec.update(common.describe_failure(e))
@@ -457,24 +416,12 @@ def format_report(result: Dict[str, Any]) -> str:
         if cb.get("ms"):
             floor += f"; cuBLAS floor {common.fmt_ms(cb['ms'])} ms"
         lines += ["", f"{s['name']}  N={s['n']} H={s['h']} V={s['v']}  {floor}"]
-        rows = []
-        for c in res["candidates"]:
-            if c["status"] == "ok":
-                rows.append([c["name"], common.fmt_ms(c["ms"]),
-                             common.fmt_ratio(c.get("ratio_to_floor")),
-                             common.fmt_ratio(c.get("ratio_to_cublas_floor")),
-                             common.fmt_bytes(c.get("temp_bytes")),
-                             common.fmt_err(c.get("dx_rel_err")),
-                             common.fmt_err(c.get("dw_rel_err")),
-                             common.fmt_err(c.get("loss_rel_err")), ""])
-            else:
-                rows.append([c["name"], "-", "", "", "", "", "", "",
-                             f"{c['status']}: {c.get('error', '')}"[:70]])
-        lines.append(common.format_table(["candidate", "ms", "x XLA floor", "x cuBLAS", "temp",
-                                          "dX err", "dW err", "loss err", "note"], rows))
-    if result.get("json"):
-        lines += ["", f"wrote {result['json']}" + (f" and {result['png']}" if result.get("png")
-                                                   else "")]
+        lines.append(common.candidate_table(
+            ["candidate", "ms", "x XLA floor", "x cuBLAS", "temp", "dX err", "dW err",
+             "loss err", "note"], res["candidates"],
+            lambda c: common.loss_cells(
+                c, [c.get("ratio_to_floor"), c.get("ratio_to_cublas_floor")], c.get("temp_bytes"))))
+    lines += common.wrote_lines(result)
     return "\n".join(lines)
 
 

@@ -24,11 +24,9 @@ Results: ``benchmarks/results/<gpu>-linear-cross-entropy.json`` (+ ``.png``); se
 from __future__ import annotations
 
 import argparse
-import ast
 import dataclasses
 import importlib
 import math
-import os
 import secrets
 import sys
 import time
@@ -80,25 +78,9 @@ GROUPS = {
 
 def parse_shapes(spec: str) -> List[Shape]:
     """Comma-separated group names, shape names or ``NxHxV`` triples."""
-    out: List[Shape] = []
-    for tok in filter(None, (t.strip() for t in spec.split(","))):
-        if tok in GROUPS:
-            out += [SHAPES[n] for n in GROUPS[tok]]
-        elif tok in SHAPES:
-            out.append(SHAPES[tok])
-        else:
-            parts = tok.lower().split("x")
-            if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
-                raise SystemExit(f"--shapes: {tok!r} is neither a group {sorted(GROUPS)}, "
-                                 f"a shape {sorted(SHAPES)}, nor NxHxV")
-            n, h, v = map(int, parts)
-            out.append(Shape(tok, n, h, v))
-    seen, uniq = set(), []
-    for s in out:
-        if s.name not in seen:
-            seen.add(s.name)
-            uniq.append(s)
-    return uniq
+    return common.parse_shapes(
+        spec, SHAPES, GROUPS, form="NxHxV",
+        from_parts=lambda tok, p: Shape(tok, *p) if len(p) == 3 else None)
 
 
 # ----------------------------------------------------------------------------- candidates
@@ -137,7 +119,7 @@ def naive_loss(x, w, y):
 
 
 def _naive(**kw):
-    _no_kwargs("naive", kw)
+    common.no_kwargs("naive", kw)
     return naive_loss
 
 
@@ -185,11 +167,6 @@ def _cce(**fixed):
     return make
 
 
-def _no_kwargs(name, kw):
-    if kw:
-        raise TypeError(f"candidate {name!r} takes no keyword arguments, got {sorted(kw)}")
-
-
 CANDIDATES = {c.name: c for c in (
     Candidate("logitless-triton", "logitless backend='triton', default (fast) setting",
               _logitless("triton"), triton=True),
@@ -215,56 +192,14 @@ CANDIDATES = {c.name: c for c in (
 
 
 def parse_candidates(spec: Optional[str], device: str):
-    """``name`` or ``name[key=value,...]`` (the keywords go to the candidate, e.g. tuning)."""
+    """``name`` or ``name[key=value,...]`` (the keywords go to the candidate, e.g. tuning);
+    ``all`` (adds the opt-in ones) and ``default``."""
     if not spec:
         cpu = not device.startswith("cuda")
         return [(c.name, c, {}) for c in CANDIDATES.values()
                 if c.default and (c.default_on_cpu or not cpu)]
-    out = []
-    for tok in _split_top_level(spec):
-        if tok in ("all", "default"):
-            out += [(c.name, c, {}) for c in CANDIDATES.values() if tok == "all" or c.default]
-            continue
-        name, kw = tok, {}
-        if "[" in tok:
-            if not tok.endswith("]"):
-                raise SystemExit(f"--candidates: malformed {tok!r}; use name[key=value,...]")
-            name, body = tok[:-1].split("[", 1)
-            for item in filter(None, body.split(",")):
-                k, sep, val = item.partition("=")
-                if not sep:
-                    raise SystemExit(f"--candidates: {item!r} in {tok!r} is not key=value")
-                try:
-                    kw[k.strip()] = ast.literal_eval(val.strip())
-                except (ValueError, SyntaxError):
-                    kw[k.strip()] = val.strip()
-        if name not in CANDIDATES:
-            raise SystemExit(f"--candidates: unknown {name!r}; known: {', '.join(CANDIDATES)}")
-        out.append((tok, CANDIDATES[name], kw))
-    return out
-
-
-def _split_top_level(spec: str) -> List[str]:
-    parts, depth, cur = [], 0, ""
-    for ch in spec:
-        depth += ch == "["
-        depth -= ch == "]"
-        if ch == "," and depth == 0:
-            parts.append(cur.strip())
-            cur = ""
-        else:
-            cur += ch
-    parts.append(cur.strip())
-    return [p for p in parts if p]
-
-
-def skip_reason(c: Candidate, device: str) -> Optional[str]:
-    cuda = device.startswith("cuda")
-    if c.cuda_only and not cuda:
-        return "needs CUDA"
-    if c.triton and not cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        return "Triton on CPU needs TRITON_INTERPRET=1 (slow)"
-    return None
+    return common.parse_candidates(spec, CANDIDATES, aliases={
+        "all": list(CANDIDATES.values()), "default": [c for c in CANDIDATES.values() if c.default]})
 
 
 # ----------------------------------------------------------------------------- data, reference
@@ -346,7 +281,7 @@ def bench_floor(shape: Shape, x, w, *, device: str, reps: int, warmup: int, seed
 
 def bench_candidate(label, cand: Candidate, kwargs, inputs, ref, *, device, reps, warmup):
     rec: Dict[str, Any] = {"name": label, "about": cand.about, "kwargs": kwargs}
-    reason = skip_reason(cand, device)
+    reason = common.skip_reason(cand, device)
     if reason:
         return {**rec, "status": "skipped", "error": reason}
     x, w, y = inputs
@@ -487,21 +422,15 @@ def _previous_results(out: Path, env, names) -> List[dict]:
     return [r for r in prev.get("results", []) if r["shape"]["name"] not in names]
 
 
-def table_rows(res: Dict[str, Any], *, baseline: str = "floor"):
-    rows = []
+def table(res: Dict[str, Any], *, baseline: str = "floor") -> str:
     base_ms = res.get("floor", {}).get("ms")
     if baseline != "floor":
         base_ms = next((c.get("ms") for c in res["candidates"] if c["name"] == baseline), None)
-    for c in res["candidates"]:
-        if c["status"] == "ok":
-            ratio = c["ms"] / base_ms if base_ms else None
-            rows.append([c["name"], common.fmt_ms(c["ms"]), common.fmt_ratio(ratio),
-                         common.fmt_bytes(c["peak_extra_bytes"]), common.fmt_err(c.get("dx_rel_err")),
-                         common.fmt_err(c.get("dw_rel_err")), common.fmt_err(c.get("loss_rel_err")),
-                         ""])
-        else:
-            rows.append([c["name"], "-", "", "", "", "", "", f"{c['status']}: {c.get('error', '')}"[:70]])
-    return rows
+
+    return common.candidate_table(
+        ["candidate", "ms", "x floor", "peak extra", "dX err", "dW err", "loss err", "note"],
+        res["candidates"], lambda c: common.loss_cells(
+            c, [c["ms"] / base_ms if base_ms else None], c["peak_extra_bytes"]))
 
 
 def format_report(result: Dict[str, Any]) -> str:
@@ -518,12 +447,8 @@ def format_report(result: Dict[str, Any]) -> str:
                  if fl.get("ms") else f"floor {fl.get('status')}: {fl.get('error', '')}")
         lines.append("")
         lines.append(f"{s['name']}  N={s['n']} H={s['h']} V={s['v']}  {floor}")
-        lines.append(common.format_table(
-            ["candidate", "ms", "x floor", "peak extra", "dX err", "dW err", "loss err", "note"],
-            table_rows(res)))
-    if result.get("json"):
-        lines.append("")
-        lines.append(f"wrote {result['json']}" + (f" and {result['png']}" if result.get("png") else ""))
+        lines.append(table(res))
+    lines += common.wrote_lines(result)
     return "\n".join(lines)
 
 

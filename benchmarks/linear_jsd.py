@@ -27,13 +27,12 @@ Results: ``benchmarks/results/<gpu>-linear-jsd.json`` (+ ``.png``).
 from __future__ import annotations
 
 import argparse
-import ast
 import dataclasses
 import gc
+import importlib
 import math
 import os
 import secrets
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -45,7 +44,6 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import common  # noqa: E402
-from benchmarks.linear_cross_entropy import _split_top_level  # noqa: E402
 
 OP = "linear_jsd"
 IGNORE_INDEX = -100
@@ -80,20 +78,13 @@ GROUPS = {"target": ["llama3-8b"], "gpu": ["llama3-8b", "llama3-8b-from-70b", "q
 
 def parse_shapes(spec: str) -> List[Shape]:
     """Comma-separated group names, shape names, ``NxHxV`` or ``NxHsxHtxV``."""
-    out: List[Shape] = []
-    for tok in filter(None, (t.strip() for t in spec.split(","))):
-        if tok in GROUPS:
-            out += [SHAPES[n] for n in GROUPS[tok]]
-        elif tok in SHAPES:
-            out.append(SHAPES[tok])
-        else:
-            parts = tok.lower().split("x")
-            if len(parts) not in (3, 4) or not all(p.isdigit() and int(p) > 0 for p in parts):
-                raise SystemExit(f"--shapes: {tok!r} is neither a group {sorted(GROUPS)}, a "
-                                 f"shape {sorted(SHAPES)}, nor NxHxV / NxHsxHtxV")
-            n, hs, *ht, v = map(int, parts)
-            out.append(Shape(tok, n, hs, ht[0] if ht else hs, v))
-    return out
+    def from_parts(tok, p):
+        if len(p) not in (3, 4):
+            return None
+        n, hs, *ht, v = p
+        return Shape(tok, n, hs, ht[0] if ht else hs, v)
+    return common.parse_shapes(spec, SHAPES, GROUPS, form="NxHxV / NxHsxHtxV",
+                               from_parts=from_parts, unique=False)
 
 
 # ----------------------------------------------------------------------------- candidates
@@ -108,14 +99,15 @@ class Candidate:
     default: bool = True
 
 
-def _logitless_torch(backend, **fixed):
+def _logitless(api, backend, **fixed):
+    """``make`` of ``logitless.<api>.linear_jsd`` (api: "torch" or "jax") with ``backend``."""
     def make(opts, **kw):
-        import logitless.torch as lt
+        linear_jsd = importlib.import_module(f"logitless.{api}").linear_jsd
         tuning = {**fixed, **kw}
 
         def loss_fn(xs, ws, xt, wt, y):
-            return lt.linear_jsd(xs, ws, xt, wt, y, ignore_index=IGNORE_INDEX, backend=backend,
-                                 **opts, **tuning)
+            return linear_jsd(xs, ws, xt, wt, y, ignore_index=IGNORE_INDEX, backend=backend,
+                              **opts, **tuning)
         return loss_fn
     return make
 
@@ -144,8 +136,7 @@ def naive_torch_loss(opts):
 
 
 def _naive(opts, **kw):
-    if kw:
-        raise TypeError(f"naive takes no keyword arguments, got {sorted(kw)}")
+    common.no_kwargs("naive", kw)
     return naive_torch_loss(opts)
 
 
@@ -167,18 +158,6 @@ def _liger(**fixed):
 
         def loss_fn(xs, ws, xt, wt, y):
             return mod(xs, ws, xt, wt, y)
-        return loss_fn
-    return make
-
-
-def _logitless_jax(backend, **fixed):
-    def make(opts, **kw):
-        import logitless.jax as lj
-        tuning = {**fixed, **kw}
-
-        def loss_fn(xs, ws, xt, wt, y):
-            return lj.linear_jsd(xs, ws, xt, wt, y, ignore_index=IGNORE_INDEX, backend=backend,
-                                 **opts, **tuning)
         return loss_fn
     return make
 
@@ -207,12 +186,12 @@ def _naive_jax(opts, **kw):
 
 CANDIDATES = {c.name: c for c in (
     Candidate("logitless-triton", "logitless backend='triton' (fp32 logits, fp32 dW accumulation)",
-              _logitless_torch("triton"), triton=True),
+              _logitless("torch", "triton"), triton=True),
     Candidate("logitless-triton-bf16logits", "logitless backend='triton', fp32_logits=False "
-              "(faster, ~1e-2 gradient error)", _logitless_torch("triton", fp32_logits=False),
+              "(faster, ~1e-2 gradient error)", _logitless("torch", "triton", fp32_logits=False),
               triton=True),
     Candidate("logitless-torch", "logitless backend='torch' (chunked plain PyTorch)",
-              _logitless_torch("torch")),
+              _logitless("torch", "torch")),
     Candidate("naive", "F.linear in bf16, .float(), log_softmax JSD, autograd", _naive),
     Candidate("torch-compile", "torch.compile of the naive function", _compiled, cuda_only=True),
     Candidate("liger", "Liger-Kernel LigerFusedLinearJSD (defaults: bf16 dW accumulation)",
@@ -220,8 +199,8 @@ CANDIDATES = {c.name: c for c in (
     Candidate("liger-fp32acc", "Liger-Kernel LigerFusedLinearJSD(accum_dtype=torch.float32)",
               _liger(accum_dtype="float32"), cuda_only=True),
     Candidate("jax-logitless-pallas", "logitless.jax backend='pallas' (jit(value_and_grad))",
-              _logitless_jax("pallas"), framework="jax"),
-    Candidate("jax-logitless-xla", "logitless.jax backend='xla'", _logitless_jax("xla"),
+              _logitless("jax", "pallas"), framework="jax"),
+    Candidate("jax-logitless-xla", "logitless.jax backend='xla'", _logitless("jax", "xla"),
               framework="jax"),
     Candidate("jax-naive", "naive jnp: bf16 logits, upcast, log_softmax JSD, jax.grad",
               _naive_jax, framework="jax"),
@@ -232,34 +211,7 @@ def parse_candidates(spec: Optional[str]):
     """``name`` or ``name[key=value,...]`` (the keywords go to the candidate)."""
     if not spec:
         return [(c.name, c, {}) for c in CANDIDATES.values() if c.default]
-    out = []
-    for tok in _split_top_level(spec):
-        name, kw = tok, {}
-        if "[" in tok:
-            if not tok.endswith("]"):
-                raise SystemExit(f"--candidates: malformed {tok!r}; use name[key=value,...]")
-            name, body = tok[:-1].split("[", 1)
-            for item in filter(None, body.split(",")):
-                k, sep, val = item.partition("=")
-                if not sep:
-                    raise SystemExit(f"--candidates: {item!r} in {tok!r} is not key=value")
-                try:
-                    kw[k.strip()] = ast.literal_eval(val.strip())
-                except (ValueError, SyntaxError):
-                    kw[k.strip()] = val.strip()
-        if name not in CANDIDATES:
-            raise SystemExit(f"--candidates: unknown {name!r}; known: {', '.join(CANDIDATES)}")
-        out.append((tok, CANDIDATES[name], kw))
-    return out
-
-
-def skip_reason(c: Candidate, device: str) -> Optional[str]:
-    cuda = device.startswith("cuda")
-    if c.cuda_only and not cuda:
-        return "needs CUDA"
-    if c.triton and not cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        return "Triton on CPU needs TRITON_INTERPRET=1 (slow)"
-    return None
+    return common.parse_candidates(spec, CANDIDATES)
 
 
 # ----------------------------------------------------------------------------- data, reference
@@ -339,19 +291,6 @@ def _to_jax(t):
     return to_jax(t.detach())
 
 
-def time_jax(fn, *, reps, warmup) -> common.Timing:
-    import jax
-    for _ in range(warmup):
-        jax.block_until_ready(fn())
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append((time.perf_counter() - t0) * 1e3)
-    return common.Timing(statistics.median(times), min(times), max(times), times,
-                         "perf_counter to jax.block_until_ready")
-
-
 def bench_xla_floor(shape: Shape, jx, *, reps, warmup, seed):
     import jax
     import jax.numpy as jnp
@@ -361,7 +300,7 @@ def bench_xla_floor(shape: Shape, jx, *, reps, warmup, seed):
     gemms = jax.jit(lambda xs, ws, xt, wt, g: (xs @ ws.T, xt @ wt.T, g @ ws, g.T @ xs)) \
         .lower(xs, ws, xt, wt, g).compile()
     try:
-        t = time_jax(lambda: gemms(xs, ws, xt, wt, g), reps=reps, warmup=warmup)
+        t = common.time_jax(lambda: gemms(xs, ws, xt, wt, g), reps=reps, warmup=warmup)
     finally:
         del g, gemms
         gc.collect()
@@ -437,7 +376,7 @@ def bench_jax(label, cand, kw, jx, ref, opts, *, reps, warmup):
         if ref is not None:
             _errors(rec, float(loss), to_torch(dx), to_torch(dw), ref)
         out = loss = dx = dw = None
-        t = time_jax(step, reps=reps, warmup=0)
+        t = common.time_jax(step, reps=reps, warmup=0)
         rec.update(status="ok", ms=t.median_ms, timing=t.as_dict())
     except Exception as e:  # noqa: BLE001
         rec.update(common.describe_failure(e))
@@ -481,7 +420,7 @@ def bench_shape(shape: Shape, candidates, opts, *, device, reps, warmup, seed) -
     xla_ms = res.get("xla_floor", {}).get("ms")
     res["candidates"] = []
     for label, cand, kw in candidates:
-        reason = skip_reason(cand, device)
+        reason = common.skip_reason(cand, device)
         common.log(f"[{shape.name}] {label} ...")
         if reason:
             rec = {"name": label, "about": cand.about, "status": "skipped", "error": reason}
@@ -601,24 +540,13 @@ def format_report(result: Dict[str, Any]) -> str:
         if xf.get("ms"):
             floor += f"; XLA floor {common.fmt_ms(xf['ms'])} ms"
         lines += ["", f"{s['name']}  N={s['n']} H_s={s['h_s']} H_t={s['h_t']} V={s['v']}  {floor}"]
-        rows = []
-        for c in res["candidates"]:
-            if c["status"] == "ok":
-                rows.append([c["name"], common.fmt_ms(c["ms"]),
-                             common.fmt_ratio(c.get("ratio_to_floor")),
-                             common.fmt_ratio(c.get("ratio_to_xla_floor")),
-                             common.fmt_bytes(c.get("peak_extra_bytes")),
-                             common.fmt_err(c.get("dx_rel_err")),
-                             common.fmt_err(c.get("dw_rel_err")),
-                             common.fmt_err(c.get("loss_rel_err")), ""])
-            else:
-                rows.append([c["name"], "-", "", "", "", "", "", "",
-                             f"{c['status']}: {c.get('error', '')}"[:70]])
-        lines.append(common.format_table(["candidate", "ms", "x floor", "x XLA floor", "extra",
-                                          "dX err", "dW err", "loss err", "note"], rows))
-    if result.get("json"):
-        lines += ["", f"wrote {result['json']}" + (f" and {result['png']}" if result.get("png")
-                                                   else "")]
+        lines.append(common.candidate_table(
+            ["candidate", "ms", "x floor", "x XLA floor", "extra", "dX err", "dW err",
+             "loss err", "note"], res["candidates"],
+            lambda c: common.loss_cells(
+                c, [c.get("ratio_to_floor"), c.get("ratio_to_xla_floor")],
+                c.get("peak_extra_bytes"))))
+    lines += common.wrote_lines(result)
     return "\n".join(lines)
 
 

@@ -83,19 +83,9 @@ GROUPS = {"gpu": ["llama3-8b-32k"], "tiny": ["tiny", "tiny-batch"]}
 
 def parse_shapes(spec: str) -> List[Shape]:
     """Comma-separated group names, shape names or ``BxTxHxIxS`` tuples."""
-    out: List[Shape] = []
-    for tok in filter(None, (t.strip() for t in spec.split(","))):
-        if tok in GROUPS:
-            out += [SHAPES[n] for n in GROUPS[tok]]
-        elif tok in SHAPES:
-            out.append(SHAPES[tok])
-        else:
-            parts = tok.lower().split("x")
-            if len(parts) != 5 or not all(p.isdigit() and int(p) > 0 for p in parts):
-                raise SystemExit(f"--shapes: {tok!r} is neither a group {sorted(GROUPS)}, a "
-                                 f"shape {sorted(SHAPES)}, nor BxTxHxIxS")
-            out.append(Shape(tok, *map(int, parts)))
-    return list({s.name: s for s in out}.values())
+    return common.parse_shapes(
+        spec, SHAPES, GROUPS, form="BxTxHxIxS",
+        from_parts=lambda tok, p: Shape(tok, *p) if len(p) == 5 else None)
 
 
 # ----------------------------------------------------------------------------- torch candidates
@@ -311,7 +301,6 @@ def bench_jax(name, shape, data, ref, *, reps, warmup):
     import jax
     import jax.numpy as jnp
     import torch
-    from benchmarks.jax_linear_cross_entropy import time_calls
     rec: Dict[str, Any] = {"name": name, "about": JAX_CANDIDATES[name], "framework": "jax"}
     x, dy, weights = data
     try:
@@ -336,7 +325,7 @@ def bench_jax(name, shape, data, ref, *, reps, warmup):
             out = dict(y=t(y), dx=t(dx), **{"d" + k: t(dp[k]["kernel"]).t() for k in dp})
             rec.update(_errors(out, ref))
         del y, dp, dx
-        timing = time_calls(lambda: compiled(params, xj, dyj), reps=reps, warmup=warmup)
+        timing = common.time_jax(lambda: compiled(params, xj, dyj), reps=reps, warmup=warmup)
         rec.update(status="ok", ms=timing.median_ms, timing=timing.as_dict())
     except Exception as e:  # noqa: BLE001
         rec.update(common.describe_failure(e))
@@ -447,22 +436,18 @@ def format_report(result) -> str:
         lines += ["", f"{s['name']}  B={s['b']} T={s['t']} H={s['h']} I={s['i']} "
                       f"shards={s['shards']}"]
         plain = next((c for c in res["candidates"] if c["name"] == "plain" and c.get("ms")), None)
-        rows = []
-        for c in res["candidates"]:
-            if c.get("status") != "ok":
-                rows.append([c["name"], "-", "", "", "", "", "", "",
-                             f"{c.get('status')}: {c.get('error', '')}"[:60]])
-                continue
+
+        def cells(c):
             ratio = c["ms"] / plain["ms"] if plain else None
-            rows.append([c["name"], common.fmt_ms(c["ms"]), common.fmt_ratio(ratio),
-                         common.fmt_bytes(c.get("peak_bytes_over_base")),
-                         common.fmt_bytes(c.get("peak_extra_bytes")),
-                         common.fmt_err(c.get("y_rel_err")), common.fmt_err(c.get("dx_rel_err")),
-                         common.fmt_err(c.get("dw_rel_err")),
-                         "jax temp" if c["framework"] == "jax" else ""])
-        lines.append(common.format_table(
+            return [common.fmt_ms(c["ms"]), common.fmt_ratio(ratio),
+                    common.fmt_bytes(c.get("peak_bytes_over_base")),
+                    common.fmt_bytes(c.get("peak_extra_bytes")),
+                    common.fmt_err(c.get("y_rel_err")), common.fmt_err(c.get("dx_rel_err")),
+                    common.fmt_err(c.get("dw_rel_err")),
+                    "jax temp" if c["framework"] == "jax" else ""]
+        lines.append(common.candidate_table(
             ["candidate", "ms", "x plain", "peak/base", "extra", "y err", "dx err", "dW err",
-             "note"], rows))
+             "note"], res["candidates"], cells, note_width=60))
         for name, g in res.get("goals", {}).items():
             if name != "goals":
                 lines.append(f"  goals {name}: " + ", ".join(
