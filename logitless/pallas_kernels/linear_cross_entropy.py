@@ -35,7 +35,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from .. import _jax_common as common
 from ..specs import linear_cross_entropy as spec
-from ..specs.tiling import ceil_div, next_power_of_2, plan_token_chunks
+from ..specs.tiling import ceil_div, plan_token_chunks
+from . import _launch as launch
 
 TUNING = ("chunk_size", "memory_budget", "block_rows", "block_v", "num_warps", "num_stages",
           "grid_size", "fp32_logits", "interpret")
@@ -49,15 +50,6 @@ TUNING = ("chunk_size", "memory_budget", "block_rows", "block_v", "num_warps", "
 # over the fp32 dW accumulator, and long blocks stream the rows faster.
 GPU_DEFAULTS = dict(memory_budget=1 << 30, block_rows=1, block_v=16384, num_warps=16,
                     num_stages=2, programs_per_sm=1)
-
-
-# Index math in int32 whatever jax_enable_x64 says (offsets into buffers past 2**32 bytes are
-# widened by Pallas itself); loop counters, iotas and program ids then share one type.
-_I0 = np.int32(0)
-
-
-def _iota(n):
-    return jnp.arange(n, dtype=jnp.int32)
 
 
 def _rows_kernel(z_ref, y_ref, coef_ref, *refs, v, block_rows, block_v, grid_size, softcap,
@@ -79,7 +71,7 @@ def _rows_kernel(z_ref, y_ref, coef_ref, *refs, v, block_rows, block_v, grid_siz
     n_vblocks = ceil_div(v, block_v)
 
     def row_block(r0):
-        rmask = (r0 + _iota(block_rows)) < n_rows
+        rmask = (r0 + launch.iota(block_rows)) < n_rows
         rows = pl.ds(r0, block_rows)
         y = plgpu.load(y_ref.at[rows], mask=rmask, other=-1)
         # coef_ref is the (6, C) coefficient array flattened: row k of it starts at k·C
@@ -90,7 +82,7 @@ def _rows_kernel(z_ref, y_ref, coef_ref, *refs, v, block_rows, block_v, grid_siz
 
         def block(j):
             """Capped logits of column block j (fp32), column mask, target indicator, w_v."""
-            cols = j * block_v + _iota(block_v)
+            cols = j * block_v + launch.iota(block_v)
             cmask = cols < v
             span = pl.ds(j * block_v, block_v)
             z = plgpu.load(z_ref.at[rows, span], mask=rmask[:, None] & cmask[None, :],
@@ -116,7 +108,7 @@ def _rows_kernel(z_ref, y_ref, coef_ref, *refs, v, block_rows, block_v, grid_siz
 
         zeros = jnp.zeros((block_rows,), jnp.float32)
         init = (jnp.full((block_rows,), -jnp.inf, jnp.float32), zeros, zeros, zeros)
-        m, s, c_y, wc = lax.fori_loop(_I0, np.int32(n_vblocks), sweep1, init)
+        m, s, c_y, wc = lax.fori_loop(launch.I0, np.int32(n_vblocks), sweep1, init)
         lse = m + jnp.log(s)
         loss = common.token_loss(lse, c_y, wc if smoothing else None, b, sm, smo, zw)
         plgpu.store(loss_ref.at[rows], loss, mask=rmask)
@@ -131,18 +123,9 @@ def _rows_kernel(z_ref, y_ref, coef_ref, *refs, v, block_rows, block_v, grid_siz
                             mask=rmask[:, None] & cmask[None, :])
                 return carry
 
-            lax.fori_loop(_I0, np.int32(n_vblocks), sweep2, 0)
+            lax.fori_loop(launch.I0, np.int32(n_vblocks), sweep2, 0)
 
-    pid = pl.program_id(0)
-    n_row_blocks = ceil_div(n_rows, block_rows)
-    if grid_size >= n_row_blocks:  # one row block per program
-        row_block(pid * block_rows)
-    else:
-        def persistent(t, carry):
-            row_block((pid + t * grid_size) * block_rows)
-            return carry
-
-        lax.fori_loop(_I0, (n_row_blocks - pid + grid_size - 1) // grid_size, persistent, 0)
+    launch.walk_row_blocks(row_block, n_rows, block_rows, grid_size)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,10 +146,7 @@ class PallasHead(common.Head):
 
     def _call(self, z, y, coefs, bias, cw, grad_dtype=None):
         n_rows, v = z.shape
-        block_rows = min(self.block_rows, next_power_of_2(n_rows))
-        block_v = min(self.block_v, next_power_of_2(v))
-        n_row_blocks = ceil_div(n_rows, block_rows)
-        grid_size = n_row_blocks if self.grid_size is None else min(self.grid_size, n_row_blocks)
+        block_rows, block_v, grid_size = launch.tile(self, n_rows, v)
         has_cw = cw is not None and self.smoothing  # class weights enter the kernel only here
         inputs = [z, y, coefs.reshape(-1)] + ([bias] if bias is not None else []) \
             + ([cw] if has_cw else [])
@@ -180,25 +160,15 @@ class PallasHead(common.Head):
             _rows_kernel, v=v, block_rows=block_rows, block_v=block_v, grid_size=grid_size,
             softcap=self.softcap, smoothing=self.smoothing, has_bias=bias is not None,
             has_cw=has_cw, write_grad=write_grad)
-        return pl.pallas_call(
-            kernel, out_shape=tuple(out_shape), grid=(grid_size,),
-            input_output_aliases={0: 2} if in_place else {},
-            interpret=self.interpret,
-            compiler_params=plgpu.CompilerParams(num_warps=self.num_warps,
-                                                 num_stages=self.num_stages),
-            name="logitless_linear_cross_entropy_rows",
-        )(*inputs)
+        return launch.call(self, kernel, inputs, out_shape, grid_size=grid_size,
+                           aliases={0: 2} if in_place else {},
+                           name="logitless_linear_cross_entropy_rows")
 
     def loss_lse(self, z, y, coefs, bias, cw):
         return self._call(z, y, coefs, bias, cw)
 
     def loss_lse_grad(self, z, y, coefs, bias, cw, grad_dtype):
         return self._call(z, y, coefs, bias, cw, grad_dtype)
-
-
-def _default_grid_size() -> Optional[int]:
-    sms = getattr(jax.devices()[0], "core_count", None)
-    return None if not sms else int(sms) * GPU_DEFAULTS["programs_per_sm"]
 
 
 def linear_cross_entropy(p: common.Prepared, opts: spec.LinearCrossEntropyOptions, *,
@@ -216,29 +186,14 @@ def linear_cross_entropy(p: common.Prepared, opts: spec.LinearCrossEntropyOption
     [chunk, V] element of memory and traffic; no effect for float32 inputs),
     ``interpret`` (default: True unless JAX's default backend is a GPU).
     """
-    pick = lambda val, key: GPU_DEFAULTS[key] if val is None else val
-    if interpret is None:
-        interpret = jax.default_backend() != "gpu"
-    elif not isinstance(interpret, bool):
-        raise TypeError(f"interpret must be a bool or None, got {interpret!r}")
-    if not isinstance(fp32_logits, bool):
-        raise TypeError(f"fp32_logits must be a bool, got {fp32_logits!r}")
-    if grid_size is not None:
-        common.check_tuning("grid_size", grid_size)
-    elif not interpret:
-        grid_size = _default_grid_size()
+    settings = launch.resolve(GPU_DEFAULTS, block_rows=block_rows, block_v=block_v,
+                              num_warps=num_warps, num_stages=num_stages, grid_size=grid_size,
+                              fp32_logits=fp32_logits, interpret=interpret)
     head = PallasHead(
-        softcap=opts.softcap, smoothing=opts.uses_smoothing,
-        block_rows=common.check_tuning("block_rows", pick(block_rows, "block_rows"),
-                                       power_of_2=True, hi=1024),
-        block_v=common.check_tuning("block_v", pick(block_v, "block_v"), power_of_2=True,
-                                    hi=1 << 16),
-        num_warps=common.check_tuning("num_warps", pick(num_warps, "num_warps"),
-                                      power_of_2=True, hi=32),
-        num_stages=common.check_tuning("num_stages", pick(num_stages, "num_stages"), hi=8),
-        grid_size=grid_size, interpret=interpret, fp32_logits=fp32_logits)
+        softcap=opts.softcap, smoothing=opts.uses_smoothing, **settings)
     bytes_per = p.x.dtype.itemsize + (4 if fp32_logits and p.x.dtype.itemsize < 4 else 0)
     plan = plan_token_chunks(p.problem.n, p.problem.v, bytes_per_element=bytes_per,
-                             budget_bytes=pick(memory_budget, "memory_budget"),
+                             budget_bytes=launch.pick(GPU_DEFAULTS, memory_budget,
+                                                      "memory_budget"),
                              chunk_size=chunk_size)
     return common.chunked_linear_cross_entropy(p, opts, plan, head)

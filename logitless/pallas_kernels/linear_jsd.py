@@ -29,10 +29,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from .. import _jax_common as common
 from .. import _jax_jsd as jc
 from ..specs import linear_jsd as spec
-from ..specs.tiling import ceil_div, next_power_of_2
+from ..specs.tiling import ceil_div
+from . import _launch as launch
 
 TUNING = ("chunk_size", "logits_chunk_size", "memory_budget", "block_rows", "block_v",
           "num_warps", "num_stages", "grid_size", "fp32_logits", "interpret")
@@ -46,11 +46,6 @@ GPU_DEFAULTS = dict(memory_budget=896 << 20, block_rows=1, block_v=8192, num_war
 # sub-chunks of chunk / LOGITS_SHARE tokens (the gradient buffer keeps the whole chunk, so
 # that dW's float32 accumulator is read and written once per chunk): as the Triton backend.
 LOGITS_SHARE = 4
-_I0 = np.int32(0)
-
-
-def _iota(n):
-    return jnp.arange(n, dtype=jnp.int32)
 
 
 def _rows_kernel(zs_ref, zt_ref, *refs, v, block_rows, block_v, grid_size, kind, beta,
@@ -70,12 +65,12 @@ def _rows_kernel(zs_ref, zt_ref, *refs, v, block_rows, block_v, grid_size, kind,
     inv_t = 1.0 / temperature
 
     def row_block(r0):
-        rmask = (r0 + _iota(block_rows)) < n_rows
+        rmask = (r0 + launch.iota(block_rows)) < n_rows
         rows = pl.ds(r0, block_rows)
         y = plgpu.load(y_ref.at[rows], mask=rmask, other=-1) if has_y else None
 
         def block(j):
-            cols = j * block_v + _iota(block_v)
+            cols = j * block_v + launch.iota(block_v)
             cmask = cols < v
             span = pl.ds(j * block_v, block_v)
             m2 = rmask[:, None] & cmask[None, :]
@@ -89,7 +84,7 @@ def _rows_kernel(zs_ref, zt_ref, *refs, v, block_rows, block_v, grid_size, kind,
             zs, zt, cmask, is_target, _ = block(j)
             return jc.stats_update(carry, zs * inv_t, zt * inv_t, zs, cmask, is_target, **kw)
 
-        stats = lax.fori_loop(_I0, np.int32(n_vblocks), sweep1, jc.stats_init(block_rows))
+        stats = lax.fori_loop(launch.I0, np.int32(n_vblocks), sweep1, jc.stats_init(block_rows))
         l_a, c, l_z, z_y, kl = jc.stats_finish(stats, **kw)
         if kind == "jsd":
             def sweep2(j, carry):
@@ -98,7 +93,7 @@ def _rows_kernel(zs_ref, zt_ref, *refs, v, block_rows, block_v, grid_size, kind,
                                           beta=beta)
 
             zero = jnp.zeros((block_rows,), jnp.float32)
-            kk, jj = lax.fori_loop(_I0, np.int32(n_vblocks), sweep2, (zero, zero))
+            kk, jj = lax.fori_loop(launch.I0, np.int32(n_vblocks), sweep2, (zero, zero))
         else:
             kk = jj = kl
         plgpu.store(loss_ref.at[rows], jc.row_loss(jj, l_z, z_y, hard_w, hard), mask=rmask)
@@ -114,18 +109,9 @@ def _rows_kernel(zs_ref, zt_ref, *refs, v, block_rows, block_v, grid_size, kind,
                             mask=rmask[:, None] & cmask[None, :])
                 return carry
 
-            lax.fori_loop(_I0, np.int32(n_vblocks), sweep3, 0)
+            lax.fori_loop(launch.I0, np.int32(n_vblocks), sweep3, 0)
 
-    pid = pl.program_id(0)
-    n_row_blocks = ceil_div(n_rows, block_rows)
-    if grid_size >= n_row_blocks:
-        row_block(pid * block_rows)
-    else:
-        def persistent(t, carry):
-            row_block((pid + t * grid_size) * block_rows)
-            return carry
-
-        lax.fori_loop(_I0, (n_row_blocks - pid + grid_size - 1) // grid_size, persistent, 0)
+    launch.walk_row_blocks(row_block, n_rows, block_rows, grid_size)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,10 +134,7 @@ class PallasHead(jc.Head):
 
     def _call(self, zs, zt, y, coef, grad_dtype):
         n_rows, v = zs.shape
-        block_rows = min(self.block_rows, next_power_of_2(n_rows))
-        block_v = min(self.block_v, next_power_of_2(v))
-        n_row_blocks = ceil_div(n_rows, block_rows)
-        grid_size = n_row_blocks if self.grid_size is None else min(self.grid_size, n_row_blocks)
+        block_rows, block_v, grid_size = launch.tile(self, n_rows, v)
         write_grad = grad_dtype is not None
         inputs = [zs, zt] + ([y] if y is not None else []) + ([coef] if write_grad else [])
         out_shape = [jax.ShapeDtypeStruct((n_rows,), jnp.float32)]
@@ -162,14 +145,8 @@ class PallasHead(jc.Head):
             _rows_kernel, v=v, block_rows=block_rows, block_v=block_v, grid_size=grid_size,
             kind=self.kind, beta=self.beta, temperature=self.temperature, hard_w=self.hard_w,
             has_y=y is not None, t_one=self.temperature == 1.0, write_grad=write_grad)
-        out = pl.pallas_call(
-            kernel, out_shape=tuple(out_shape), grid=(grid_size,),
-            input_output_aliases={0: 1} if in_place else {},
-            interpret=self.interpret,
-            compiler_params=plgpu.CompilerParams(num_warps=self.num_warps,
-                                                 num_stages=self.num_stages),
-            name="logitless_linear_jsd_rows",
-        )(*inputs)
+        out = launch.call(self, kernel, inputs, out_shape, grid_size=grid_size,
+                          aliases={0: 1} if in_place else {}, name="logitless_linear_jsd_rows")
         return out if write_grad else out[0]
 
     def loss(self, zs, zt, y):
@@ -177,11 +154,6 @@ class PallasHead(jc.Head):
 
     def loss_grad(self, zs, zt, y, coef, grad_dtype):
         return self._call(zs, zt, y, coef, grad_dtype)
-
-
-def _default_grid_size() -> Optional[int]:
-    sms = getattr(jax.devices()[0], "core_count", None)
-    return None if not sms else int(sms) * GPU_DEFAULTS["programs_per_sm"]
 
 
 def linear_jsd(p: jc.Prepared, opts: spec.LinearJSDOptions, *, chunk_size=None,
@@ -200,28 +172,13 @@ def linear_jsd(p: jc.Prepared, opts: spec.LinearJSDOptions, *, chunk_size=None,
     accurate gradients in bf16), ``interpret`` (default: True unless JAX's default backend is
     a GPU).
     """
-    pick = lambda val, key: GPU_DEFAULTS[key] if val is None else val
-    if interpret is None:
-        interpret = jax.default_backend() != "gpu"
-    elif not isinstance(interpret, bool):
-        raise TypeError(f"interpret must be a bool or None, got {interpret!r}")
-    if not isinstance(fp32_logits, bool):
-        raise TypeError(f"fp32_logits must be a bool, got {fp32_logits!r}")
-    if grid_size is not None:
-        common.check_tuning("grid_size", grid_size)
-    elif not interpret:
-        grid_size = _default_grid_size()
+    settings = launch.resolve(GPU_DEFAULTS, block_rows=block_rows, block_v=block_v,
+                              num_warps=num_warps, num_stages=num_stages, grid_size=grid_size,
+                              fp32_logits=fp32_logits, interpret=interpret)
     head = PallasHead(
         kind=opts.kind, beta=opts.beta, temperature=opts.temperature,
-        hard_w=opts.hard_loss_weight,
-        block_rows=common.check_tuning("block_rows", pick(block_rows, "block_rows"),
-                                       power_of_2=True, hi=1024),
-        block_v=common.check_tuning("block_v", pick(block_v, "block_v"), power_of_2=True,
-                                    hi=1 << 16),
-        num_warps=common.check_tuning("num_warps", pick(num_warps, "num_warps"),
-                                      power_of_2=True, hi=32),
-        num_stages=common.check_tuning("num_stages", pick(num_stages, "num_stages"), hi=8),
-        grid_size=grid_size, interpret=interpret, fp32_logits=fp32_logits)
-    plan, sub = jc.plan_chunks(p, fp32_logits, LOGITS_SHARE, pick(memory_budget, "memory_budget"),
+        hard_w=opts.hard_loss_weight, **settings)
+    plan, sub = jc.plan_chunks(p, fp32_logits, LOGITS_SHARE,
+                               launch.pick(GPU_DEFAULTS, memory_budget, "memory_budget"),
                                chunk_size, logits_chunk_size)
     return jc.chunked_linear_jsd(p, opts, plan, head, sub)

@@ -1,0 +1,98 @@
+"""What the Pallas row kernels (linear cross-entropy, linear JSD) share around their math:
+resolving the launch settings from the tuning keywords, the tile and grid of one call, the
+``pallas_call`` itself, and the persistent walk over row blocks inside a kernel."""
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from .. import _jax_common as common
+from ..specs.tiling import ceil_div, next_power_of_2
+
+# Index math in int32 whatever jax_enable_x64 says (offsets into buffers past 2**32 bytes are
+# widened by Pallas itself); loop counters, iotas and program ids then share one type.
+I0 = np.int32(0)
+
+
+def iota(n):
+    return jnp.arange(n, dtype=jnp.int32)
+
+
+def pick(defaults: Dict[str, Any], value, key: str):
+    """``value``, or the GPU default ``defaults[key]`` when it is None."""
+    return defaults[key] if value is None else value
+
+
+def default_grid_size(defaults: Dict[str, Any]) -> Optional[int]:
+    """SMs × ``defaults["programs_per_sm"]`` (None where the device has no core count)."""
+    sms = getattr(jax.devices()[0], "core_count", None)
+    return None if not sms else int(sms) * defaults["programs_per_sm"]
+
+
+def resolve(defaults: Dict[str, Any], *, block_rows, block_v, num_warps, num_stages,
+            grid_size, fp32_logits, interpret) -> Dict[str, Any]:
+    """The kernel's launch settings (the head's fields of those names), checked, with the GPU
+    ``defaults`` for those not given; ``interpret`` defaults to True off a GPU, and so does a
+    grid of one program per row block (``grid_size`` None)."""
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    elif not isinstance(interpret, bool):
+        raise TypeError(f"interpret must be a bool or None, got {interpret!r}")
+    if not isinstance(fp32_logits, bool):
+        raise TypeError(f"fp32_logits must be a bool, got {fp32_logits!r}")
+    if grid_size is not None:
+        common.check_tuning("grid_size", grid_size)
+    elif not interpret:
+        grid_size = default_grid_size(defaults)
+    return dict(
+        block_rows=common.check_tuning("block_rows", pick(defaults, block_rows, "block_rows"),
+                                       power_of_2=True, hi=1024),
+        block_v=common.check_tuning("block_v", pick(defaults, block_v, "block_v"),
+                                    power_of_2=True, hi=1 << 16),
+        num_warps=common.check_tuning("num_warps", pick(defaults, num_warps, "num_warps"),
+                                      power_of_2=True, hi=32),
+        num_stages=common.check_tuning("num_stages", pick(defaults, num_stages, "num_stages"),
+                                       hi=8),
+        grid_size=grid_size, interpret=interpret, fp32_logits=fp32_logits)
+
+
+def tile(head, n_rows: int, v: int):
+    """``(block_rows, block_v, grid_size)`` of one call on ``[n_rows, v]`` logits: the head's
+    tile shrunk to the buffer, at most one program per row block."""
+    block_rows = min(head.block_rows, next_power_of_2(n_rows))
+    block_v = min(head.block_v, next_power_of_2(v))
+    n_row_blocks = ceil_div(n_rows, block_rows)
+    grid_size = n_row_blocks if head.grid_size is None else min(head.grid_size, n_row_blocks)
+    return block_rows, block_v, grid_size
+
+
+def call(head, kernel, inputs, out_shape, *, grid_size: int, aliases, name: str):
+    """``pallas_call`` of ``kernel`` on a 1-D grid with the head's Triton settings."""
+    return pl.pallas_call(
+        kernel, out_shape=tuple(out_shape), grid=(grid_size,),
+        input_output_aliases=aliases,
+        interpret=head.interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=head.num_warps,
+                                             num_stages=head.num_stages),
+        name=name,
+    )(*inputs)
+
+
+def walk_row_blocks(row_block, n_rows: int, block_rows: int, grid_size: int) -> None:
+    """Inside a kernel: program p runs ``row_block(r0)`` for row blocks p, p + grid_size, ..."""
+    pid = pl.program_id(0)
+    n_row_blocks = ceil_div(n_rows, block_rows)
+    if grid_size >= n_row_blocks:  # one row block per program
+        row_block(pid * block_rows)
+    else:
+        def persistent(t, carry):
+            row_block((pid + t * grid_size) * block_rows)
+            return carry
+
+        lax.fori_loop(I0, (n_row_blocks - pid + grid_size - 1) // grid_size, persistent, 0)
