@@ -1,11 +1,11 @@
 """PyTorch backends of linear JSD joining the shared harness (and the naive torch path)."""
 from __future__ import annotations
 
-import math
 
 import numpy as np
 
 from harness import Backend, register
+from helpers import torch_jsd_loss
 
 OP = "linear_jsd"
 
@@ -74,34 +74,15 @@ def naive_torch_jsd(case, inp):
     input-dtype GEMM, F.kl_div / F.cross_entropy, autograd, the backward GEMMs in the input
     dtype (see op_linear_jsd for why)."""
     import torch
-    import torch.nn.functional as F
     xs, ws, xt, wt, y, g = torch_inputs(case, inp)
     zs = _half_gemm_fp32_logits()(xs, ws)
     with torch.no_grad():
         zt = xt.float() @ wt.float().t()
-    logq = F.log_softmax(zs / case.temperature, dim=-1)
-    logp = F.log_softmax(zt / case.temperature, dim=-1)
-    kl = lambda inp_, tgt: F.kl_div(inp_, tgt, reduction="none", log_target=True).sum(-1)
-    b = case.beta
-    if b == 0:
-        tok = kl(logq, logp)
-    elif b == 1:
-        tok = kl(logp, logq)
-    else:
-        logm = torch.logsumexp(torch.stack([logq + math.log(1 - b), logp + math.log(b)]), dim=0)
-        tok = b * kl(logm, logp) + (1 - b) * kl(logm, logq)
     n = zs.shape[0]
     mask = torch.ones(n, device=zs.device) if y is None else (y != inp.ignore_index).float()
-    if case.hard_loss_weight:
-        tok = tok + case.hard_loss_weight * F.cross_entropy(
-            zs, y, ignore_index=inp.ignore_index, reduction="none")
-    tok = tok * mask
-    if case.reduction == "none":
-        loss = tok
-    elif case.reduction == "sum":
-        loss = tok.sum()
-    else:
-        loss = tok.sum() / mask.sum().clamp_min(1.0)
+    loss, _ = torch_jsd_loss(zs, zt, y, mask, beta=case.beta, temperature=case.temperature,
+                             hard_loss_weight=case.hard_loss_weight,
+                             ignore_index=inp.ignore_index, reduction=case.reduction)
     return torch_collect(loss, xs, ws, xt, wt, g)
 
 

@@ -13,7 +13,8 @@ import jax.numpy as jnp  # noqa: E402
 import logitless.jax as lj  # noqa: E402
 from logitless.specs import linear_cross_entropy as spec  # noqa: E402
 
-from harness import SEED, rel_err  # noqa: E402
+from harness import SEED  # noqa: E402
+from helpers import assert_close_rel, jaxpr_eqns  # noqa: E402
 
 BACKENDS = ["xla", "pallas"]
 TOL = 2e-5  # float32 inputs against the float64 spec (blocked fp32 reductions)
@@ -37,9 +38,7 @@ def _ref(x, w, y, b=None, **opts):
 
 
 def _assert_close(a, r, tol=TOL):
-    a = np.asarray(a, np.float64)
-    assert np.isfinite(a).all()
-    assert rel_err(a, r) <= tol, rel_err(a, r)
+    assert_close_rel(a, r, tol)
 
 
 # --------------------------------------------------------------------- transformations
@@ -102,17 +101,6 @@ def test_vmap_over_a_leading_batch_axis(backend):
         _assert_close(dw[i], ref["dw"])
 
 
-def _eqns(jaxpr):
-    """Every equation of a jaxpr and of the jaxprs nested in its equations' parameters."""
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for p in eqn.params.values():
-            for sub in (p if isinstance(p, (tuple, list)) else (p,)):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    yield from _eqns(inner)
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_flax_hv_layout_uses_the_kernel_as_is(backend):
     """A Flax Dense kernel (H, V) with weight_layout="hv": right values and an (H, V) gradient,
@@ -130,7 +118,7 @@ def test_flax_hv_layout_uses_the_kernel_as_is(backend):
     _assert_close(dx, ref["dx"])
     _assert_close(dk.T, ref["dw"])
     weight_shapes = {kernel.shape, kernel.shape[::-1]}
-    moved = [e for e in _eqns(jax.make_jaxpr(vg)(x, kernel).jaxpr)
+    moved = [e for e in jaxpr_eqns(jax.make_jaxpr(vg)(x, kernel).jaxpr)
              if e.primitive.name in ("transpose", "copy", "copy_p")
              and any(tuple(getattr(v.aval, "shape", ())) in weight_shapes for v in e.invars)]
     assert not moved, moved

@@ -22,6 +22,7 @@ import pytest
 
 import backends  # noqa: F401  (registers the backends)
 from harness import SEED, check_backend, under_test
+from helpers import assert_close_abs, check_cuda_graph_training, no_host_sync, torch_jsd_loss
 from logitless.specs import linear_jsd as spec
 from op_linear_jsd import OP
 
@@ -109,35 +110,16 @@ def _one_torch_thread():
 
 def torch_oracle(case, d):
     import torch
-    import torch.nn.functional as F
     t = lambda a: torch.tensor(a, dtype=torch.float64)
     xs, ws = t(d["xs"]).requires_grad_(), t(d["ws"]).requires_grad_()
     zs = xs @ ws.T
     zs.retain_grad()
     zt = t(d["xt"]) @ t(d["wt"]).T
-    logq = F.log_softmax(zs / case.temperature, dim=-1)
-    logp = F.log_softmax(zt / case.temperature, dim=-1)
-    kl = lambda i, tg: F.kl_div(i, tg, reduction="none", log_target=True).sum(-1)
-    b = case.beta
-    if b == 0:
-        tok = kl(logq, logp)
-    elif b == 1:
-        tok = kl(logp, logq)
-    else:
-        logm = torch.logsumexp(torch.stack([logq + math.log(1 - b), logp + math.log(b)]), dim=0)
-        tok = b * kl(logm, logp) + (1 - b) * kl(logm, logq)
     y = None if d["y"] is None else torch.tensor(d["y"])
     mask = torch.ones(case.n, dtype=torch.float64) if y is None else (y != case.ignore_index).double()
-    if case.hard_loss_weight:
-        tok = tok + case.hard_loss_weight * F.cross_entropy(
-            zs, y, ignore_index=case.ignore_index, reduction="none")
-    tok = tok * mask
-    if case.reduction == "none":
-        loss = tok
-    elif case.reduction == "sum":
-        loss = tok.sum()
-    else:
-        loss = tok.sum() / max(float(mask.sum()), 1.0)
+    loss, tok = torch_jsd_loss(zs, zt, y, mask, beta=case.beta, temperature=case.temperature,
+                               hard_loss_weight=case.hard_loss_weight,
+                               ignore_index=case.ignore_index, reduction=case.reduction)
     dx, dw, dz = torch.autograd.grad(loss, [xs, ws, zs], t(d["g"]))
     f = lambda a: a.detach().numpy()
     return dict(loss=f(loss), token_loss=f(tok), dz=f(dz), dx=f(dx), dw=f(dw))
@@ -207,14 +189,7 @@ ORACLES = {"torch": torch_oracle, "jax": jax_oracle}
 
 
 def assert_close(name, got, want):
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    assert got.shape == want.shape, f"{name}: shape {got.shape} != {want.shape}"
-    assert np.isfinite(want).all(), f"{name}: the oracle itself is not finite"
-    assert np.isfinite(got).all(), f"{name}: not finite"
-    err = np.max(np.abs(got - want), initial=0.0)
-    scale = np.max(np.abs(want), initial=0.0)
-    assert err <= RTOL * scale + ATOL, \
-        f"{name}: max abs err {err:.3g} > {RTOL:g} x scale {scale:.3g} + {ATOL:g}"
+    assert_close_abs(name, got, want, rtol=RTOL, atol=ATOL)
 
 
 def check_against(oracle, case):
@@ -701,39 +676,9 @@ def test_gpu_cuda_graph_training_step():
     teacher = torch.randn(v, ht, device="cuda") * 0.1
     y = torch.randint(0, v, (n,), device="cuda")
     head = torch.nn.Linear(hs, v, bias=False, device="cuda")
-    opt = torch.optim.SGD(head.parameters(), lr=0.1)
-
-    def step():
-        opt.zero_grad(set_to_none=False)
-        loss = lt.linear_jsd(hidden, head.weight, teacher_hidden, teacher, y, backend="triton",
-                             chunk_size=200, beta=0.4, temperature=2.0)
-        loss.backward()
-        opt.step()
-        return loss
-
-    w0 = head.weight.detach().clone()
-    eager = [step().detach().clone() for _ in range(3)]
-    w_eager = head.weight.detach().clone()
-    with torch.no_grad():
-        head.weight.copy_(w0)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()
-    torch.cuda.current_stream().wait_stream(s)
-    with torch.no_grad():
-        head.weight.copy_(w0)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_loss = step()
-    with torch.no_grad():
-        head.weight.copy_(w0)
-    replayed = []
-    for _ in range(3):
-        graph.replay()
-        replayed.append(static_loss.detach().clone())
-    torch.testing.assert_close(torch.stack(replayed), torch.stack(eager), rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(head.weight, w_eager, rtol=1e-5, atol=1e-6)
+    check_cuda_graph_training(head, lambda w: lt.linear_jsd(
+        hidden, w, teacher_hidden, teacher, y, backend="triton", chunk_size=200, beta=0.4,
+        temperature=2.0))
 
 
 @gpu
@@ -747,12 +692,8 @@ def test_gpu_no_host_sync(reduction):
     ws.requires_grad_()
     kw = dict(backend="triton", chunk_size=128, hard_loss_weight=0.1, temperature=2.0)
     lt.linear_jsd(xs, ws, xt, wt, y, reduction=reduction, **kw).sum().backward()  # compile
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         lt.linear_jsd(xs, ws, xt, wt, y, reduction=reduction, **kw).sum().backward()
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
     assert torch.isfinite(xs.grad.float()).all()
 
 

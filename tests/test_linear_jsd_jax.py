@@ -13,7 +13,8 @@ import jax.numpy as jnp  # noqa: E402
 import logitless.jax as lj  # noqa: E402
 from logitless.specs import linear_jsd as spec  # noqa: E402
 
-from harness import SEED, rel_err  # noqa: E402
+from harness import SEED  # noqa: E402
+from helpers import assert_close_rel, jaxpr_eqns  # noqa: E402
 
 BACKENDS = ["xla", "pallas"]
 TOL = 2e-5  # float32 inputs against the float64 spec
@@ -44,9 +45,7 @@ def _ref(xs, ws, xt, wt, y, g=None, **opts):
 
 
 def _close(a, r, tol=TOL):
-    a = np.asarray(a, np.float64)
-    assert np.isfinite(a).all()
-    assert rel_err(a, r) <= tol, rel_err(a, r)
+    assert_close_rel(a, r, tol)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -104,16 +103,6 @@ def test_vmap_over_a_leading_batch_axis(backend):
         _close(dw[i], ref["dw"])
 
 
-def _eqns(jaxpr):
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for p in eqn.params.values():
-            for sub in (p if isinstance(p, (tuple, list)) else (p,)):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    yield from _eqns(inner)
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_flax_hv_layout_uses_the_kernels_as_they_are(backend):
     xs, ws, xt, wt, y = _problem(salt=4)
@@ -128,7 +117,7 @@ def test_flax_hv_layout_uses_the_kernels_as_they_are(backend):
     _close(dx, ref["dx"])
     _close(dk.T, ref["dw"])
     shapes = {ks.shape, ks.shape[::-1], kt.shape, kt.shape[::-1]}
-    moved = [e for e in _eqns(jax.make_jaxpr(vg)(xs, ks).jaxpr)
+    moved = [e for e in jaxpr_eqns(jax.make_jaxpr(vg)(xs, ks).jaxpr)
              if e.primitive.name in ("transpose", "copy", "copy_p")
              and any(tuple(getattr(v.aval, "shape", ())) in shapes for v in e.invars)]
     assert not moved, moved

@@ -23,6 +23,7 @@ import backends  # noqa: F401  (registers the backends)
 from backends_jax import _pallas_test_tuning
 from backends_torch import _torch_collect, _torch_inputs
 from harness import FACTOR, FLOOR, backends, compare, rel_err
+from helpers import pick_cases
 from op_linear_cross_entropy import cases_linear_cross_entropy, make_inputs, reference
 
 BACKENDS = backends("linear_cross_entropy")
@@ -63,12 +64,7 @@ def _pick(cases):
         c.n == 37 and not (c.bias or c.class_weight or c.label_smoothing or c.z_loss or
                            c.softcap or c.lse_grad) and c.ignore == "some",
     }
-    out = {}
-    for name, pred in wanted.items():
-        match = [c for c in cases if pred(c)]
-        assert match, f"the harness case matrix changed: no {name!r} case; update _pick"
-        out[name] = match[0]
-    return out
+    return pick_cases(cases, wanted, "the harness case matrix")
 
 
 PICKED = _pick(cases_linear_cross_entropy())

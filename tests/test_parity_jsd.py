@@ -16,6 +16,7 @@ import backends  # noqa: F401  (registers the backends)
 from backends_jsd_jax import jsd_runner as jax_runner, pallas_test_tuning
 from backends_jsd_torch import torch_collect, torch_inputs
 from harness import FACTOR, FLOOR, backends as registry, compare, missing_modules, rel_err, ulp
+from helpers import pick_cases
 from op_linear_jsd import OP
 
 BACKENDS = registry(OP.name)
@@ -41,12 +42,7 @@ def _pick():
         "all-ignored": lambda c: c.ignore == "all" and c.reduction == "mean" and
         c.dtype == "float32",
     }
-    out = {}
-    for name, pred in want.items():
-        match = [c for c in cases if pred(c)]
-        assert match, f"the case matrix changed: no {name!r} case; update _pick"
-        out[name] = match[0]
-    return out
+    return pick_cases(cases, want)
 
 
 PICKED = _pick()

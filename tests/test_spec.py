@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 from harness import SEED
+from helpers import assert_close_abs
 from logitless.specs import linear_cross_entropy as spec
 
 RTOL = 1e-10
@@ -267,15 +268,7 @@ CASES = _cases()
 
 
 def assert_close(name, got, want):
-    """max |got - want| <= RTOL · max |want| + ATOL, and nothing may be NaN or infinite."""
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    assert got.shape == want.shape, f"{name}: shape {got.shape} != {want.shape}"
-    assert np.isfinite(want).all(), f"{name}: the oracle itself is not finite"
-    assert np.isfinite(got).all(), f"{name}: not finite"
-    err = np.max(np.abs(got - want), initial=0.0)
-    scale = np.max(np.abs(want), initial=0.0)
-    assert err <= RTOL * scale + ATOL, \
-        f"{name}: max abs err {err:.3g} > {RTOL:g} x scale {scale:.3g} + {ATOL:g}"
+    assert_close_abs(name, got, want, rtol=RTOL, atol=ATOL)
 
 
 def check_against(oracle, case):

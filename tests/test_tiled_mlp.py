@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import logitless.jax as lj
 import logitless.torch as lt
 from harness import FACTOR, FLOOR, NP_DTYPES, SEED, rel_err
+from helpers import no_host_sync
 from logitless.specs import tiled_mlp as spec
 
 CUDA = torch.cuda.is_available()
@@ -602,13 +603,9 @@ def test_gpu_llama_like_shape_and_no_host_sync(accum):
     lt.tiled_mlp(m, x, num_shards=4, grad_accum_dtype=accum).backward(dy)  # compiles kernels
     x.grad = None
     m.zero_grad(set_to_none=True)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         y = lt.tiled_mlp(m, x, num_shards=4, grad_accum_dtype=accum)
         y.backward(dy)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     e = lambda a, b: ((a.double() - b).norm() / b.norm()).item()
     assert e(x.grad, x64.grad) <= max(FACTOR * e(xn.grad, x64.grad), FLOOR["bfloat16"])
     for (n, p), r, nv in zip(m.named_parameters(), ref.parameters(), naive.parameters()):

@@ -7,6 +7,7 @@ import torch
 
 import logitless.torch as lt
 from harness import SEED
+from helpers import check_cuda_graph_training, no_host_sync
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -129,39 +130,8 @@ def test_cuda_graph_training_step(low_memory):
     hidden = torch.randn(n, h, device="cuda")
     y = torch.randint(0, v, (n,), device="cuda")
     head = torch.nn.Linear(h, v, bias=False, device="cuda")
-    opt = torch.optim.SGD(head.parameters(), lr=0.1)
-
-    def step():
-        opt.zero_grad(set_to_none=False)
-        loss = lt.linear_cross_entropy(hidden, head.weight, y, backend="triton",
-                                       low_memory=low_memory, z_loss=1e-4)
-        loss.backward()
-        opt.step()
-        return loss
-
-    w0 = head.weight.detach().clone()
-    eager = [step().detach().clone() for _ in range(3)]
-    w_eager = head.weight.detach().clone()
-    with torch.no_grad():
-        head.weight.copy_(w0)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):  # warm-up outside capture, as CUDA graphs require
-        step()
-    torch.cuda.current_stream().wait_stream(s)
-    with torch.no_grad():
-        head.weight.copy_(w0)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_loss = step()
-    with torch.no_grad():
-        head.weight.copy_(w0)
-    replayed = []
-    for _ in range(3):
-        graph.replay()
-        replayed.append(static_loss.detach().clone())
-    torch.testing.assert_close(torch.stack(replayed), torch.stack(eager), rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(head.weight, w_eager, rtol=1e-5, atol=1e-6)
+    check_cuda_graph_training(head, lambda w: lt.linear_cross_entropy(
+        hidden, w, y, backend="triton", low_memory=low_memory, z_loss=1e-4))
 
 
 @gpu
@@ -173,15 +143,11 @@ def test_no_host_sync(reduction, low_memory):
     x.requires_grad_()
     w.requires_grad_()
     lt.linear_cross_entropy(x, w, y, backend="triton").sum().backward()  # compile outside
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         loss = lt.linear_cross_entropy(x, w, y, backend="triton", reduction=reduction,
                                        low_memory=low_memory, label_smoothing=0.1,
                                        weight=torch.rand(1000, device="cuda"))
         loss.sum().backward()
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
     assert torch.isfinite(x.grad.float()).all()
 
 

@@ -1,0 +1,142 @@
+"""Helpers several test files share: closeness checks against the float64 spec, the JSD
+formulation the torch oracle and the naive torch backend both use, the jaxpr walk, and the
+GPU checks (CUDA-graph capture of a training step, no host syncs).
+
+Frameworks are imported inside the functions: a test file that needs only one of them, or
+none (the spec tests), imports this module without the others."""
+from __future__ import annotations
+
+import contextlib
+import math
+
+import numpy as np
+
+from harness import rel_err
+
+
+# ============================================================================== closeness
+def assert_close_abs(name, got, want, *, rtol, atol):
+    """max |got - want| <= rtol · max |want| + atol, and nothing may be NaN or infinite."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    assert got.shape == want.shape, f"{name}: shape {got.shape} != {want.shape}"
+    assert np.isfinite(want).all(), f"{name}: the oracle itself is not finite"
+    assert np.isfinite(got).all(), f"{name}: not finite"
+    err = np.max(np.abs(got - want), initial=0.0)
+    scale = np.max(np.abs(want), initial=0.0)
+    assert err <= rtol * scale + atol, \
+        f"{name}: max abs err {err:.3g} > {rtol:g} x scale {scale:.3g} + {atol:g}"
+
+
+def assert_close_rel(a, r, tol):
+    """``a`` finite and within relative (norm) error ``tol`` of the float64 ``r``."""
+    a = np.asarray(a, np.float64)
+    assert np.isfinite(a).all()
+    assert rel_err(a, r) <= tol, rel_err(a, r)
+
+
+def pick_cases(cases, wanted, what="the case matrix"):
+    """``{name: the first case where wanted[name](case)}``; fails when a name matches none."""
+    out = {}
+    for name, pred in wanted.items():
+        match = [c for c in cases if pred(c)]
+        assert match, f"{what} changed: no {name!r} case; update _pick"
+        out[name] = match[0]
+    return out
+
+
+# ============================================================================== JSD in torch
+def torch_jsd_loss(zs, zt, y, mask, *, beta, temperature, hard_loss_weight, ignore_index,
+                   reduction):
+    """``(loss, per-token loss)`` of Liger's formulation on materialized logits: ``F.kl_div``
+    with ``log_target``, log M by logsumexp, ``F.cross_entropy`` for the hard-label term;
+    ``mask`` (1 = counted) in the logits' float dtype."""
+    import torch
+    import torch.nn.functional as F
+    logq = F.log_softmax(zs / temperature, dim=-1)
+    logp = F.log_softmax(zt / temperature, dim=-1)
+    kl = lambda inp, tgt: F.kl_div(inp, tgt, reduction="none", log_target=True).sum(-1)
+    b = beta
+    if b == 0:
+        tok = kl(logq, logp)
+    elif b == 1:
+        tok = kl(logp, logq)
+    else:
+        logm = torch.logsumexp(torch.stack([logq + math.log(1 - b), logp + math.log(b)]), dim=0)
+        tok = b * kl(logm, logp) + (1 - b) * kl(logm, logq)
+    if hard_loss_weight:
+        tok = tok + hard_loss_weight * F.cross_entropy(
+            zs, y, ignore_index=ignore_index, reduction="none")
+    tok = tok * mask
+    if reduction == "none":
+        loss = tok
+    elif reduction == "sum":
+        loss = tok.sum()
+    else:
+        loss = tok.sum() / mask.sum().clamp_min(1.0)
+    return loss, tok
+
+
+# ============================================================================== JAX
+def jaxpr_eqns(jaxpr):
+    """Every equation of a jaxpr and of the jaxprs nested in its equations' parameters."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for p in eqn.params.values():
+            for sub in (p if isinstance(p, (tuple, list)) else (p,)):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from jaxpr_eqns(inner)
+
+
+# ============================================================================== GPU
+def check_cuda_graph_training(head, loss_fn):
+    """A training step of ``head`` (zero_grad, ``loss_fn(head.weight)``, backward, an SGD
+    step): three eager steps, then three replays of the step captured in a CUDA graph, each
+    series from the same start: the losses and the final weight must agree."""
+    import torch
+    weight = head.weight
+    opt = torch.optim.SGD(head.parameters(), lr=0.1)
+
+    def step():
+        opt.zero_grad(set_to_none=False)
+        loss = loss_fn(weight)
+        loss.backward()
+        opt.step()
+        return loss
+
+    w0 = weight.detach().clone()
+    eager = [step().detach().clone() for _ in range(3)]
+    w_eager = weight.detach().clone()
+    with torch.no_grad():
+        weight.copy_(w0)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):  # warm-up outside capture, as CUDA graphs require
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    with torch.no_grad():
+        weight.copy_(w0)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_loss = step()
+    with torch.no_grad():
+        weight.copy_(w0)
+    replayed = []
+    for _ in range(3):
+        graph.replay()
+        replayed.append(static_loss.detach().clone())
+    torch.testing.assert_close(torch.stack(replayed), torch.stack(eager), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(weight, w_eager, rtol=1e-5, atol=1e-6)
+
+
+@contextlib.contextmanager
+def no_host_sync():
+    """Inside, a host sync on the GPU raises (torch's sync debug mode); call once outside
+    first, so that compiling and autotuning are not inside."""
+    import torch
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
