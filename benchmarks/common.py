@@ -13,9 +13,9 @@ Conventions (the same for every op, so results are comparable across files):
 * error: ``‖a − ref‖ / ‖ref‖`` accumulated in float64, over row blocks so that no full-size
   temporary is made.
 
-Frameworks are imported lazily, per function: ``torch`` by the torch helpers, ``jax`` only by
-``time_jax``; the JAX benchmarks use the framework-free parts (environment, CPU memory, the
-command-line parsers, tables, JSON).
+Frameworks are imported lazily, per function: ``torch`` by the torch helpers, ``jax`` only
+by ``time_jax``; the JAX benchmarks use the framework-free parts (environment, CPU memory,
+the command-line parsers, tables, JSON).
 """
 from __future__ import annotations
 
@@ -566,6 +566,17 @@ def loss_cells(c: Dict[str, Any], ratios: Sequence[Optional[float]],
     return [fmt_ms(c["ms"]), *map(fmt_ratio, ratios), fmt_bytes(memory),
             fmt_err(c.get("dx_rel_err")), fmt_err(c.get("dw_rel_err")),
             fmt_err(c.get("loss_rel_err")), ""]
+
+
+def brief(rec: Dict[str, Any], *, memory_label: str = "extra",
+          memory_key: str = "peak_extra_bytes") -> str:
+    """A candidate record in one log line: time, ratio to the floor, memory, dX and dW errors
+    (or its status and error)."""
+    if rec["status"] != "ok":
+        return f"{rec['status']}: {rec.get('error', '')}"
+    return (f"{fmt_ms(rec['ms'])} ms, {fmt_ratio(rec.get('ratio_to_floor'))} floor, "
+            f"{memory_label} {fmt_bytes(rec.get(memory_key))}, "
+            f"dx {fmt_err(rec.get('dx_rel_err'))}, dw {fmt_err(rec.get('dw_rel_err'))}")
 
 
 def wrote_lines(result: Dict[str, Any]) -> List[str]:

@@ -337,20 +337,12 @@ def bench_shape(shape: Shape, candidates, *, reps: int, warmup: int, seed: int,
                 rec["ratio_to_floor"] = rec["ms"] / floor_ms
             if cublas_ms:
                 rec["ratio_to_cublas_floor"] = rec["ms"] / cublas_ms
-        common.log(f"[{shape.name}] {label}: {_brief(rec)}")
+        line = common.brief(rec, memory_label="temp", memory_key="temp_bytes")
+        common.log(f"[{shape.name}] {label}: {line}")
         res["candidates"].append(rec)
     del x, w, y, filled, w_hv, refs
     gc.collect()
     return res
-
-
-def _brief(rec) -> str:
-    if rec["status"] != "ok":
-        return f"{rec['status']}: {rec.get('error', '')}"
-    return (f"{common.fmt_ms(rec['ms'])} ms, {common.fmt_ratio(rec.get('ratio_to_floor'))} floor, "
-            f"temp {common.fmt_bytes(rec.get('temp_bytes'))}, "
-            f"dx {common.fmt_err(rec.get('dx_rel_err'))}, "
-            f"dw {common.fmt_err(rec.get('dw_rel_err'))}")
 
 
 # ----------------------------------------------------------------------------- run, report

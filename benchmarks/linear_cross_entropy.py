@@ -354,19 +354,11 @@ def bench_shape(shape: Shape, candidates, *, device: str, reps: int, warmup: int
                               warmup=warmup)
         if rec.get("ms") is not None and floor_ms:
             rec["ratio_to_floor"] = rec["ms"] / floor_ms
-        common.log(f"[{shape.name}] {label}: {_brief(rec)}")
+        common.log(f"[{shape.name}] {label}: {common.brief(rec)}")
         res["candidates"].append(rec)
     del inputs, x, w, y, ref
     common.free_memory(device)
     return res
-
-
-def _brief(rec) -> str:
-    if rec["status"] != "ok":
-        return f"{rec['status']}: {rec.get('error', '')}"
-    return (f"{common.fmt_ms(rec['ms'])} ms, {common.fmt_ratio(rec.get('ratio_to_floor'))} floor, "
-            f"extra {common.fmt_bytes(rec['peak_extra_bytes'])}, "
-            f"dx {common.fmt_err(rec.get('dx_rel_err'))}, dw {common.fmt_err(rec.get('dw_rel_err'))}")
 
 
 # ----------------------------------------------------------------------------- run, report

@@ -435,19 +435,11 @@ def bench_shape(shape: Shape, candidates, opts, *, device, reps, warmup, seed) -
                 rec["ratio_to_floor"] = rec["ms"] / floor_ms
             if xla_ms and cand.framework == "jax":
                 rec["ratio_to_xla_floor"] = rec["ms"] / xla_ms
-        common.log(f"[{shape.name}] {label}: {_brief(rec)}")
+        common.log(f"[{shape.name}] {label}: {common.brief(rec)}")
         res["candidates"].append(rec)
     del data, xs, ws, xt, wt, y, ref, jx
     common.free_memory(device)
     return res
-
-
-def _brief(rec) -> str:
-    if rec["status"] != "ok":
-        return f"{rec['status']}: {rec.get('error', '')}"
-    return (f"{common.fmt_ms(rec['ms'])} ms, {common.fmt_ratio(rec.get('ratio_to_floor'))} "
-            f"floor, extra {common.fmt_bytes(rec.get('peak_extra_bytes'))}, "
-            f"dx {common.fmt_err(rec.get('dx_rel_err'))}, dw {common.fmt_err(rec.get('dw_rel_err'))}")
 
 
 # ----------------------------------------------------------------------------- probe
