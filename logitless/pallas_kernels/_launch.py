@@ -84,6 +84,19 @@ def call(head, kernel, inputs, out_shape, *, grid_size: int, aliases, name: str)
     )(*inputs)
 
 
+def store_grad_backwards(dz_ref, rows, rmask, n_vblocks: int, grad_block) -> None:
+    """Inside a kernel, the gradient sweep of a row block: ``grad_block(j) -> (dz, cmask,
+    span)`` for column blocks j from the last to the first (the previous sweep read the last
+    ones last), each stored masked into ``dz_ref`` in its dtype."""
+    def sweep(t, carry):
+        dz, cmask, span = grad_block(n_vblocks - 1 - t)
+        plgpu.store(dz_ref.at[rows, span], dz.astype(dz_ref.dtype),
+                    mask=rmask[:, None] & cmask[None, :])
+        return carry
+
+    lax.fori_loop(I0, np.int32(n_vblocks), sweep, 0)
+
+
 def walk_row_blocks(row_block, n_rows: int, block_rows: int, grid_size: int) -> None:
     """Inside a kernel: program p runs ``row_block(r0)`` for row blocks p, p + grid_size, ..."""
     pid = pl.program_id(0)

@@ -115,15 +115,13 @@ def _rows_kernel(z_ref, y_ref, coef_ref, *refs, v, block_rows, block_v, grid_siz
         plgpu.store(lse_ref.at[rows], lse, mask=rmask)
 
         if write_grad:
-            def sweep2(j, carry):
-                c, cmask, is_target, cw, span = block(n_vblocks - 1 - j)
+            def sweep2(j):
+                c, cmask, is_target, cw, span = block(j)
                 dz = common.grad_logits(c, lse, is_target, cw, b, sm, smo, zw, g, h,
                                         softcap=softcap, smoothing=smoothing)
-                plgpu.store(dz_ref.at[rows, span], dz.astype(dz_ref.dtype),
-                            mask=rmask[:, None] & cmask[None, :])
-                return carry
+                return dz, cmask, span
 
-            lax.fori_loop(launch.I0, np.int32(n_vblocks), sweep2, 0)
+            launch.store_grad_backwards(dz_ref, rows, rmask, n_vblocks, sweep2)
 
     launch.walk_row_blocks(row_block, n_rows, block_rows, grid_size)
 

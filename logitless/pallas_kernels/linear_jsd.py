@@ -101,15 +101,13 @@ def _rows_kernel(zs_ref, zt_ref, *refs, v, block_rows, block_v, grid_size, kind,
         if write_grad:
             coef = plgpu.load(coef_ref.at[rows], mask=rmask, other=0.0)
 
-            def sweep3(j, carry):
-                zs, zt, cmask, is_target, span = block(n_vblocks - 1 - j)
+            def sweep3(j):
+                zs, zt, cmask, is_target, span = block(j)
                 dz = jc.grad_block(zs * inv_t, zt * inv_t, zs, is_target, l_a, c, l_z, kk,
                                    coef, coef * hard_w, beta=beta, temperature=temperature, **kw)
-                plgpu.store(dz_ref.at[rows, span], dz.astype(dz_ref.dtype),
-                            mask=rmask[:, None] & cmask[None, :])
-                return carry
+                return dz, cmask, span
 
-            lax.fori_loop(launch.I0, np.int32(n_vblocks), sweep3, 0)
+            launch.store_grad_backwards(dz_ref, rows, rmask, n_vblocks, sweep3)
 
     launch.walk_row_blocks(row_block, n_rows, block_rows, grid_size)
 
