@@ -78,7 +78,7 @@ class Config:
     segment: int          # columns of a row per program (multiple of block)
     num_warps: int
     grid: int             # persistent programs (fused kernel); 0 = one per SM x programs_per_sm
-    row_sync: int         # 1 fused with per-row barriers, 0 one launch per pass, -1 auto
+    row_sync: int         # 1 fused with per-row barriers, 0 or -1 (default) one launch per pass
 
 
 # ----------------------------------------------------------------------------- launching
@@ -90,7 +90,9 @@ def _row_kernel(zs, zt, dz, y, g, loss, opts_t, v, cfg: Config, write_loss, writ
         return
     segs = triton.cdiv(v, cfg.segment)
     dev = zs.device
-    fused = segs == 1 or cfg.row_sync == 1 or (cfg.row_sync == -1 and not _interpret())
+    # One launch per pass is the default: on the H100 it measured 1-2.5 ms faster per Llama-size
+    # call than the fused kernel with per-row barriers (benchmarks/jsd_profile.py, 3 runs).
+    fused = segs == 1 or cfg.row_sync == 1
     if fused and segs > 1 and (_interpret() or segs > _max_resident_segments(dev)):
         fused = False  # programs that wait for each other must be resident together
     # absent buffers are never dereferenced (constexpr switches): any tensor stands in
@@ -381,8 +383,9 @@ def linear_jsd(p: jsd_common.Prepared, opts: spec.LinearJSDOptions, *, chunk_siz
     ~1e-2 less accurate), ``grad_accum_dtype`` (``torch.float32``, or the input dtype to save
     ``2·V·H`` bytes at some accuracy cost), ``block_v`` (row-kernel columns per step, a power
     of 2), ``segment_size`` (columns of a row per program, a multiple of ``block_v``),
-    ``num_warps``, ``programs_per_sm`` (persistent grid), ``row_sync`` (None: fused kernel
-    with per-row barriers on a GPU; False: one launch per pass).
+    ``num_warps``, ``programs_per_sm`` (persistent grid), ``row_sync`` (None or False: one
+    launch per pass, the measured faster default; True: one fused launch with per-row
+    barriers).
     """
     xs = p.xs
     for name, t in (("student_input", xs), ("teacher_input", p.xt)):

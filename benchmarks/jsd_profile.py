@@ -1,0 +1,111 @@
+"""Where linear JSD's time goes on a GPU: a kernel-level profile of one fwd+bwd of
+``backend="triton"`` and a sweep of chunk settings (time, peak extra memory).
+
+    PYTHONPATH=. python3 benchmarks/jsd_profile.py [--n 8192 --h 4096 --v 128256]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+import logitless.torch as lt
+
+SWEEP = [  # backend="triton" tuning keywords
+    {}, dict(row_sync=True),
+    dict(programs_per_sm=3), dict(programs_per_sm=4),
+    dict(num_warps=4, block_v=1024, programs_per_sm=4),
+    dict(block_v=4096, segment_size=16384), dict(segment_size=16384), dict(segment_size=32768),
+    dict(chunk_size=2048, logits_chunk_size=512), dict(chunk_size=1536, logits_chunk_size=512),
+    dict(chunk_size=2048, logits_chunk_size=256),
+    dict(fp32_logits=False),
+]
+
+
+def inputs(n, h, v, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    xs = (torch.randn(n, h, device="cuda", generator=g) / h ** 0.25).bfloat16().requires_grad_()
+    ws = (torch.randn(v, h, device="cuda", generator=g) / h ** 0.25 * 2).bfloat16()
+    ws.requires_grad_()
+    xt = (xs.detach().float() + 0.5 * torch.randn(n, h, device="cuda", generator=g)
+          / h ** 0.25).bfloat16()
+    wt = (ws.detach().float() + 0.5 * torch.randn(v, h, device="cuda", generator=g)
+          / h ** 0.25 * 2).bfloat16()
+    y = torch.randint(0, v, (n,), device="cuda", generator=g)
+    y[torch.rand(n, device="cuda", generator=g) < 0.1] = -100
+    return xs, ws, xt, wt, y
+
+
+def time_ms(fn, reps=10, warmup=2):
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--n", type=int, default=8192)
+    ap.add_argument("--h", type=int, default=4096)
+    ap.add_argument("--v", type=int, default=128256)
+    a = ap.parse_args()
+    xs, ws, xt, wt, y = inputs(a.n, a.h, a.v)
+    g = torch.randn(a.n, a.v, device="cuda", dtype=torch.bfloat16)
+
+    def floor():
+        torch.mm(xs, ws.t())
+        torch.mm(xt, wt.t())
+        torch.mm(g, ws)
+        torch.mm(g.t(), xs)
+
+    fl = time_ms(floor)
+    del g
+    torch.cuda.empty_cache()
+    print(f"floor (4 GEMMs): {fl:.2f} ms")
+    for kw in SWEEP:
+        def step(kw=kw):
+            loss = lt.linear_jsd(xs, ws, xt, wt, y, backend="triton", **kw)
+            return torch.autograd.grad(loss, (xs, ws))
+        step()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        out = step()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base - sum(t.numel() * t.element_size()
+                                                              for t in out)
+        del out
+        t = time_ms(step)
+        print(f"{kw}: {t:.2f} ms ({t / fl:.3f}x), extra {peak / 1e9:.2f} GB", flush=True)
+
+    def step():
+        loss = lt.linear_jsd(xs, ws, xt, wt, y, backend="triton")
+        return torch.autograd.grad(loss, (xs, ws))
+    step()
+    torch.cuda.synchronize()
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts, record_shapes=True) as prof:
+        step()
+        torch.cuda.synchronize()
+    for key in ("device_time_total", "cuda_time_total"):
+        try:
+            print(prof.key_averages().table(sort_by=key, row_limit=14,
+                                            max_name_column_width=60))
+            print(prof.key_averages(group_by_input_shape=True).table(
+                sort_by=key, row_limit=16, max_name_column_width=30,
+                max_shapes_column_width=70))
+            break
+        except Exception:  # noqa: BLE001 - the key's name differs across torch versions
+            continue
+
+
+if __name__ == "__main__":
+    main()
