@@ -92,6 +92,9 @@ def prepare(xs, ws, xt, wt, y, opts: spec.LinearJSDOptions, weight_layout="vh") 
 # δ = b − a − c = log P − log Q and Λ = log1p(β·expm1(δ)), so that a KL or JSD of nearly equal
 # distributions (second order in their difference) is not swamped by rounding of O(10) values.
 FAR = 30.0    # b − a (or δ) beyond which the heads are far apart: no expm1 overflow
+# |L_b − L_a| at or above which c is taken as the plain difference: log1p(E_Q[expm1(b − a)])
+# is accurate only while E_Q[·] = e^c − 1 is not near −1 (cancellation for c ≪ 0).
+GAP = 1.0
 SMALL = 0.1   # below it expm1 / log1p use their Taylor polynomials
 
 
@@ -160,7 +163,7 @@ def stats_finish(carry, *, kind, hard, t_one):
     m_a, s_a, m_b, s_b, u, md, w, m_z, s_z, z_y = carry
     l_a = m_a + jnp.log(s_a)
     l_b = m_b + jnp.log(s_b)
-    c = jnp.where(md < FAR, log1p(u / s_a), l_b - l_a)
+    c = jnp.where((md < FAR) & (jnp.abs(l_b - l_a) < GAP), log1p(u / s_a), l_b - l_a)
     l_z = l_a if (t_one or not hard) else m_z + jnp.log(s_z)
     if kind == "forward_kl":
         kl = w * jnp.exp(m_b - l_b) - c        # Σ P·(b − a) − (L_b − L_a)

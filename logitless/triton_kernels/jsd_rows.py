@@ -10,7 +10,8 @@ third buffer. With a = z_s/T, b = z_t/T, L_a / L_b their log-sum-exps, Q = e^(a 
    computed *accurately*: c = log1p(E_Q[expm1(b − a)]) (from the online Σ e^(a−m)·expm1(b−a)),
    not as a difference of two O(10) log-sum-exps, whose rounding (~1e-6) would swamp a KL or
    JSD of nearly equal distributions (it is second order in their difference). Far-apart
-   heads (some b − a > 30) take c = L_b − L_a, accurate enough there. For β ∈ {0, 1} the
+   heads (some b − a > 30, or |L_b − L_a| ≥ 1, where the log1p form itself cancels) take
+   c = L_b − L_a, accurate enough there. For β ∈ {0, 1} the
    online Σ P·(b − a) (or Σ Q·(a − b)) then gives the KL itself: no second pass;
 2. (0 < β < 1 only) with δ = b − a − c = log P − log Q, per element
    log Q − log M = −Λ, Λ = log1p(β·expm1(δ)) (accurate for small δ), and the sums
@@ -51,6 +52,9 @@ KIND_FORWARD_KL, KIND_REVERSE_KL, KIND_JSD = 0, 1, 2
 # Λ = log β + δ are exact enough.
 FAR = tl.constexpr(30.0)
 SMALL = tl.constexpr(0.1)  # below it expm1 / log1p use their Taylor polynomials
+# |L_b − L_a| at or above which c is the plain difference: log1p(E_Q[expm1(b − a)]) cancels
+# when E_Q[·] = e^c − 1 is near −1 (c ≪ 0), and a large gap needs no extra accuracy.
+GAP = tl.constexpr(1.0)
 
 
 @triton.jit
@@ -137,8 +141,8 @@ def _seg_stats(s_row, t_row, col0, col1, y_local, inv_t, KIND: tl.constexpr,
 
 @triton.jit
 def _row_gap(l_a, l_b, u_over_s, md):
-    """c = L_b − L_a: log1p(E_Q[expm1(b − a)]) unless the heads are far apart."""
-    return tl.where(md < FAR, _log1p(u_over_s), l_b - l_a)
+    """c = L_b − L_a: log1p(E_Q[expm1(b − a)]) while the heads are close, else the difference."""
+    return tl.where((md < FAR) & (tl.abs(l_b - l_a) < GAP), _log1p(u_over_s), l_b - l_a)
 
 
 @triton.jit
