@@ -5,7 +5,7 @@ cases covering every option.
 * every backend agrees with the float64 spec (the harness tolerance: a small factor of the
   naive path's error in that dtype), checked on one shared set of inputs;
 * PyTorch-side and JAX-side implementations of the same algorithm agree with each other to
-  that same tolerance (torch <-> xla, triton <-> pallas);
+  that same tolerance plus one output rounding (torch <-> xla, triton <-> pallas);
 * the bridge changes nothing: PyTorch -> JAX through the bridge gives what the same JAX
   backend gives when called from JAX, to within a few ulps of the output dtype.
 """
@@ -106,6 +106,13 @@ def _tolerance(case, key, ref, naive_runs):
     return max(max(FACTOR * rel_err(nv[key], ref[key]) for nv in naive_runs), FLOOR[case.dtype])
 
 
+def _pair_tolerance(case, key, ref, naive_runs):
+    """Two backends against each other: the harness tolerance plus one output rounding (FLOOR),
+    since each side rounds its own fp32 result to the output dtype (in half precision a
+    one-ulp split on a few elements of a tiny output, e.g. N=1, is 1e-3 of its norm)."""
+    return _tolerance(case, key, ref, naive_runs) + FLOOR[case.dtype]
+
+
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_same_inputs_every_backend(case):
     inp, ref, runs, naive = _run_all(case, PYTORCH_SIDE + JAX_SIDE)
@@ -120,7 +127,7 @@ def test_same_inputs_every_backend(case):
             if not np.any(r):
                 assert not np.any(runs[a][key]) and not np.any(runs[b][key])
                 continue
-            tol = _tolerance(case, key, ref, naive.values())
+            tol = _pair_tolerance(case, key, ref, naive.values())
             err = rel_err(runs[a][key], runs[b][key])
             if err > tol:
                 failures.append(f"{a} vs {b}: {key} rel diff {err:.3g} > {tol:.3g}")

@@ -3,7 +3,7 @@ backends (torch, triton, pallas through the bridge) and the JAX backends (xla, p
 
 * every backend agrees with the float64 spec (the harness tolerance) on one shared input set;
 * PyTorch-side and JAX-side implementations of the same algorithm agree with each other to
-  that tolerance (torch <-> xla, triton <-> pallas);
+  that tolerance plus one output rounding (torch <-> xla, triton <-> pallas);
 * the bridge changes nothing: PyTorch -> JAX through the bridge gives what the same JAX backend
   gives when called from JAX, within a few ulps of the output dtype.
 """
@@ -71,8 +71,9 @@ def test_same_inputs_every_backend(case):
             if not np.any(r):
                 assert not np.any(runs[a][key]) and not np.any(runs[b][key])
                 continue
+            # the harness tolerance plus one output rounding: each side rounds on its own
             tol = max(max(FACTOR * rel_err(nv[key], r) for nv in naive.values()),
-                      FLOOR[case.dtype])
+                      FLOOR[case.dtype]) + FLOOR[case.dtype]
             err = rel_err(runs[a][key], runs[b][key])
             if err > tol:
                 failures.append(f"{a} vs {b}: {key} rel diff {err:.3g} > {tol:.3g}")

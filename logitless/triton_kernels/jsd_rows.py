@@ -440,17 +440,26 @@ def jsd_rows_kernel(
 
 
 # ----------------------------------------------------------------------------- diagnostics
-def _cuda_tool(name: str) -> str:
-    """Triton's bundled CUDA tool, else one on PATH or in /usr/local/cuda/bin."""
+def _cuda_tool(name: str, arch: int) -> str:
+    """The CUDA tool Triton itself uses (its ``ptxas`` may be a system one, newer than the
+    bundle: the PTX it emits then needs that one), else the bundle, PATH, /usr/local/cuda."""
     import os
     import shutil
 
-    for path in (os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
-                              name),
-                 shutil.which(name) or "", os.path.join("/usr/local/cuda/bin", name)):
+    candidates = []
+    try:  # triton >= 3.4; a missing or renamed helper just falls through
+        from triton.backends.nvidia.compiler import get_ptxas
+        ptxas = get_ptxas(arch).path
+        candidates.append(ptxas if name == "ptxas" else os.path.join(os.path.dirname(ptxas), name))
+    except Exception:  # noqa: BLE001
+        pass
+    candidates += [os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                                name), shutil.which(name) or "",
+                   os.path.join("/usr/local/cuda/bin", name)]
+    for path in candidates:
         if path and os.path.exists(path):
             return path
-    raise RuntimeError(f"{name} not found (Triton's bundled tools, PATH, /usr/local/cuda/bin)")
+    raise RuntimeError(f"{name} not found (Triton's own, its bundle, PATH, /usr/local/cuda/bin)")
 
 
 def compile_report(arch: int = 90, variants=None) -> str:
@@ -473,7 +482,7 @@ def compile_report(arch: int = 90, variants=None) -> str:
         dict(PHASE=1), dict(PHASE=2), dict(PHASE=3, HAS_Y=False), dict(WRITE_GRAD=False),
         dict(num_warps=16, BLOCK=4096, SEG=16384, SEGS=8, SEGS_P2=8),
     ]
-    ptxas = _cuda_tool("ptxas")
+    ptxas = _cuda_tool("ptxas", arch)
     sig = dict(s_ptr="*fp32", s_stride="i32", t_ptr="*fp32", t_stride="i32", dz_ptr="*bf16",
                dz_stride="i32", y_ptr="*i64", g_ptr="*fp32", g_stride="i32", loss_ptr="*fp32",
                part_ptr="*fp32", sync_ptr="*i32", n_rows="i32", V="i32", ignore_index="i32",
@@ -499,12 +508,14 @@ def compile_report(arch: int = 90, variants=None) -> str:
                 f.write(compiled.asm["ptx"])
             cubin = os.path.join(d, "k.cubin")
             r = subprocess.run([ptxas, f"-arch=sm_{arch}a", "-v", path, "-o", cubin],
-                               capture_output=True, text=True, check=True)
+                               capture_output=True, text=True)
+            if r.returncode:
+                raise RuntimeError(f"{ptxas} failed:\n{r.stderr[-2000:]}")
             info = "; ".join(ln.split("info    : ")[-1].strip() for ln in r.stderr.splitlines()
                              if "registers" in ln or "spill" in ln)
             # A few per-row scalars spilled outside the column loops cost nothing; a spill
             # inside an (unrolled) column loop shows as many local loads/stores.
-            sass = subprocess.run([_cuda_tool("cuobjdump"), "-sass", cubin],
+            sass = subprocess.run([_cuda_tool("cuobjdump", arch), "-sass", cubin],
                                   capture_output=True, text=True, check=True).stdout
             n_local = sum(("STL " in ln) or ("LDL " in ln) for ln in sass.splitlines())
             info += f"; {n_local} local ops"
