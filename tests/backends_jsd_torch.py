@@ -92,8 +92,8 @@ def triton_split_runner(case, inp):
     interpreter, which runs programs one by one, the three-launch path over two segments
     (its cost grows with programs x blocks)."""
     import torch
-    if torch.cuda.is_available():
-        return jsd_runner("triton", block_v=32, segment_size=64)(case, inp)
+    if torch.cuda.is_available():  # row_sync=True: the fused kernel is no longer the default
+        return jsd_runner("triton", block_v=32, segment_size=64, row_sync=True)(case, inp)
     block = 32 if case.v < 256 else 128
     segment = block * -(-(-(-case.v // 2)) // block)
     return jsd_runner("triton", block_v=block, segment_size=segment)(case, inp)
