@@ -6,11 +6,16 @@
 from __future__ import annotations
 
 import argparse
-import statistics
+import sys
+from pathlib import Path
 
 import torch
 
-import logitless.torch as lt
+if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import logitless.torch as lt  # noqa: E402
+from benchmarks import common  # noqa: E402
 
 SWEEP = [  # backend="triton" tuning keywords
     {}, dict(row_sync=True),
@@ -38,17 +43,7 @@ def inputs(n, h, v, seed=0):
 
 
 def time_ms(fn, reps=10, warmup=2):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return common.time_fn(fn, device="cuda", reps=reps, warmup=warmup).median_ms
 
 
 def main():

@@ -3,28 +3,22 @@ fast and low-memory modes, and variants of the row kernel's launch, at TARGETS.m
 Writes JSON lines to --out. Not a user benchmark (see linear_cross_entropy.py for that)."""
 import argparse
 import json
-import time
+import sys
+from pathlib import Path
 
 import torch
 
-import logitless.torch as lt
-import logitless.triton_kernels.linear_cross_entropy as tlce
+if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import logitless.torch as lt  # noqa: E402
+import logitless.triton_kernels.linear_cross_entropy as tlce  # noqa: E402
+from benchmarks import common  # noqa: E402
 
 
 def bench(fn, reps=10, warmup=3):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    times.sort()
-    return times[len(times) // 2]
+    """Median ms of ``fn`` on the GPU (benchmarks.common.time_fn: CUDA events per call)."""
+    return common.time_fn(fn, device="cuda", reps=reps, warmup=warmup).median_ms
 
 
 def inputs(n, h, v, dtype=torch.bfloat16):
