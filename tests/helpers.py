@@ -140,3 +140,49 @@ def no_host_sync():
         yield
     finally:
         torch.cuda.set_sync_debug_mode(0)
+
+
+# ============================================================================ gloo ranks
+def _free_port():
+    import socket
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _gloo_rank(rank, body, world, port, out_dir, args, torch_interpret):
+    import os
+    import traceback
+
+    import torch
+    import torch.distributed as dist
+    if not torch_interpret:  # the torch formulas instead of the (slow) Triton interpreter
+        os.environ.pop("TRITON_INTERPRET", None)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    res = {}
+    try:
+        res = body(rank, world, *args)
+    except Exception:  # noqa: BLE001 - reported by the parent
+        res = {"crash": traceback.format_exc()}
+    finally:
+        torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.destroy_process_group()
+
+
+def run_gloo_ranks(body, world, out_dir, *args, triton_interpret=False):
+    """Run ``body(rank, world, *args) -> dict`` in ``world`` gloo processes on this CPU; the
+    ranks' dicts, in rank order. A rank that raises fails the caller with its traceback.
+    ``body`` must be a module-level function (it is pickled into the spawned processes)."""
+    import os
+
+    import torch
+    import torch.multiprocessing as mp
+    mp.spawn(_gloo_rank, args=(body, world, _free_port(), str(out_dir), args, triton_interpret),
+             nprocs=world, join=True)
+    res = [torch.load(os.path.join(str(out_dir), f"rank{r}.pt"), weights_only=False)
+           for r in range(world)]
+    for r in res:
+        assert "crash" not in r, r["crash"]
+    return res

@@ -14,16 +14,11 @@ the concatenated batch with ``reduction="mean"``:
 * the DTensor an FSDP2-sharded head exposes *outside* its forward is refused with an error
   (what the loss must be given is the unsharded weight, i.e. call it inside the forward).
 """
-import os
-import pickle
-import socket
-import traceback
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
+
+from helpers import run_gloo_ranks
 
 WORLD = 2
 H, I, V, B, T = 16, 24, 37, 2, 10
@@ -73,61 +68,40 @@ def _step(model, rank):
     model(x, y, count, WORLD).backward()
 
 
-def _worker(rank, port, out_dir):
-    os.environ.pop("TRITON_INTERPRET", None)  # the torch SwiGLU formula: fast on CPU
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    res = {}
+def _worker(rank, world):
+    res = {"reference": _reference()}
+    # --- DDP
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    ddp = DDP(LM())
+    _step(ddp, rank)
+    res["ddp"] = {n[len("module."):]: p.grad.clone() for n, p in ddp.named_parameters()}
+    # --- FSDP2
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+    mesh = init_device_mesh("cpu", (world,))
+    model = LM()
+    fully_shard(model.mlp, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    res["fsdp_param_is_dtensor"] = isinstance(model.head.weight, DTensor)
+    _step(model, rank)
+    res["fsdp"] = {n: p.grad.full_tensor().clone() for n, p in model.named_parameters()}
+    # outside its forward the head weight is the sharded DTensor: refused loudly
+    import logitless.torch as lt
     try:
-        res["reference"] = _reference()
-        # --- DDP
-        from torch.nn.parallel import DistributedDataParallel as DDP
-        ddp = DDP(LM())
-        _step(ddp, rank)
-        res["ddp"] = {n[len("module."):]: p.grad.clone() for n, p in ddp.named_parameters()}
-        # --- FSDP2
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-        from torch.distributed.tensor import DTensor
-        mesh = init_device_mesh("cpu", (WORLD,))
-        model = LM()
-        fully_shard(model.mlp, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        res["fsdp_param_is_dtensor"] = isinstance(model.head.weight, DTensor)
-        _step(model, rank)
-        res["fsdp"] = {n: p.grad.full_tensor().clone() for n, p in model.named_parameters()}
-        # outside its forward the head weight is the sharded DTensor: refused loudly
-        import logitless.torch as lt
-        try:
-            x, y = _data(rank)
-            lt.linear_cross_entropy(torch.randn(3, H), model.head.weight, y[0, :3],
-                                    backend="torch")
-            res["dtensor_error"] = None
-        except Exception as e:  # noqa: BLE001
-            res["dtensor_error"] = f"{type(e).__name__}: {e}"
-    except Exception:  # noqa: BLE001 - reported by the parent
-        res["crash"] = traceback.format_exc()
-    finally:
-        with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
-            pickle.dump(res, f)
-        dist.destroy_process_group()
-
-
-def _free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        x, y = _data(rank)
+        lt.linear_cross_entropy(torch.randn(3, H), model.head.weight, y[0, :3],
+                                backend="torch")
+        res["dtensor_error"] = None
+    except Exception as e:  # noqa: BLE001
+        res["dtensor_error"] = f"{type(e).__name__}: {e}"
+    return res
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("dp")
-    mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=True)
-    res = [pickle.loads((out / f"rank{r}.pkl").read_bytes()) for r in range(WORLD)]
-    for r in res:
-        assert "crash" not in r, r["crash"]
-    return res
+    # workers run the torch SwiGLU formula (fast on CPU), not the Triton interpreter
+    return run_gloo_ranks(_worker, WORLD, tmp_path_factory.mktemp("dp"))
 
 
 def _rel_err(a, b):

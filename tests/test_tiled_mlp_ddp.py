@@ -11,17 +11,14 @@ micro-batches: the first under ``no_sync()``, the second synchronized. Checks:
 * a negative control, the usual tiling (per-shard ``backward`` through the real parameters,
   as peers do), does hit DDP's "marked ready only once" error, so the test can fail.
 """
-import os
-import socket
-import traceback
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+from helpers import run_gloo_ranks
 
 WORLD = 2
 H, I, B, T, SHARDS = 16, 40, 2, 24, 3
@@ -91,61 +88,42 @@ def _loss(model, x):
     return model(x).square().mean()
 
 
-def _worker(rank, port, out_dir):
-    # The SwiGLU's torch formula instead of the Triton interpreter (read when logitless is
-    # first imported, below): this test is about autograd and DDP, and the interpreter is slow.
-    os.environ.pop("TRITON_INTERPRET", None)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+def _worker(rank, world):
     results = {}
-    try:
-        batches = _batches(rank)
-        for kind in ("untiled", "fused", "generic", "per-shard"):
-            # local gradients of both micro-batches, no DDP: the expected sums
-            local = Model(kind if kind != "per-shard" else "generic")
-            for x in batches:
-                _loss(local, x).backward()
-            expected = {}
-            for n, p in local.named_parameters():
-                g = p.grad.clone()
-                dist.all_reduce(g)
-                expected[n] = g / WORLD
-            model = DDP(Model(kind))
-            try:
-                with model.no_sync():
-                    _loss(model, batches[0]).backward()
-                _loss(model, batches[1]).backward()
-                grads = {n[len("module."):]: p.grad.clone() for n, p in model.named_parameters()}
-                results[kind] = dict(grads=grads, expected=expected, error=None)
-            except RuntimeError as e:
-                results[kind] = dict(grads=None, expected=expected, error=str(e))
-            # realign the ranks after a failure mid-backward (a reducer may be left waiting)
-            dist.barrier()
-    except Exception:  # noqa: BLE001 - reported by the parent
-        results["crash"] = traceback.format_exc()
-    finally:
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-        dist.destroy_process_group()
+    batches = _batches(rank)
+    for kind in ("untiled", "fused", "generic", "per-shard"):
+        # local gradients of both micro-batches, no DDP: the expected sums
+        local = Model(kind if kind != "per-shard" else "generic")
+        for x in batches:
+            _loss(local, x).backward()
+        expected = {}
+        for n, p in local.named_parameters():
+            g = p.grad.clone()
+            dist.all_reduce(g)
+            expected[n] = g / world
+        model = DDP(Model(kind))
+        try:
+            with model.no_sync():
+                _loss(model, batches[0]).backward()
+            _loss(model, batches[1]).backward()
+            grads = {n[len("module."):]: p.grad.clone() for n, p in model.named_parameters()}
+            results[kind] = dict(grads=grads, expected=expected, error=None)
+        except RuntimeError as e:
+            results[kind] = dict(grads=None, expected=expected, error=str(e))
+        # realign the ranks after a failure mid-backward (a reducer may be left waiting)
+        dist.barrier()
+    return results
 
 
 def _rel_err(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-def _free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ddp_results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ddp")
-    mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=True)
-    res = [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
-    for r in res:
-        assert "crash" not in r, r["crash"]
-    return res
+    # workers run the SwiGLU's torch formula, not the Triton interpreter: this test is about
+    # autograd and DDP, and the interpreter is slow
+    return run_gloo_ranks(_worker, WORLD, tmp_path_factory.mktemp("ddp"))
 
 
 @pytest.mark.parametrize("kind", ["fused", "generic"])

@@ -10,19 +10,17 @@ error paths. All cases of one world size run inside one spawned group (start-up 
 """
 import dataclasses
 import os
-import pickle
-import socket
 import traceback
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import harness
 import op_linear_cross_entropy as op
 from backends_torch import naive_torch
+from helpers import run_gloo_ranks
 
 EVERYTHING = dict(bias=True, class_weight=True, label_smoothing=0.2, z_loss=1e-2, softcap=5.0,
                   lse_grad=True)
@@ -182,40 +180,18 @@ def _check_module_and_count(rank, world, group):
                 count_dtype=str(count.dtype), wcount=(float(wcount), wexpected))
 
 
-def _worker(rank, world, port, out_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    res = {}
-    try:
-        group = dist.group.WORLD
-        res["cases"] = _check_all(rank, world, group)
-        res["errors"] = _check_errors(rank, world, group)
-        res["module"] = _check_module_and_count(rank, world, group)
-    except Exception:  # noqa: BLE001
-        res["crash"] = traceback.format_exc()
-    finally:
-        with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
-            pickle.dump(res, f)
-        dist.destroy_process_group()
-
-
-def _free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _worker(rank, world):
+    group = dist.group.WORLD
+    return dict(cases=_check_all(rank, world, group), errors=_check_errors(rank, world, group),
+                module=_check_module_and_count(rank, world, group))
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["world2", "world4"])
 def results(request, tmp_path_factory):
     world = request.param
-    out = tmp_path_factory.mktemp(f"vp{world}")
     os.environ["LOGITLESS_TEST_SEED"] = str(harness.SEED)  # every rank draws the same inputs
-    mp.spawn(_worker, args=(world, _free_port(), str(out)), nprocs=world, join=True)
-    res = [pickle.loads((out / f"rank{r}.pkl").read_bytes()) for r in range(world)]
-    for r in res:
-        assert "crash" not in r, r["crash"]
-    return world, res
+    return world, run_gloo_ranks(_worker, world, tmp_path_factory.mktemp(f"vp{world}"),
+                                 triton_interpret=True)
 
 
 def test_vocab_parallel_equals_spec(results):
