@@ -104,6 +104,14 @@ def accumulate_mm_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: b
         torch.addmm(acc, a, b, out=acc, **kw)
 
 
+def accumulate_rows_(acc: torch.Tensor, dz: torch.Tensor, first: bool) -> None:
+    """``acc (+)= dz.sum(0)`` (the bias gradient of one chunk; assigned for the first chunk)."""
+    if first:
+        torch.sum(dz, 0, out=acc)
+    else:
+        acc += dz.sum(0)
+
+
 @dataclasses.dataclass
 class TokenTerms:
     """Per-token quantities of one chunk (see the spec's docstring for the symbols)."""

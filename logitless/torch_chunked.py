@@ -82,10 +82,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                                            class_weight, opts, omega_sum)
             del c
             if db is not None:
-                if s == 0:
-                    torch.sum(dz, 0, out=db)
-                else:
-                    db += dz.sum(0)
+                common.accumulate_rows_(db, dz, first=s == 0)
             dz_low = dz.to(x.dtype)
             del dz
             if dx is not None:

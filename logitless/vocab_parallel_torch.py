@@ -173,10 +173,7 @@ class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
                 dz.mul_(1 - (c / opts.softcap) ** 2)
             del c
             if db is not None:
-                if s == 0:
-                    torch.sum(dz, 0, out=db)
-                else:
-                    db += dz.sum(0)
+                common.accumulate_rows_(db, dz, first=s == 0)
             dz_low = dz.to(x.dtype)
             del dz
             if dw is not None:
