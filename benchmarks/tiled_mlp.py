@@ -15,12 +15,17 @@ For each shape (B, T, H, I and the shard count), in one process and one run:
   ``peak_extra_bytes``) and the same errors against the same reference.
 
 Candidates: ``plain`` (``down(F.silu(gate(x)) * up(x))``: what a model has), ``plain-fused``
-(``lt.SwiGLUMLP`` untiled), ``logitless-tiled`` (the fused tiled path, fp32 gradient
-accumulation, the default), ``logitless-tiled-bf16acc`` (``grad_accum_dtype=None``),
-``logitless-tiled-generic`` (the generic path on the plain module), ``liger-tiled``
-(``LigerTiledSwiGLUMLP`` when importable, CUDA only); ``jax-plain`` (jnp, ``jax.nn.silu``),
-``jax-tiled`` and ``jax-tiled-bf16acc`` (``lj.tiled_mlp`` of ``lj.SwiGLUMLP``; Pallas SwiGLU
-on a GPU, the XLA one elsewhere).
+(``lt.SwiGLUMLP`` untiled), ``logitless-tiled`` (the fused tiled path, defaults: gradients
+summed over shards in the parameters' dtype), ``logitless-tiled-fp32acc``
+(``grad_accum_dtype=torch.float32``), ``logitless-tiled-generic`` (the generic path on the
+plain module), ``liger-tiled`` (``LigerTiledSwiGLUMLP`` when importable, CUDA only);
+``jax-plain`` (jnp, ``jax.nn.silu``), ``jax-tiled`` and ``jax-tiled-fp32acc``
+(``lj.tiled_mlp`` of ``lj.SwiGLUMLP``; Pallas SwiGLU on a GPU, the XLA one elsewhere).
+
+Goals (TARGETS.md / the tiled-MLP issue): the default tiled path is held to the time, peak
+and faster-than-Liger numbers; the fp32 option to "dW error no worse than plain bf16's".
+Results recorded before 2026-11-22 (third session) used the old default: there
+``logitless-tiled`` is the fp32 mode and ``logitless-tiled-bf16acc`` today's default.
 
     PYTHONPATH=. python benchmarks/tiled_mlp.py                  # GPU: the TARGETS.md shape
     PYTHONPATH=. .venv/bin/python benchmarks/tiled_mlp.py        # CPU: tiny shapes
@@ -128,11 +133,13 @@ def _module(kind, shape, weights):
     return m
 
 
-def _tiled(kind, **kw):
+def _tiled(kind, fp32_accum=False):
     def make(shape, weights):
+        import torch
         import logitless.torch as lt
         m = _module(kind, shape, weights)
-        return m, lambda x: lt.tiled_mlp(m, x, num_shards=shape.shards, **kw)
+        accum = torch.float32 if fp32_accum else None
+        return m, lambda x: lt.tiled_mlp(m, x, num_shards=shape.shards, grad_accum_dtype=accum)
     return make
 
 
@@ -156,11 +163,11 @@ TORCH_CANDIDATES = {c.name: c for c in (
     Candidate("plain", "down(F.silu(gate(x)) * up(x)), untiled, bf16", _untiled("plain")),
     Candidate("plain-fused", "lt.SwiGLUMLP untiled (the fused SwiGLU kernel)",
               _untiled("logitless")),
-    Candidate("logitless-tiled", "lt.tiled_mlp(lt.SwiGLUMLP): fused path, fp32 grad accumulation",
+    Candidate("logitless-tiled", "lt.tiled_mlp(lt.SwiGLUMLP): fused path, defaults (bf16 sums)",
               _tiled("logitless")),
-    Candidate("logitless-tiled-bf16acc", "the fused path, grad_accum_dtype=None (bf16 sums)",
-              _tiled("logitless", grad_accum_dtype=None)),
-    Candidate("logitless-tiled-generic", "lt.tiled_mlp(plain module): generic path, fp32 accum",
+    Candidate("logitless-tiled-fp32acc", "the fused path, grad_accum_dtype=torch.float32",
+              _tiled("logitless", fp32_accum=True)),
+    Candidate("logitless-tiled-generic", "lt.tiled_mlp(plain module): generic path, defaults",
               _tiled("plain")),
     Candidate("liger-tiled", "Liger-Kernel LigerTiledSwiGLUMLP(num_shards)", _untiled("liger"),
               cuda_only=True),
@@ -277,8 +284,8 @@ def bench_torch(label, cand: Candidate, shape, data, ref, *, device, reps, warmu
 # ----------------------------------------------------------------------------- JAX bench
 JAX_CANDIDATES = {
     "jax-plain": "jnp: dense, jax.nn.silu(g) * u, dense; untiled",
-    "jax-tiled": "lj.tiled_mlp(lj.SwiGLUMLP): fp32 grad accumulation (Pallas SwiGLU on a GPU)",
-    "jax-tiled-bf16acc": "lj.tiled_mlp(lj.SwiGLUMLP), grad_accum_dtype=None",
+    "jax-tiled": "lj.tiled_mlp(lj.SwiGLUMLP), defaults (Pallas SwiGLU on a GPU)",
+    "jax-tiled-fp32acc": "lj.tiled_mlp(lj.SwiGLUMLP), grad_accum_dtype=jnp.float32",
 }
 
 
@@ -293,7 +300,7 @@ def _jax_fn(name, shape):
             return (jax.nn.silu(g) * u) @ p["down_proj"]["kernel"]
         return plain
     mlp = lj.SwiGLUMLP(shape.h, shape.i)
-    accum = jnp.float32 if name == "jax-tiled" else None
+    accum = jnp.float32 if name == "jax-tiled-fp32acc" else None
     return lambda p, x: lj.tiled_mlp(mlp, p, x, num_shards=shape.shards, grad_accum_dtype=accum)
 
 
@@ -367,12 +374,19 @@ def bench_shape(shape: Shape, torch_names, jax_names, *, device, reps, warmup, s
     return res
 
 
+# which of each candidate's checks the issue holds it to (the others are reported for context)
+HELD_TO = {"logitless-tiled": ("time_ok", "peak_over_base_ok", "faster_than_liger"),
+           "logitless-tiled-fp32acc": ("dw_err_ok",),
+           "jax-tiled": ("temp_ok",)}
+
+
 def check_goals(res) -> Dict[str, Any]:
-    """The issue's acceptance numbers, read off this shape's results (None: not measured)."""
+    """The issue's acceptance numbers, read off this shape's results (None: not measured).
+    ``all_met``: every check of ``HELD_TO`` measured and true."""
     c = {r["name"]: r for r in res["candidates"] if r.get("status") == "ok"}
     plain = c.get("plain")
     out: Dict[str, Any] = {"goals": GOALS}
-    for name in ("logitless-tiled", "logitless-tiled-bf16acc"):
+    for name in ("logitless-tiled", "logitless-tiled-fp32acc"):
         r = c.get(name)
         if r is None or plain is None:
             continue
@@ -387,10 +401,12 @@ def check_goals(res) -> Dict[str, Any]:
             g["dw_err_vs_plain"] = r["dw_rel_err"] / plain["dw_rel_err"]
             g["dw_err_ok"] = r["dw_rel_err"] <= plain["dw_rel_err"]
         out[name] = g
-    for name in ("jax-tiled", "jax-tiled-bf16acc"):
+    for name in ("jax-tiled", "jax-tiled-fp32acc"):
         if name in c and c[name].get("temp_bytes") is not None:
             out[name] = {"temp_bytes": c[name]["temp_bytes"],
                          "temp_ok": c[name]["temp_bytes"] <= GOALS["max_jax_temp_bytes"]}
+    out["all_met"] = all(out.get(name, {}).get(key) is True
+                         for name, keys in HELD_TO.items() for key in keys)
     return out
 
 
@@ -449,9 +465,12 @@ def format_report(result) -> str:
             ["candidate", "ms", "x plain", "peak/base", "extra", "y err", "dx err", "dW err",
              "note"], res["candidates"], cells, note_width=60))
         for name, g in res.get("goals", {}).items():
-            if name != "goals":
-                lines.append(f"  goals {name}: " + ", ".join(
-                    f"{k}={_fmt_goal(k, v)}" for k, v in g.items()))
+            if isinstance(g, dict) and name != "goals":
+                held = HELD_TO.get(name, ())
+                lines.append(f"  goals {name} (held to: {', '.join(held) or 'none'}): " +
+                             ", ".join(f"{k}={_fmt_goal(k, v)}" for k, v in g.items()))
+        if "all_met" in res.get("goals", {}):
+            lines.append(f"  all goals met: {res['goals']['all_met']}")
     lines += ["", f"wrote {result.get('json')}"]
     return "\n".join(lines)
 

@@ -4,8 +4,8 @@
 ``tiled_mlp(fn, params, x)`` is a ``jax.custom_vjp`` whose residuals are ``params`` and ``x``
 only. Its forward walks the shards in a ``lax.fori_loop`` (one traced shard; the ragged last
 one traced on its own) writing each into the output; its backward walks them again, writing
-``dx`` per shard and summing the parameter gradients in a loop carry (fp32 for half-precision
-leaves by default), so only one shard's intermediates are live at a time.
+``dx`` per shard and summing the parameter gradients in a loop carry (in each leaf's dtype, or
+fp32 for half-precision leaves with ``grad_accum_dtype=jnp.float32``), so only one shard's intermediates are live at a time.
 
 * any ``fn``: ``jax.vjp`` of ``fn`` per shard (XLA drops the unused output GEMM of the
   recompute); each shard's parameter cotangents (in the parameters' dtype) are added to the
@@ -165,7 +165,7 @@ def _is_plain_swiglu(fn, params) -> bool:
 
 
 def tiled_mlp(fn, params, x, *, num_shards: Optional[int] = None,
-              grad_accum_dtype=jnp.float32):
+              grad_accum_dtype=None):
     """``fn(params, x)`` computed shard by shard over the tokens, recomputed in backward.
 
     Args:
@@ -177,8 +177,9 @@ def tiled_mlp(fn, params, x, *, num_shards: Optional[int] = None,
             into ``num_shards`` shards of ``ceil(B·T / num_shards)`` consecutive tokens (the
             last one shorter); ``fn`` sees each as ``[1, …, 1, n, H]``.
         num_shards: default ``ceil(T / H)``.
-        grad_accum_dtype: ``jnp.float32`` (default) sums half-precision parameter cotangents
-            over shards in fp32; ``None`` sums in each leaf's dtype.
+        grad_accum_dtype: ``None`` (default) sums parameter cotangents over shards in each
+            leaf's dtype; ``jnp.float32`` sums half-precision ones in fp32 and rounds once
+            (more accurate, fp32 accumulators in the backward's temp memory).
 
     Works under ``jax.jit``, ``jax.grad``, ``jax.vjp`` and ``jax.vmap``.
     """

@@ -252,7 +252,7 @@ def test_torch_generic_matches_float64(case):
 
 def test_fp32_accumulation_beats_param_dtype_accumulation():
     """With many shards, summing bf16 per-shard weight gradients in bf16 loses accuracy;
-    the fp32 default stays within the harness tolerance of the untiled MLP."""
+    grad_accum_dtype=torch.float32 stays within the harness tolerance of the untiled MLP."""
     case = Case((1, 128, 16), 32, "bfloat16", num_shards=16)
     x, p, dy = make_inputs(case, salt=2)
     ref = reference(x, p, dy)
@@ -262,6 +262,19 @@ def test_fp32_accumulation_beats_param_dtype_accumulation():
     check(case.dtype, fp32, ref, naive)
     for k in ("dw_gate", "dw_up", "dw_down"):
         assert rel_err(fp32[k], ref[k]) < rel_err(bf16[k], ref[k]), k
+
+
+def test_torch_default_sums_in_the_parameter_dtype():
+    """The default is grad_accum_dtype=None: the very same gradients, bit for bit."""
+    case = Case((1, 64, 16), 32, "bfloat16", num_shards=8, accum_fp32=False)
+    x, p, dy = make_inputs(case, salt=3)
+    explicit = torch_run(case, x, p, dy)
+    m = torch_module(lt.SwiGLUMLP, case, p)
+    xt = torch.tensor(x, dtype=torch.bfloat16, device=DEV).requires_grad_()
+    lt.tiled_mlp(m, xt, num_shards=8).backward(torch.tensor(dy, dtype=torch.bfloat16, device=DEV))
+    for k in p:
+        np.testing.assert_array_equal(
+            m.get_parameter(NAMES[k]).grad.double().cpu().numpy(), explicit["d" + k], err_msg=k)
 
 
 # ----------------------------------------------------------------------------- torch: semantics
@@ -495,7 +508,8 @@ def test_jax_jit_grad_vmap_of_any_fn_equal_untiled():
 def test_jax_fused_path_and_accumulator_dtype(monkeypatch):
     """Traced, not compiled: the written-out SwiGLU backward runs for a plain SwiGLUMLP only
     (not a subclass, which may override __call__), and its weight gradients are accumulated
-    in fp32 (f32[H, I] values in the program) unless grad_accum_dtype=None."""
+    in fp32 (f32[H, I] values in the program) only with grad_accum_dtype=jnp.float32 (the
+    default, None, sums in the parameters' dtype)."""
     from logitless import tiled_mlp_jax as tmj
     calls = []
     real = tmj._swiglu_shard_grads
@@ -511,6 +525,9 @@ def test_jax_fused_path_and_accumulator_dtype(monkeypatch):
         params = mlp.init(jax.random.PRNGKey(0), jnp.bfloat16)
         loss = lambda p: jnp.sum(lj.tiled_mlp(mlp, p, x, num_shards=4, grad_accum_dtype=accum))
         jaxpr = str(jax.make_jaxpr(jax.grad(loss))(params))
+        if accum is None:  # the default is the same program
+            default = lambda p: jnp.sum(lj.tiled_mlp(mlp, p, x, num_shards=4))
+            assert str(jax.make_jaxpr(jax.grad(default))(params)) == jaxpr
         assert bool(calls) == fused, type(mlp)
         # [shard, I] intermediates are [16, 24]; the accumulators [H, I] = [8, 24]
         assert ("f32[8,24]" in jaxpr) == (accum is not None), (type(mlp), accum)
