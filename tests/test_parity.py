@@ -5,7 +5,8 @@ cases covering every option.
 * every backend agrees with the float64 spec (the harness tolerance: a small factor of the
   naive path's error in that dtype), checked on one shared set of inputs;
 * PyTorch-side and JAX-side implementations of the same algorithm agree with each other to
-  that same tolerance plus one output rounding (torch <-> xla, triton <-> pallas);
+  that same tolerance plus the output roundings (``harness.pair_tolerance``; torch <-> xla,
+  triton <-> pallas);
 * the bridge changes nothing: PyTorch -> JAX through the bridge gives what the same JAX
   backend gives when called from JAX, to within a few ulps of the output dtype.
 """
@@ -22,7 +23,7 @@ import harness
 import backends  # noqa: F401  (registers the backends)
 from backends_jax import _pallas_test_tuning
 from backends_torch import _torch_collect, _torch_inputs
-from harness import FACTOR, FLOOR, backends, compare, rel_err
+from harness import backends, compare, pair_tolerance, rel_err
 from helpers import pick_cases
 from op_linear_cross_entropy import cases_linear_cross_entropy, make_inputs, reference
 
@@ -37,13 +38,6 @@ PAIRS = (("torch", "xla"), ("triton", "pallas"))
 # two programs, while JAX's single program may skip that rounding (XLA's excess precision).
 BRIDGE_ULPS = 2
 GRAD_KEYS = ("dx", "dw", "db")  # in the input dtype; loss and lse are float32
-
-
-def _ulp(values, dtype):
-    fi = ml_dtypes.finfo(harness.NP_DTYPES[dtype])
-    with np.errstate(divide="ignore"):
-        exponent = np.maximum(np.floor(np.log2(np.abs(values))), fi.minexp)
-    return 2.0 ** (exponent - fi.nmant)
 
 
 def _pick(cases):
@@ -101,18 +95,6 @@ def _run_all(case, names):
     return inp, ref, runs, naive
 
 
-def _tolerance(case, key, ref, naive_runs):
-    """The harness tolerance for ``key``, taking the looser of the two naive paths."""
-    return max(max(FACTOR * rel_err(nv[key], ref[key]) for nv in naive_runs), FLOOR[case.dtype])
-
-
-def _pair_tolerance(case, key, ref, naive_runs):
-    """Two backends against each other: the harness tolerance plus one output rounding (FLOOR),
-    since each side rounds its own fp32 result to the output dtype (in half precision a
-    one-ulp split on a few elements of a tiny output, e.g. N=1, is 1e-3 of its norm)."""
-    return _tolerance(case, key, ref, naive_runs) + FLOOR[case.dtype]
-
-
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_same_inputs_every_backend(case):
     inp, ref, runs, naive = _run_all(case, PYTORCH_SIDE + JAX_SIDE)
@@ -127,7 +109,7 @@ def test_same_inputs_every_backend(case):
             if not np.any(r):
                 assert not np.any(runs[a][key]) and not np.any(runs[b][key])
                 continue
-            tol = _pair_tolerance(case, key, ref, naive.values())
+            tol = pair_tolerance(case, key, ref, naive.values())
             err = rel_err(runs[a][key], runs[b][key])
             if err > tol:
                 failures.append(f"{a} vs {b}: {key} rel diff {err:.3g} > {tol:.3g}")
@@ -145,7 +127,7 @@ def test_bridge_matches_jax_called_from_jax(case, jax_backend):
         a, b = np.asarray(bridged[key]), np.asarray(native[key])
         assert a.shape == b.shape and np.isfinite(a).all(), key
         dtype = case.dtype if key in GRAD_KEYS else "float32"
-        ulp = _ulp(b, dtype)
+        ulp = harness.ulp(b, dtype)
         worst = float(np.max(np.abs(a - b) / ulp)) if a.size else 0.0
         if worst <= BRIDGE_ULPS:
             continue

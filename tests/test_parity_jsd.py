@@ -3,7 +3,8 @@ backends (torch, triton, pallas through the bridge) and the JAX backends (xla, p
 
 * every backend agrees with the float64 spec (the harness tolerance) on one shared input set;
 * PyTorch-side and JAX-side implementations of the same algorithm agree with each other to
-  that tolerance plus one output rounding (torch <-> xla, triton <-> pallas);
+  that tolerance plus the output roundings (``harness.pair_tolerance``; torch <-> xla,
+  triton <-> pallas);
 * the bridge changes nothing: PyTorch -> JAX through the bridge gives what the same JAX backend
   gives when called from JAX, within a few ulps of the output dtype.
 """
@@ -15,7 +16,8 @@ import pytest
 import backends  # noqa: F401  (registers the backends)
 from backends_jsd_jax import jsd_runner as jax_runner, pallas_test_tuning
 from backends_jsd_torch import torch_collect, torch_inputs
-from harness import FACTOR, FLOOR, backends as registry, compare, missing_modules, rel_err, ulp
+from harness import (backends as registry, compare, missing_modules, pair_tolerance, rel_err,
+                     ulp)
 from helpers import pick_cases
 from op_linear_jsd import OP
 
@@ -71,9 +73,7 @@ def test_same_inputs_every_backend(case):
             if not np.any(r):
                 assert not np.any(runs[a][key]) and not np.any(runs[b][key])
                 continue
-            # the harness tolerance plus one output rounding: each side rounds on its own
-            tol = max(max(FACTOR * rel_err(nv[key], r) for nv in naive.values()),
-                      FLOOR[case.dtype]) + FLOOR[case.dtype]
+            tol = pair_tolerance(case, key, ref, naive.values())
             err = rel_err(runs[a][key], runs[b][key])
             if err > tol:
                 failures.append(f"{a} vs {b}: {key} rel diff {err:.3g} > {tol:.3g}")
