@@ -6,6 +6,9 @@ VENV ?= .venv
 PY ?= $(VENV)/bin/python
 BASE_PY ?= python3.11
 PYTEST_ARGS ?=
+# pytest-xdist workers for `make test` when it is installed (the venv has it; a bare python3
+# may not): the suite is mostly single-threaded interpreter work, so 2 cores take ~half the time.
+TEST_WORKERS ?= 2
 DEMO_ARGS ?=
 
 .PHONY: test demo bench env clean
@@ -25,7 +28,8 @@ $(VENV)/.installed: requirements-cpu.txt
 env: $(ENV_DEP)
 
 test: $(ENV_DEP)
-	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(PY) -m pytest -q $(PYTEST_ARGS)
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(PY) -m pytest -q \
+	  $$($(PY) -c 'import xdist' 2>/dev/null && echo "-n $(TEST_WORKERS)") $(PYTEST_ARGS)
 
 demo: $(ENV_DEP)
 	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(PY) benchmarks/demo.py $(DEMO_ARGS)

@@ -21,6 +21,9 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import harness  # noqa: E402
 
+# pytest-xdist workers inherit this process's environment: one seed for the whole run
+os.environ.setdefault("LOGITLESS_TEST_SEED", str(harness.SEED))
+
 
 def pytest_report_header(config):
     return [f"logitless test seed: {harness.SEED} (set LOGITLESS_TEST_SEED to replay)",
