@@ -51,7 +51,7 @@ def _is_traced(a) -> bool:
 
 
 def prepare(x, linear_weight, labels, linear_bias, weight, *, ignore_index: int,
-            weight_layout: str = "vh") -> Prepared:
+            weight_layout: str = "vh", check_range: bool = True) -> Prepared:
     """Check types, dtypes and shapes (errors name the argument); flatten to 2-D.
 
     Concrete (untraced) labels are range-checked here, eagerly (this reads them on the host);
@@ -81,14 +81,31 @@ def prepare(x, linear_weight, labels, linear_bias, weight, *, ignore_index: int,
                                 None if linear_bias is None else linear_bias.shape,
                                 None if weight is None else weight.shape,
                                 weight_layout=weight_layout)
-    if not _is_traced(labels):
+    if check_range and not _is_traced(labels):
         spec.check_targets(np.asarray(labels), problem.v, ignore_index)
     return Prepared(
         x=jnp.reshape(x, (problem.n, problem.h)), w=jnp.asarray(linear_weight),
-        y=jnp.reshape(labels, (problem.n,)).astype(jnp.int32),
+        y=labels_int32(jnp.reshape(labels, (problem.n,)), ignore_index),
         bias=None if linear_bias is None else jnp.asarray(linear_bias),
         class_weight=None if weight is None else jnp.asarray(weight, jnp.float32),
         layout=weight_layout, problem=problem)
+
+
+def labels_int32(y, ignore_index: int):
+    """Labels as int32 (what the kernels index with). A wider label outside int32's range
+    becomes a value that is neither a class nor ``ignore_index`` (an out-of-range target, so
+    NaN, as any other), never a wrapped-around class or ignored token."""
+    info = jnp.iinfo(y.dtype)
+    fits = None  # bounds in y's own dtype: a Python -2^31 would wrap for unsigned labels
+    if info.max > _INT32.max:
+        fits = y <= np.array(_INT32.max, y.dtype)
+    if info.min < _INT32.min:
+        low = y >= np.array(_INT32.min, y.dtype)
+        fits = low if fits is None else fits & low
+    y32 = y.astype(jnp.int32)
+    if fits is None:
+        return y32
+    return jnp.where(fits, y32, jnp.int32(-1 if ignore_index != -1 else -2))
 
 
 def check_tuning(name: str, value, *, power_of_2=False, lo=1, hi=None):
@@ -267,6 +284,17 @@ def _forward(st: _Static, x, w, bias, y, cw):
     return tok, lse, omega
 
 
+def mean_scales(reduction: str, dtype, total):
+    """(forward scale, backward scale) of a fused forward's unit-upstream gradients: 1/Σ in
+    the forward where the spec's rule lets it fold into dz, else in backward (fp16 "mean")."""
+    if reduction != "mean":
+        return 1.0, jnp.ones((), jnp.float32)
+    inv = 1.0 / mean_denominator(total)
+    if spec.folds_mean_divisor(reduction, jnp.dtype(dtype).name):
+        return inv, jnp.ones((), jnp.float32)
+    return 1.0, inv
+
+
 def _reduce(st: _Static, tok, omega):
     if st.opts.reduction == "none":
         return tok
@@ -326,14 +354,15 @@ def _custom_vjp_fn(st: _Static):
 
         def f_fwd(x, w, bias, y, cw):
             coefs, omega = token_coefficients(y, cw, opts, st.v)
-            scale = 1.0 / mean_denominator(omega) if opts.reduction == "mean" else 1.0
+            # 1/Σω goes into dz (rounded once) or, in fp16, into the backward's scale
+            scale, post = mean_scales(opts.reduction, x.dtype, omega)
             coefs = with_upstream(coefs, scale, 0.0)
             tok, _, dx, dw, db = _grads(st, x, w, bias, y, cw, coefs)
-            return _reduce(st, tok, omega), (dx, dw, db)
+            return _reduce(st, tok, omega), (dx, dw, db, post)
 
         def f_bwd(res, g):
-            dx, dw, db = res
-            g = g.astype(jnp.float32)
+            dx, dw, db, post = res
+            g = g.astype(jnp.float32) * post
             dt = dx.dtype  # x, linear_weight and linear_bias share one dtype (prepare checks)
             scale = lambda a: (g * a.astype(jnp.float32)).astype(dt)
             return scale(dx), scale(dw), None if db is None else scale(db), None, None

@@ -80,7 +80,8 @@ def prepare(xs, ws, xt, wt, y, opts: spec.LinearJSDOptions, weight_layout="vh") 
     return Prepared(xs=jnp.reshape(xs, (n, problem.h_s)), ws=jnp.asarray(ws),
                     xt=lax.stop_gradient(jnp.reshape(xt, (n, problem.h_t))),
                     wt=lax.stop_gradient(jnp.asarray(wt)),
-                    y=None if y is None else jnp.reshape(y, (n,)).astype(jnp.int32),
+                    y=None if y is None else common.labels_int32(jnp.reshape(y, (n,)),
+                                                                 opts.ignore_index),
                     layout=weight_layout, problem=problem)
 
 
@@ -379,14 +380,14 @@ def _custom_vjp_fn(st: _Static):
         def f_fwd(xs, ws, xt, wt, y):
             n = xs.shape[0]
             m = token_mask(y, n, opts, st.v)
-            scale = 1.0 / mean_denominator(m) if opts.reduction == "mean" else 1.0
+            scale, post = common.mean_scales(opts.reduction, xs.dtype, m)
             tok, dx, dw = _grads(st, xs, ws, xt, wt, y, jnp.full((n,), scale, jnp.float32),
                                  jnp.float32)
-            return _reduce(st, tok, m), (dx, dw, jnp.zeros((), xs.dtype))  # dtype tag
+            return _reduce(st, tok, m), (dx, dw, post, jnp.zeros((), xs.dtype))  # dtype tag
 
         def f_bwd(res, g):
-            dx, dw, dt = res[0], res[1], res[2].dtype
-            g = g.astype(jnp.float32)
+            dx, dw, post, dt = res[0], res[1], res[2], res[3].dtype
+            g = g.astype(jnp.float32) * post
             return (g * dx).astype(dt), (g * dw).astype(dt), None, None, None
     else:
         def f_fwd(xs, ws, xt, wt, y):

@@ -3,6 +3,7 @@ flattening, the no-sync target check, the loss math on one chunk of logits, and 
 in-place fp32 weight-gradient accumulation."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Optional
 
@@ -21,6 +22,36 @@ class Prepared:
     bias: Optional[torch.Tensor]  # (V,)
     class_weight: Optional[torch.Tensor]  # (V,) float32/float64
     problem: spec.Problem
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """"float16" for torch.float16: the dtype names the framework-free specs use."""
+    return str(dtype).rsplit(".", 1)[-1]
+
+
+def is_int(value) -> bool:
+    """A Python int, bool excluded: what size keywords accept (as the spec's chunk plan)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def autocast_inputs(*tensors):
+    """Under ``torch.autocast`` on the tensors' device, floating tensors cast to its dtype,
+    as ``F.linear`` would (the fused op replaces ``F.linear`` + cross-entropy); else as is.
+    Gradients flow back through the casts to the original (e.g. fp32 master) weights."""
+    first = next((t for t in tensors if isinstance(t, torch.Tensor)), None)
+    if first is None or not torch.is_autocast_enabled(first.device.type):
+        return tensors
+    dt = torch.get_autocast_dtype(first.device.type)
+    return tuple(t.to(dt) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+                 for t in tensors)
+
+
+def autocast_off(device: torch.device):
+    """A context without autocast on ``device``: the backends pick their own dtypes (fp32
+    GEMMs for fp32 statistics), which autocast would otherwise recast inside them."""
+    if torch.is_autocast_enabled(device.type):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
 
 
 def _require_tensor(name, t, optional=False):
@@ -73,7 +104,8 @@ def prepare(input, linear_weight, target, linear_bias, weight, *, weight_layout=
     w = linear_weight if weight_layout == "vh" else linear_weight.t()
     acc = torch.float64 if input.dtype == torch.float64 else torch.float32
     return Prepared(
-        x=input.reshape(problem.n, problem.h), w=w, y=target.reshape(problem.n),
+        x=input.reshape(problem.n, problem.h), w=w,
+        y=target.reshape(problem.n).contiguous(),  # kernels index it with stride 1
         bias=linear_bias,
         class_weight=None if weight is None else weight.detach().to(acc).contiguous(),
         problem=problem)
@@ -168,7 +200,8 @@ def grad_capped_logits(c, t: TokenTerms, g_tok, h_tok, class_weight, opts, weigh
 def class_weight_sum(class_weight, v: int, like: torch.Tensor):
     """Ω = Σ_v w_v as a 0-d tensor (V without class weights), kept on device: no sync."""
     if class_weight is None:
-        return torch.tensor(float(v), dtype=like.dtype, device=like.device)
+        # torch.full, not torch.tensor: a host->device copy of a CPU scalar would sync
+        return torch.full((), float(v), dtype=like.dtype, device=like.device)
     return class_weight.sum().to(like.dtype)
 
 

@@ -40,9 +40,10 @@ def available_backends(device="cpu"):
     return (["triton"] if (device.type == "cuda" and "triton" in _LOADED) else []) + ["torch", "pallas"]
 
 
-def _resolve(backend: Optional[str], device: torch.device):
-    if backend is None:
-        backend = "triton" if (device.type == "cuda" and "triton" in _LOADED) else "torch"
+def _resolve(backend: Optional[str], device: torch.device, dtype: torch.dtype):
+    if backend is None:  # Triton on CUDA for the dtypes it has kernels for (not float64)
+        backend = ("triton" if (device.type == "cuda" and "triton" in _LOADED and
+                                dtype != torch.float64) else "torch")
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be None or one of {sorted(_BACKENDS)}, got {backend!r}")
     return backend, _load(backend)
@@ -94,7 +95,8 @@ def prepare(student_input, student_weight, teacher_input, teacher_weight, target
     n = problem.n
     return Prepared(xs=student_input.reshape(n, problem.h_s), ws=student_weight,
                     xt=teacher_input.detach().reshape(n, problem.h_t), wt=teacher_weight.detach(),
-                    y=None if target is None else target.reshape(n), problem=problem)
+                    y=None if target is None else target.reshape(n).contiguous(),  # read with stride 1
+                    problem=problem)
 
 
 # ------------------------------------------------------------------------ shared by backends
@@ -151,10 +153,13 @@ def linear_jsd(student_input, student_weight, teacher_input, teacher_weight, tar
             ``"none"`` (per-token losses shaped like the leading dims).
         hard_loss_weight: ``w_h >= 0``: adds ``w_h·cross_entropy(student logits, target)``
             per token (raw logits, no temperature), as distillation recipes mix both.
-        backend: ``None`` (Triton on CUDA, else ``"torch"``), ``"triton"``, ``"torch"``
+        backend: ``None`` (Triton on CUDA, except float64; else ``"torch"``), ``"triton"``, ``"torch"``
             (chunked plain PyTorch) or ``"pallas"`` (the JAX/Pallas port through DLPack).
         **tuning: chunk and block sizes of the chosen backend as keywords (e.g.
             ``chunk_size``, ``memory_budget``); unknown keywords are an error.
+
+    Under ``torch.autocast`` the four hidden-state / head tensors are cast to the autocast
+    dtype first, as ``F.linear`` would cast them.
 
     Returns:
         The loss (float32; float64 for float64 inputs): a scalar, or per-token for "none".
@@ -163,15 +168,18 @@ def linear_jsd(student_input, student_weight, teacher_input, teacher_weight, tar
         beta=beta, temperature=temperature, reduction=reduction,
         ignore_index=-100 if ignore_index is None else ignore_index,
         hard_loss_weight=hard_loss_weight)
+    student_input, student_weight, teacher_input, teacher_weight = common.autocast_inputs(
+        student_input, student_weight, teacher_input, teacher_weight)
     prepared = prepare(student_input, student_weight, teacher_input, teacher_weight, target, opts)
-    name, impl = _resolve(backend, prepared.xs.device)
+    name, impl = _resolve(backend, prepared.xs.device, prepared.xs.dtype)
     unknown = sorted(set(tuning) - set(impl.TUNING))
     if unknown:
         raise TypeError(f"unknown tuning keyword(s) {unknown} for backend={name!r}; "
                         f"it accepts {list(impl.TUNING)}")
     if prepared.y is not None:
         common.check_targets(prepared.y, prepared.problem.v, opts.ignore_index)
-    loss = impl.linear_jsd(prepared, opts, **tuning)
+    with common.autocast_off(prepared.xs.device):
+        loss = impl.linear_jsd(prepared, opts, **tuning)
     if opts.reduction == "none":
         loss = loss.reshape(prepared.problem.batch_shape)
     return loss

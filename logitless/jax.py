@@ -118,8 +118,11 @@ def _vocab_parallel(x, linear_weight, labels, linear_bias, weight, opts, weight_
     if unknown:
         raise TypeError(f"unknown tuning keyword(s) {unknown} with axis_name; "
                         f"it accepts {list(vp.TUNING)}")
+    # labels are global, the weight a slice: no eager range check against the local V (the
+    # vocab-parallel math makes a label outside the global [0, V) NaN, concrete or traced)
     prepared = common.prepare(x, linear_weight, labels, linear_bias, weight,
-                              ignore_index=opts.ignore_index, weight_layout=weight_layout)
+                              ignore_index=opts.ignore_index, weight_layout=weight_layout,
+                              check_range=False)
     loss, lse = vp.vocab_parallel_linear_cross_entropy(prepared, opts, axis_name, **tuning)
     return _shaped(loss, lse, prepared, opts)
 

@@ -48,9 +48,9 @@ def _load(name: str):
     return mod
 
 
-def _resolve(backend: Optional[str], device: torch.device):
-    if backend is None:
-        backend = "triton" if _triton_usable(device) else "torch"
+def _resolve(backend: Optional[str], device: torch.device, dtype: torch.dtype):
+    if backend is None:  # Triton on CUDA for the dtypes it has kernels for (not float64)
+        backend = "triton" if (_triton_usable(device) and dtype != torch.float64) else "torch"
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be None or one of {sorted(_BACKENDS)}, got {backend!r}")
     return backend, _load(backend)
@@ -89,7 +89,7 @@ def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weig
         softcap: if set, logits become ``softcap * tanh(logits / softcap)`` first (Gemma 2).
         return_lse: also return the per-token log-sum-exp (of the capped logits), shaped like
             ``target``; it is differentiable.
-        backend: ``None`` (Triton on CUDA, else ``"torch"``), ``"triton"``, ``"torch"``
+        backend: ``None`` (Triton on CUDA, except float64; else ``"torch"``), ``"triton"``, ``"torch"``
             (chunked plain PyTorch) or ``"pallas"`` (the JAX/Pallas port through DLPack).
         **tuning: chunk and block sizes of the chosen backend as plain keywords (e.g.
             ``chunk_size``, ``memory_budget``); unknown keywords are an error.
@@ -101,6 +101,9 @@ def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weig
         vocab_start_index, vocab_size: with ``process_group``, where this rank's slice starts
             and the global V; default an equal split (``rank * V_local``, ``world * V_local``).
 
+    Under ``torch.autocast``, ``input``, ``linear_weight`` and ``linear_bias`` are cast to
+    the autocast dtype first, as ``F.linear`` would cast them (gradients reach the originals).
+
     Returns:
         The loss (float32; float64 for float64 inputs), or ``(loss, lse)`` with
         ``return_lse=True``.
@@ -108,17 +111,19 @@ def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weig
     opts = LinearCrossEntropyOptions(
         reduction=reduction, ignore_index=-100 if ignore_index is None else ignore_index,
         label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap, return_lse=return_lse)
+    input, linear_weight, linear_bias = common.autocast_inputs(input, linear_weight, linear_bias)
     prepared = common.prepare(input, linear_weight, target, linear_bias, weight)
     if process_group is not None or vocab_start_index is not None or vocab_size is not None:
         return _vocab_parallel(prepared, opts, backend, process_group, vocab_start_index,
                                vocab_size, tuning)
-    name, impl = _resolve(backend, prepared.x.device)
+    name, impl = _resolve(backend, prepared.x.device, prepared.x.dtype)
     unknown = sorted(set(tuning) - set(impl.TUNING))
     if unknown:
         raise TypeError(f"unknown tuning keyword(s) {unknown} for backend={name!r}; "
                         f"it accepts {list(impl.TUNING)}")
     common.check_targets(prepared.y, prepared.problem.v, opts.ignore_index)
-    loss, lse = impl.linear_cross_entropy(prepared, opts, **tuning)
+    with common.autocast_off(prepared.x.device):
+        loss, lse = impl.linear_cross_entropy(prepared, opts, **tuning)
     return _shaped(loss, lse, prepared, opts)
 
 

@@ -11,7 +11,9 @@ must divide V; uneven splits are a PyTorch-side feature (``vocab_start_index``).
 
 Recipe (``jax.sharding`` + ``shard_map``; ``jax.shard_map`` in jax >= 0.8)::
 
-    mesh = jax.make_mesh((n,), ("tp",))
+    from jax.sharding import Mesh, PartitionSpec as P
+    mesh = Mesh(np.array(jax.devices()[:n]), ("tp",))  # not make_mesh: its default axis
+                                                       # types are Explicit in recent JAX
     def loss_fn(x, w, labels):
         return logitless.jax.linear_cross_entropy(x, w, labels, axis_name="tp")
     sharded = jax.shard_map(loss_fn, mesh=mesh, in_specs=(P(), P("tp", None), P()),

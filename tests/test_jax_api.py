@@ -229,6 +229,45 @@ def test_out_of_range_labels_under_jit_give_nan(backend):
         x, w, clean, reduction="none", backend=backend))[~bad], rtol=1e-6)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_wide_labels_outside_int32_are_out_of_range_not_wrapped(backend):
+    """uint32 labels are cast to int32 for the kernels: 2^32 - 100 must not wrap to -100
+    (an ignored token) nor 2^31 + 1 to a negative class: under jit they poison with NaN."""
+    x, w, _, _ = _problem(n=6, h=4, v=7, salt=9)
+    wrapped = np.array([1, 2, 3, 4, 5, 6], np.uint32)
+    wrapped[1], wrapped[2] = 2**32 - 100, 2**31 + 1
+    with pytest.raises(ValueError, match="target out of range"):
+        lj.linear_cross_entropy(x, w, wrapped, backend=backend)
+    run = jax.jit(lambda y: lj.linear_cross_entropy(x, w, y, reduction="none", backend=backend))
+    none = np.asarray(run(jnp.asarray(wrapped)))
+    assert np.isnan(none[[1, 2]]).all() and np.isfinite(none[[0, 3, 4, 5]]).all()
+
+
+@pytest.mark.parametrize("op", ["linear_cross_entropy", "linear_jsd"])
+def test_fp16_mean_gradients_survive_loss_scaling(op):
+    """fp16 "mean" over many tokens: the fused forward must not fold 1/N into the fp16 logit
+    gradients (p/N underflows) before a loss scale (here 2^16) arrives in backward. The
+    scaled-and-unscaled gradients keep the error of the unfused path ("sum" scaled outside)."""
+    n, h, v = 32768, 8, 64
+    rng = np.random.default_rng([SEED, 10])
+    f16 = lambda a: jnp.asarray(a, jnp.float16)
+    x = f16(rng.standard_normal((n, h)))
+    w = f16(rng.standard_normal((v, h)) * 0.5)
+    y = jnp.asarray(rng.integers(0, v, n), jnp.int32)
+    xt, wt = f16(rng.standard_normal((n, h))), f16(rng.standard_normal((v, h)) * 0.5)
+    if op == "linear_cross_entropy":
+        f = lambda x, w, red: lj.linear_cross_entropy(x, w, y, reduction=red, backend="xla")
+    else:
+        f = lambda x, w, red: lj.linear_jsd(x, w, xt, wt, y, reduction=red, backend="xla")
+    scaled = jax.jit(jax.grad(lambda x, w: 65536.0 * f(x, w, "mean"), argnums=(0, 1)))(x, w)
+    unfused = jax.jit(jax.grad(lambda x, w: (65536.0 / n) * f(x, w, "sum"),
+                               argnums=(0, 1)))(x, w)
+    for got, want in zip(scaled, unfused):
+        got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+        assert np.isfinite(got).all()
+        assert np.linalg.norm(got - want) <= 2e-3 * np.linalg.norm(want)
+
+
 # ---------------------------------------------------------------- GPU lowering, on CPU
 def _lower_for_cuda(n, h, v, dtype=jnp.bfloat16, **kw):
     s = lambda *shape, dt=dtype: jax.ShapeDtypeStruct(shape, dt)
@@ -240,6 +279,8 @@ def _lower_for_cuda(n, h, v, dtype=jnp.bfloat16, **kw):
 
     traced = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2))).trace(s(n, h), s(v, h), s(v))
     return traced.lower(lowering_platforms=("cuda",)).as_text()
+
+
 
 
 @pytest.mark.parametrize("n,h,v", [(16384, 4096, 128256), (8192, 2304, 256000)])

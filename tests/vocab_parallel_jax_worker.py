@@ -112,7 +112,19 @@ def main():
                          jnp.int32)
     count = shard_map(lambda l: lj.global_token_count(l[0], axis_name="dp"), mesh=mesh,
                       in_specs=P("dp"), out_specs=P())(labels)
+    # labels closed over as a NumPy constant are concrete inside the mapped function: global
+    # labels >= V_local must count as valid classes (no eager check against the local slice)
+    mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
+    rng = np.random.default_rng([harness.SEED, 99])
+    x = jnp.asarray(rng.standard_normal((6, 8)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((10, 8)), jnp.float32)
+    y_np = np.array([1, 9, 7, 3, -100, 8])
+    closed = jax.jit(shard_map(lambda x, w: lj.linear_cross_entropy(x, w, y_np, axis_name="tp"),
+                               mesh=mesh, in_specs=(P(), P("tp", None)), out_specs=P()))(x, w)
+    plain = lj.linear_cross_entropy(x, w, jnp.asarray(y_np))
+    concrete_err = float(abs(closed - plain) / abs(plain))
     print(json.dumps(dict(failures=failures, checked=checked, count=float(count),
+                          concrete_labels_rel_err=concrete_err,
                           devices=len(jax.devices()), jax=jax.__version__)))
 
 

@@ -143,6 +143,7 @@ class _Bridge(torch.autograd.Function):
         return tuple(outs)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # a clear error for create_graph=True
     def backward(ctx, *grads):
         plan, kinds = ctx.plan, ctx.kinds
         present = tuple(g is not None for g in grads)

@@ -217,13 +217,9 @@ def causal_lm_loss(hidden, lm_head_weight, shift_labels, *, bias=None, num_items
     the logits: ``shift_labels`` already shifted; ``sum / num_items_in_batch`` when it is given
     (an int or a tensor: no host sync), else the mean over non-ignored tokens."""
     x, w, b = hidden, lm_head_weight, bias
-    dev = x.device.type
-    if torch.is_autocast_enabled(dev):
-        # What F.linear would compute in under autocast (the unpatched head's logits).
-        dtype = torch.get_autocast_dtype(dev)
-        x, w = x.to(dtype), w.to(dtype)
-        b = None if b is None else b.to(dtype)
-    elif x.dtype != w.dtype:
+    # Under autocast the front door casts all three as F.linear would; without it, hidden
+    # states in another dtype than the head (e.g. an fp32 final norm) go to the head's dtype.
+    if not torch.is_autocast_enabled(x.device.type) and x.dtype != w.dtype:
         x = x.to(w.dtype)
     reduction = "mean" if num_items_in_batch is None else "sum"
     loss = lt.linear_cross_entropy(x, w, shift_labels.to(x.device), linear_bias=b,

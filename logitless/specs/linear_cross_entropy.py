@@ -142,6 +142,16 @@ def reduction_denominator(token_weight_sum, reduction: str):
     return np.where(token_weight_sum > 0, token_weight_sum, 1.0)
 
 
+def folds_mean_divisor(reduction: str, dtype_name: str) -> bool:
+    """Whether a fused forward that precomputes the gradients for a unit upstream gradient may
+    fold "mean"'s 1/Σω into the logit gradients dz before they are rounded to the input dtype.
+    Not in float16: dz ≈ p/Σω falls into subnormals or to zero once Σω reaches the tens of
+    thousands, and the upstream cotangent (e.g. a loss scale of 2^16) arrives only in backward,
+    too late to save them. There backward applies g/Σω (dX rounded a second time); the dW
+    accumulator stays fp32, since its unscaled sums could overflow fp16."""
+    return reduction == "mean" and dtype_name != "float16"
+
+
 def reference(x, W, y, *, bias=None, weight=None, options: LinearCrossEntropyOptions = None,
               grad_output=None, grad_lse=None):
     """Float64 forward and *analytic* backward (the formulas above, not autodiff).

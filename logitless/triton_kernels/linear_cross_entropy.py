@@ -125,28 +125,32 @@ def _ones(like):
 
 
 # ----------------------------------------------------------------------------- sweeps
-def _forward(x, w, bias, y, cw, omega_sum, opts_t, cfg, grad_mode, accum_dtype, g):
-    """Token sweep: per-token loss and lse; with ``grad_mode`` also dX (and dW, db) for the
-    uniform upstream gradient ``g`` (a (1,) device tensor)."""
+def _forward(x, w, bias, y, cw, omega_sum, opts_t, cfg, grad_mode, needs, accum_dtype, g):
+    """Token sweep: per-token loss and lse; with ``grad_mode`` also those of dX (and dW, db)
+    that ``needs`` (need_dx, need_dw, need_db) asks for, for the uniform upstream gradient
+    ``g`` (a (1,) device tensor). A frozen head costs neither its GEMM nor its accumulator."""
     n, hdim = x.shape
     v = w.shape[0]
     dev = x.device
+    full = grad_mode == FULL_GRAD
+    need_dx, need_dw, need_db = (bool(grad_mode) and needs[0], full and needs[1],
+                                 full and needs[2] and bias is not None)
     token_loss = torch.empty(n, dtype=torch.float32, device=dev)
     lse = torch.empty(n, dtype=torch.float32, device=dev)
-    dx = torch.empty(n, hdim, dtype=x.dtype, device=dev) if grad_mode else x.new_empty(0)
-    full = grad_mode == FULL_GRAD
-    dw = torch.empty(v, hdim, dtype=accum_dtype, device=dev) if full else x.new_empty(0)
-    db = torch.empty(v, dtype=torch.float32, device=dev) if (full and bias is not None) else x.new_empty(0)
+    dx = torch.empty(n, hdim, dtype=x.dtype, device=dev) if need_dx else x.new_empty(0)
+    alloc = torch.zeros if n == 0 else torch.empty  # no chunk will assign them
+    dw = alloc(v, hdim, dtype=accum_dtype, device=dev) if need_dw else x.new_empty(0)
+    db = alloc(v, dtype=torch.float32, device=dev) if need_db else x.new_empty(0)
     buf = torch.empty(min(cfg.chunk, n), v, dtype=x.dtype, device=dev)
     for s in range(0, n, cfg.chunk):
         e = min(s + cfg.chunk, n)
         blk = _logits(x[s:e], w, bias, buf[: e - s])
         _rows(blk, e - s, v, 0, y[s:e], cw, omega_sum, lse[s:e], token_loss[s:e],
-              g, None, opts_t, v, cfg, compute_lse=True, write_grad=bool(grad_mode))
-        if grad_mode:
+              g, None, opts_t, v, cfg, compute_lse=True,
+              write_grad=need_dx or need_dw or need_db)
+        if need_dx:
             torch.mm(blk, w, out=dx[s:e])
-        if full:
-            _accumulate(dw, db, blk, x[s:e], first=s == 0)
+        _accumulate(dw, db, blk, x[s:e], first=s == 0)
     return token_loss, lse, dx, dw, db
 
 
@@ -210,18 +214,22 @@ def _omega_sum(cw):
 @torch.library.custom_op("logitless::linear_cross_entropy_fwd", mutates_args=())
 def _fwd_op(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], y: torch.Tensor,
             cw: Optional[torch.Tensor], reduction: int, ignore_index: int, label_smoothing: float,
-            z_loss: float, softcap: float, grad_mode: int, chunk: int, vocab_chunk: int,
-            block_v: int, num_warps: int, accum_fp32: bool
+            z_loss: float, softcap: float, grad_mode: int, need_dx: bool, need_dw: bool,
+            need_db: bool, low_memory: bool, chunk: int, vocab_chunk: int, block_v: int,
+            num_warps: int, accum_fp32: bool
             ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> (loss, lse, Σω or 1, dX, dW, db): the gradients (for an upstream 1, with 1/Σω
+    folded in unless fp16) only with ``grad_mode`` and only those needed. ``low_memory`` is
+    for backward (the fast forward never sees it)."""
     cfg = Config(chunk, vocab_chunk, block_v, num_warps)
     opts_t = _opts_tuple(ignore_index, label_smoothing, z_loss, softcap)
     denom = torch.ones((), dtype=torch.float32, device=x.device)
     if reduction == REDUCTIONS["mean"]:
         denom = common.mean_denominator(common.token_weight_total(y, cw, ignore_index, torch.float32))
     g = (1.0 / denom).reshape(1) if _folds_mean(reduction, x.dtype) else _ones(x)
-    accum = _accum_dtype(x.dtype, x.shape[0], chunk, accum_fp32)
+    accum = _accum_dtype(x.dtype, x.shape[0], chunk, accum_fp32, reduction)
     token_loss, lse, dx, dw, db = _forward(x, w, bias, y, cw, _omega_sum(cw), opts_t, cfg,
-                                           grad_mode, accum, g)
+                                           grad_mode, (need_dx, need_dw, need_db), accum, g)
     if reduction == REDUCTIONS["none"]:
         loss = token_loss
     else:
@@ -230,29 +238,36 @@ def _fwd_op(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], y: t
 
 
 def _folds_mean(reduction, dtype):
-    """Whether the forward's gradients already carry the 1/Σω of "mean". They do (so dX is
-    rounded to the input dtype once, as in the naive path) except in fp16, where p/Σω would
-    underflow; there the backward applies it, at the cost of a second fp16 rounding of dX."""
-    return reduction == REDUCTIONS["mean"] and dtype != torch.float16
+    """Whether the forward's gradients already carry the 1/Σω of "mean" (so dX is rounded to
+    the input dtype once, as in the naive path): not in fp16 (see the spec's rule)."""
+    return spec.folds_mean_divisor(_REDUCTION_NAMES[reduction], common.dtype_name(dtype))
 
 
-def _accum_dtype(dtype, n, chunk, accum_fp32):
-    """dW accumulator: fp32 across chunks; a single chunk needs none (one GEMM, one rounding)."""
+_REDUCTION_NAMES = {code: name for name, code in REDUCTIONS.items()}
+
+
+def _accum_dtype(dtype, n, chunk, accum_fp32, reduction):
+    """dW accumulator: fp32 across chunks; a single chunk needs none (one GEMM, one rounding).
+    fp16 "mean" always takes fp32: its forward sums are not yet divided by Σω (see
+    :func:`_folds_mean`), so in fp16 they could overflow where the gradient itself does not."""
+    if reduction == REDUCTIONS["mean"] and not _folds_mean(reduction, dtype):
+        return torch.float32
     return dtype if (n <= chunk or not accum_fp32) else torch.float32
 
 
 @_fwd_op.register_fake
 def _(x, w, bias, y, cw, reduction, ignore_index, label_smoothing, z_loss, softcap, grad_mode,
-      chunk, vocab_chunk, block_v, num_warps, accum_fp32):
+      need_dx, need_dw, need_db, low_memory, chunk, vocab_chunk, block_v, num_warps, accum_fp32):
     n, hdim = x.shape
     v = w.shape[0]
     f32 = dict(dtype=torch.float32, device=x.device)
     full = grad_mode == FULL_GRAD
+    accum = _accum_dtype(x.dtype, n, chunk, accum_fp32, reduction)
     loss = x.new_empty(n, **f32) if reduction == 0 else x.new_empty((), **f32)
     return (loss, x.new_empty(n, **f32), x.new_empty((), **f32),
-            x.new_empty(n, hdim) if grad_mode else x.new_empty(0),
-            x.new_empty(v, hdim, dtype=_accum_dtype(x.dtype, n, chunk, accum_fp32)) if full else x.new_empty(0),
-            x.new_empty(v, **f32) if (full and bias is not None) else x.new_empty(0))
+            x.new_empty(n, hdim) if (grad_mode and need_dx) else x.new_empty(0),
+            x.new_empty(v, hdim, dtype=accum) if (full and need_dw) else x.new_empty(0),
+            x.new_empty(v, **f32) if (full and need_db and bias is not None) else x.new_empty(0))
 
 
 @torch.library.custom_op("logitless::linear_cross_entropy_bwd", mutates_args=())
@@ -278,8 +293,9 @@ def _bwd_op(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], y: t
             _vocab_sweep(x, w, bias, y, cw, omega_sum, lse, g, h, opts_t, cfg, post_scale, dw, db)
         return dx, x.new_empty(0) if dw is None else dw, x.new_empty(0) if db is None else db
     accum = torch.float32 if accum_fp32 else w.dtype
-    dw_acc = torch.empty(v, hdim, dtype=accum, device=w.device) if need_dw else None
-    db_acc = torch.empty(v, dtype=torch.float32, device=w.device) if need_db else None
+    alloc = torch.zeros if x.shape[0] == 0 else torch.empty  # no chunk will assign them
+    dw_acc = alloc(v, hdim, dtype=accum, device=w.device) if need_dw else None
+    db_acc = alloc(v, dtype=torch.float32, device=w.device) if need_db else None
     dx = _token_sweep(x, w, bias, y, cw, omega_sum, lse, g, h, opts_t, cfg, need_dx, dw_acc, db_acc)
     dw = x.new_empty(0) if dw_acc is None else _cast(dw_acc, None, w.dtype)
     db = x.new_empty(0) if db_acc is None else _cast(db_acc, None, bias.dtype)
@@ -305,25 +321,37 @@ def _cast(acc, scale, dtype, out=None):
 
 def _setup_context(ctx, inputs, output):
     (x, w, bias, y, cw, reduction, ignore_index, label_smoothing, z_loss, softcap, grad_mode,
-     chunk, vocab_chunk, block_v, num_warps, accum_fp32) = inputs
+     _need_dx, _need_dw, _need_db, low_memory, chunk, vocab_chunk, block_v, num_warps,
+     accum_fp32) = inputs
     loss, lse, denom, dx, dw, db = output
     ctx.save_for_backward(x, w, bias, y, cw, lse, denom, dx, dw, db)
     ctx.args = dict(reduction=reduction, ignore_index=ignore_index,
                     label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
-                    grad_mode=grad_mode, chunk=chunk, vocab_chunk=vocab_chunk, block_v=block_v,
-                    num_warps=num_warps, accum_fp32=accum_fp32)
+                    grad_mode=grad_mode, low_memory=low_memory, chunk=chunk,
+                    vocab_chunk=vocab_chunk, block_v=block_v, num_warps=num_warps,
+                    accum_fp32=accum_fp32)
     ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, g_loss, g_lse, _g_denom, _g_dx, _g_dw, _g_db):
+    """Gradients of (loss, lse). Returned detached: some are the forward's saved outputs, which
+    would otherwise reach ``torch.autograd.grad`` callers as tensors that require grad."""
+    if torch.is_grad_enabled():
+        raise RuntimeError("linear_cross_entropy (backend='triton') has no double backward "
+                           "(create_graph=True); use backend='torch'")
+    grads = _gradients(ctx, g_loss, g_lse)
+    return tuple(None if t is None else t.detach() for t in grads) + (None,) * 17
+
+
+def _gradients(ctx, g_loss, g_lse):
+    """(dX, dW, db), None where not needed."""
     x, w, bias, y, cw, lse, denom, dx_saved, dw_saved, db_saved = ctx.saved_tensors
     a = ctx.args
     need_x, need_w, need_b = ctx.needs_input_grad[:3]
-    none = (None,) * 13
     if g_loss is None and g_lse is None:
-        return (None,) * 3 + none
+        return (None,) * 3
     uniform = a["reduction"] != REDUCTIONS["none"]
-    low_memory = a["grad_mode"] == DX_ONLY
+    low_memory = a["low_memory"]
     scale = None
     if uniform and g_loss is not None:
         scale = (g_loss.float() / denom).reshape(1)  # mean: g/Σω; sum: denom is 1
@@ -339,13 +367,13 @@ def _backward(ctx, g_loss, g_lse, _g_denom, _g_dx, _g_dw, _g_db):
             gw = scale_cast_op(dw_saved, saved_scale, w.dtype, _interpret()) if need_w else None
             gb = (scale_cast_op(db_saved, saved_scale, bias.dtype, _interpret())
                   if (need_b and bias is not None) else None)
-            return (gx, gw, gb) + none
+            return gx, gw, gb
         # low memory: dW and db from the vocabulary sweep, computed unscaled, times g/Σω
         _, gw, gb = _bwd_op(x, w, bias, y, cw, lse, _ones(x), None, scale, a["ignore_index"],
                             a["label_smoothing"], a["z_loss"], a["softcap"], False, need_w,
                             need_b, True, a["chunk"], a["vocab_chunk"], a["block_v"],
                             a["num_warps"], a["accum_fp32"])
-        return (gx, gw if need_w else None, gb if (need_b and bias is not None) else None) + none
+        return gx, gw if need_w else None, gb if (need_b and bias is not None) else None
     # Per-token upstream (reduction="none") or a gradient on lse: recompute.
     if g_loss is None:
         g = torch.zeros(1, dtype=torch.float32, device=x.device)
@@ -357,7 +385,7 @@ def _backward(ctx, g_loss, g_lse, _g_denom, _g_dx, _g_dw, _g_db):
                          need_b, low_memory, a["chunk"], a["vocab_chunk"], a["block_v"],
                          a["num_warps"], a["accum_fp32"])
     return (gx if need_x else None, gw if need_w else None,
-            gb if (need_b and bias is not None) else None) + none
+            gb if (need_b and bias is not None) else None)
 
 
 torch.library.register_autograd("logitless::linear_cross_entropy_fwd", _backward,
@@ -375,7 +403,12 @@ def linear_cross_entropy(p: common.Prepared, opts: spec.LinearCrossEntropyOption
     (vocabulary rows per chunk of the low-memory dW sweep), ``memory_budget`` (bytes for one
     logits block; sets both chunk sizes when they are not given), ``grad_accum_dtype``
     (``torch.float32``, or the weight's dtype to save ``2·V·H`` bytes at some accuracy cost;
-    fast mode only), ``block_v`` (row-kernel block, a power of 2), ``num_warps``.
+    fast mode only; fp16 "mean" accumulates in fp32 regardless), ``block_v`` (row-kernel
+    block, a power of 2), ``num_warps``.
+
+    One backward per forward: the fast path hands its saved gradients over in place, so a
+    second backward through the same graph (``retain_graph=True``) is refused by autograd's
+    version check, and double backward (``create_graph=True``) raises.
     """
     x = p.x
     if x.dtype not in SUPPORTED_DTYPES:
@@ -389,10 +422,16 @@ def linear_cross_entropy(p: common.Prepared, opts: spec.LinearCrossEntropyOption
     if grad_accum_dtype not in (torch.float32, x.dtype):
         raise ValueError(f"grad_accum_dtype must be torch.float32 or the input dtype {x.dtype}, "
                          f"got {grad_accum_dtype!r}")
-    if block_v is not None and (block_v < 16 or block_v & (block_v - 1)):
+    if block_v is not None and (not common.is_int(block_v) or block_v < 16 or
+                                block_v & (block_v - 1)):
         raise ValueError(f"block_v must be a power of 2 >= 16, got {block_v!r}")
-    if num_warps is not None and num_warps not in (1, 2, 4, 8, 16, 32):
+    if num_warps is not None and (not common.is_int(num_warps) or
+                                  num_warps not in (1, 2, 4, 8, 16, 32)):
         raise ValueError(f"num_warps must be a power of 2 in [1, 32], got {num_warps!r}")
+    for name, value in (("chunk_size", chunk_size), ("vocab_chunk_size", vocab_chunk_size),
+                        ("memory_budget", memory_budget)):
+        if value is not None and (not common.is_int(value) or value < 1):
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
     n, v = p.problem.n, p.problem.v
     itemsize = x.element_size()
     budget = memory_budget if memory_budget is not None else (
@@ -402,14 +441,17 @@ def linear_cross_entropy(p: common.Prepared, opts: spec.LinearCrossEntropyOption
     vocab_chunk = plan_token_chunks(v, max(n, 1), bytes_per_element=itemsize, budget_bytes=budget,
                                     chunk_size=vocab_chunk_size).chunk
 
-    wants_grad = torch.is_grad_enabled() and (
-        x.requires_grad or p.w.requires_grad or (p.bias is not None and p.bias.requires_grad))
+    grad_on = torch.is_grad_enabled()
+    need_dx = grad_on and x.requires_grad
+    need_dw = grad_on and p.w.requires_grad  # False for a frozen head (e.g. LoRA)
+    need_db = grad_on and p.bias is not None and p.bias.requires_grad
     grad_mode = NO_GRAD
-    if wants_grad and opts.reduction != "none":
+    if (need_dx or need_dw or need_db) and opts.reduction != "none":
         grad_mode = DX_ONLY if low_memory else FULL_GRAD
     y = p.y if p.y.dtype in (torch.int32, torch.int64) else p.y.long()
     loss, lse, _denom, _dx, _dw, _db = _fwd_op(
         x, p.w, p.bias, y, p.class_weight, REDUCTIONS[opts.reduction], opts.ignore_index,
         float(opts.label_smoothing), float(opts.z_loss), float(opts.softcap or 0.0), grad_mode,
-        chunk, vocab_chunk, block_v or 0, num_warps or 0, grad_accum_dtype == torch.float32)
+        need_dx, need_dw, need_db, low_memory, chunk, vocab_chunk, block_v or 0, num_warps or 0,
+        grad_accum_dtype == torch.float32)
     return loss, lse

@@ -39,6 +39,7 @@ import triton
 
 from .. import _torch_common as common
 from .. import _torch_jsd as jsd_common
+from ..specs import linear_cross_entropy as lce_spec
 from ..specs import linear_jsd as spec
 from ..specs.tiling import next_power_of_2, plan_token_chunks
 from . import jsd_rows
@@ -163,9 +164,11 @@ def _mm_rows_f32(a, w, parts, s):
         jsd_common.logits_f32(a[lo - s:], w.t(), out=bottom[lo - r1:e - r1])
 
 
-def _sweep(xs, ws, xt, wt, y, g, opts_t, cfg: Config, want_loss, want_grad, accum, dx_fp32):
+def _sweep(xs, ws, xt, wt, y, g, opts_t, cfg: Config, want_loss, want_grad, accum, dx_fp32,
+           need_dx=True, need_dw=True):
     """One pass over the tokens: per-token losses (fp32, when ``want_loss``) and, when
-    ``want_grad``, dX and dW for the upstream gradient ``g`` ((1,) uniform or (N,) per token).
+    ``want_grad``, dX (if ``need_dx``) and dW (if ``need_dw``: a frozen head costs neither its
+    GEMM nor its accumulator) for the upstream gradient ``g`` ((1,) uniform or (N,) per token).
     ``accum``: "fp32" (dW in a split fp32 accumulator, to be narrowed in place) or "input"
     (dW in the input dtype); ``dx_fp32``: dX kept in fp32 the same way (the fast mode, whose
     backward still applies the upstream scalar: rounding once, then). Returns
@@ -177,9 +180,10 @@ def _sweep(xs, ws, xt, wt, y, g, opts_t, cfg: Config, want_loss, want_grad, accu
     token_loss = torch.empty(n, dtype=torch.float32, device=dev) if want_loss else None
     dx = (xs.new_empty(0), xs.new_empty(0))
     dw = (xs.new_empty(0), xs.new_empty(0))
-    if want_grad:
+    if want_grad and need_dx:
         dx = _split_f32(n, hs, dev) if dx_fp32 else (torch.empty(n, hs, dtype=dt, device=dev),
                                                     xs.new_empty(0))
+    if want_grad and need_dw:
         dw = _split_f32(v, hs, dev) if accum == "fp32" else (torch.empty(v, hs, dtype=dt,
                                                                          device=dev),
                                                               xs.new_empty(0))
@@ -199,12 +203,13 @@ def _sweep(xs, ws, xt, wt, y, g, opts_t, cfg: Config, want_loss, want_grad, accu
                         None if not want_grad else (g if g.numel() == 1 else g[ss:ee]),
                         None if token_loss is None else token_loss[ss:ee], opts_t, v, cfg,
                         write_loss=want_loss, write_grad=want_grad)
-        if want_grad:
-            dz = dz_buf[: e - s]
+        dz = dz_buf[: e - s] if want_grad else None
+        if want_grad and need_dx:
             if dx_fp32:
                 _mm_rows_f32(dz, ws, dx, s)
             else:
                 torch.mm(dz, ws, out=dx[0][s:e])
+        if want_grad and need_dw:
             if accum == "fp32":
                 v1 = dw[0].shape[0]
                 common.accumulate_mm_(dw[0], dz[:, :v1].t(), xs[s:e], first=s == 0)
@@ -230,9 +235,12 @@ def _accum(dtype, accum_fp32):
 
 
 def _folds_mean(reduction, dtype):
-    """Whether the forward's gradients carry the 1/Σm of "mean" (not in fp16, where dz/Σm
-    would underflow; there backward applies it, rounding dX a second time)."""
-    return reduction == REDUCTIONS["mean"] and dtype != torch.float16
+    """Whether the forward's gradients carry the 1/Σm of "mean" (not in fp16: see the rule in
+    :func:`logitless.specs.linear_cross_entropy.folds_mean_divisor`)."""
+    return lce_spec.folds_mean_divisor(_REDUCTION_NAMES[reduction], common.dtype_name(dtype))
+
+
+_REDUCTION_NAMES = {code: name for name, code in REDUCTIONS.items()}
 
 
 def _cfg(chunk, sub_chunk, fp32_logits, block, segment, num_warps, grid, row_sync):
@@ -243,14 +251,14 @@ def _cfg(chunk, sub_chunk, fp32_logits, block, segment, num_warps, grid, row_syn
 @torch.library.custom_op("logitless::linear_jsd_fwd", mutates_args=())
 def _fwd_op(xs: torch.Tensor, ws: torch.Tensor, xt: torch.Tensor, wt: torch.Tensor,
             y: Optional[torch.Tensor], reduction: int, beta: float, temperature: float,
-            ignore_index: int, hard_w: float, grad_mode: int, chunk: int, sub_chunk: int,
-            fp32_logits: bool, accum_fp32: bool, block: int, segment: int, num_warps: int,
-            grid: int, row_sync: int
+            ignore_index: int, hard_w: float, grad_mode: int, need_dx: bool, need_dw: bool,
+            chunk: int, sub_chunk: int, fp32_logits: bool, accum_fp32: bool, block: int,
+            segment: int, num_warps: int, grid: int, row_sync: int
             ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                        torch.Tensor]:
     """-> (loss, Σm or 1, dX part a, dX part b, dW part a, dW part b): the gradients (for an
-    upstream 1, with 1/Σm folded in unless fp16) only with ``grad_mode`` (mean/sum), in fp32
-    split pairs for half-precision inputs (see :func:`_sweep`)."""
+    upstream 1, with 1/Σm folded in unless fp16) only with ``grad_mode`` (mean/sum) and only
+    those needed, in fp32 split pairs for half-precision inputs (see :func:`_sweep`)."""
     cfg = _cfg(chunk, sub_chunk, fp32_logits, block, segment, num_warps, grid, row_sync)
     n = xs.shape[0]
     opts_t = _opts_tuple(beta, temperature, ignore_index, hard_w)
@@ -261,7 +269,7 @@ def _fwd_op(xs: torch.Tensor, ws: torch.Tensor, xt: torch.Tensor, wt: torch.Tens
         torch.ones(1, dtype=torch.float32, device=xs.device)
     token_loss, dx_a, dx_b, dw_a, dw_b = _sweep(
         xs, ws, xt, wt, y, g, opts_t, cfg, True, grad_mode == FULL_GRAD,
-        _accum(xs.dtype, accum_fp32), xs.dtype != torch.float32)
+        _accum(xs.dtype, accum_fp32), xs.dtype != torch.float32, need_dx, need_dw)
     loss = token_loss if reduction == REDUCTIONS["none"] else token_loss.sum() / denom
     return loss, denom, dx_a, dx_b, dw_a, dw_b
 
@@ -275,47 +283,52 @@ def _fake_pair(xs, rows, cols, split):
 
 
 @_fwd_op.register_fake
-def _(xs, ws, xt, wt, y, reduction, beta, temperature, ignore_index, hard_w, grad_mode, chunk,
-      sub_chunk, fp32_logits, accum_fp32, block, segment, num_warps, grid, row_sync):
+def _(xs, ws, xt, wt, y, reduction, beta, temperature, ignore_index, hard_w, grad_mode, need_dx,
+      need_dw, chunk, sub_chunk, fp32_logits, accum_fp32, block, segment, num_warps, grid,
+      row_sync):
     n, hs, v = xs.shape[0], xs.shape[1], ws.shape[0]
     f32 = dict(dtype=torch.float32)
     loss = xs.new_empty(n, **f32) if reduction == REDUCTIONS["none"] else xs.new_empty((), **f32)
-    if grad_mode != FULL_GRAD:
-        grads = tuple(xs.new_empty(0) for _ in range(4))
-    else:
-        grads = (_fake_pair(xs, n, hs, xs.dtype != torch.float32) +
-                 _fake_pair(xs, v, hs, _accum(xs.dtype, accum_fp32) == "fp32"))
+    empty = (xs.new_empty(0), xs.new_empty(0))
+    full = grad_mode == FULL_GRAD
+    grads = ((_fake_pair(xs, n, hs, xs.dtype != torch.float32) if full and need_dx else empty) +
+             (_fake_pair(xs, v, hs, _accum(xs.dtype, accum_fp32) == "fp32")
+              if full and need_dw else empty))
     return (loss, xs.new_empty((), **f32)) + grads
 
 
 @torch.library.custom_op("logitless::linear_jsd_bwd", mutates_args=())
 def _bwd_op(xs: torch.Tensor, ws: torch.Tensor, xt: torch.Tensor, wt: torch.Tensor,
             y: Optional[torch.Tensor], g: torch.Tensor, beta: float, temperature: float,
-            ignore_index: int, hard_w: float, chunk: int, sub_chunk: int, fp32_logits: bool,
-            accum_fp32: bool, block: int, segment: int, num_warps: int, grid: int,
-            row_sync: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Recomputing backward for per-token upstream gradients ``g`` (N,): (dX, dW). g is in
-    dz already, so dX is written (rounded) once; dW is narrowed from fp32 without a scale."""
+            ignore_index: int, hard_w: float, need_dx: bool, need_dw: bool, chunk: int,
+            sub_chunk: int, fp32_logits: bool, accum_fp32: bool, block: int, segment: int,
+            num_warps: int, grid: int, row_sync: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Recomputing backward for per-token upstream gradients ``g`` (N,): (dX, dW), each empty
+    unless needed. g is in dz already, so dX is written (rounded) once; dW is narrowed from
+    fp32 without a scale."""
     cfg = _cfg(chunk, sub_chunk, fp32_logits, block, segment, num_warps, grid, row_sync)
     v, hs = ws.shape
     _, dx, _, dw_a, dw_b = _sweep(xs, ws, xt, wt, y, g, _opts_tuple(beta, temperature,
                                                                    ignore_index, hard_w),
-                                  cfg, False, True, _accum(xs.dtype, accum_fp32), False)
-    if dw_a.dtype == xs.dtype:
+                                  cfg, False, True, _accum(xs.dtype, accum_fp32), False,
+                                  need_dx, need_dw)
+    if not need_dw or dw_a.dtype == xs.dtype:
         return dx, dw_a
     narrow_op(dw_a, dw_b, None, xs.dtype, _interpret())
     return dx, narrowed_view(dw_a, v, hs, xs.dtype)
 
 
 @_bwd_op.register_fake
-def _(xs, ws, xt, wt, y, g, beta, temperature, ignore_index, hard_w, chunk, sub_chunk,
-      fp32_logits, accum_fp32, block, segment, num_warps, grid, row_sync):
-    return xs.new_empty(xs.shape), xs.new_empty(ws.shape)
+def _(xs, ws, xt, wt, y, g, beta, temperature, ignore_index, hard_w, need_dx, need_dw, chunk,
+      sub_chunk, fp32_logits, accum_fp32, block, segment, num_warps, grid, row_sync):
+    return (xs.new_empty(xs.shape) if need_dx else xs.new_empty(0),
+            xs.new_empty(ws.shape) if need_dw else xs.new_empty(0))
 
 
 def _setup_context(ctx, inputs, output):
-    (xs, ws, xt, wt, y, reduction, beta, temperature, ignore_index, hard_w, grad_mode, chunk,
-     sub_chunk, fp32_logits, accum_fp32, block, segment, num_warps, grid, row_sync) = inputs
+    (xs, ws, xt, wt, y, reduction, beta, temperature, ignore_index, hard_w, grad_mode, _need_dx,
+     _need_dw, chunk, sub_chunk, fp32_logits, accum_fp32, block, segment, num_warps, grid,
+     row_sync) = inputs
     loss, denom, dx_a, dx_b, dw_a, dw_b = output
     ctx.save_for_backward(xs, ws, xt, wt, y, denom, dx_a, dx_b, dw_a, dw_b)
     ctx.args = dict(reduction=reduction, beta=beta, temperature=temperature,
@@ -340,7 +353,10 @@ def _backward(ctx, g_loss, _g_denom, _g_dxa, _g_dxb, _g_dwa, _g_dwb):
     xs, ws, xt, wt, y, denom, dx_a, dx_b, dw_a, dw_b = ctx.saved_tensors
     a = ctx.args
     need_x, need_w = ctx.needs_input_grad[:2]
-    none = (None,) * 18
+    none = (None,) * 20
+    if torch.is_grad_enabled():
+        raise RuntimeError("linear_jsd (backend='triton') has no double backward "
+                           "(create_graph=True); use backend='torch'")
     if g_loss is None or not (need_x or need_w):
         return (None, None) + none
     if a["grad_mode"] == FULL_GRAD:
@@ -349,13 +365,14 @@ def _backward(ctx, g_loss, _g_denom, _g_dxa, _g_dxb, _g_dwa, _g_dwb):
         scale = g_loss.float().reshape(1)
         if not _folds_mean(a["reduction"], xs.dtype):
             scale = scale / denom
-        gx = _finish(dx_a, dx_b, scale, xs.shape, xs.dtype) if need_x else None
-        gw = _finish(dw_a, dw_b, scale, ws.shape, xs.dtype) if need_w else None
+        # detached: saved outputs of the op would hand the caller tensors that require grad
+        gx = _finish(dx_a, dx_b, scale, xs.shape, xs.dtype).detach() if need_x else None
+        gw = _finish(dw_a, dw_b, scale, ws.shape, xs.dtype).detach() if need_w else None
         return (gx, gw) + none
     # reduction="none": per-token upstream gradients, recompute.
     gx, gw = _bwd_op(xs, ws, xt, wt, y, g_loss.float().contiguous(), a["beta"],
-                     a["temperature"], a["ignore_index"], a["hard_w"], a["chunk"],
-                     a["sub_chunk"], a["fp32_logits"], a["accum_fp32"], a["block"],
+                     a["temperature"], a["ignore_index"], a["hard_w"], need_x, need_w,
+                     a["chunk"], a["sub_chunk"], a["fp32_logits"], a["accum_fp32"], a["block"],
                      a["segment"], a["num_warps"], a["grid"], a["row_sync"])
     return (gx if need_x else None, gw if need_w else None) + none
 
@@ -436,14 +453,15 @@ def linear_jsd(p: jsd_common.Prepared, opts: spec.LinearJSDOptions, *, chunk_siz
             raise ValueError(f"logits_chunk_size must be a positive int, got {logits_chunk_size!r}")
         sub = logits_chunk_size
     sub = min(sub, chunk)
-    wants_grad = torch.is_grad_enabled() and (xs.requires_grad or p.ws.requires_grad)
-    grad_mode = FULL_GRAD if (wants_grad and opts.reduction != "none") else NO_GRAD
+    need_dx = torch.is_grad_enabled() and xs.requires_grad
+    need_dw = torch.is_grad_enabled() and p.ws.requires_grad
+    grad_mode = FULL_GRAD if ((need_dx or need_dw) and opts.reduction != "none") else NO_GRAD
     y = p.y
     if y is not None and y.dtype not in (torch.int32, torch.int64):
         y = y.long()
     loss, _denom, _dxa, _dxb, _dwa, _dwb = _fwd_op(
         xs, p.ws, p.xt, p.wt, y, REDUCTIONS[opts.reduction], opts.beta, opts.temperature,
-        opts.ignore_index, opts.hard_loss_weight, grad_mode, chunk, sub, fp32_logits,
-        grad_accum_dtype == torch.float32, block, segment, num_warps or GPU_WARPS, grid,
-        -1 if row_sync is None else int(row_sync))
+        opts.ignore_index, opts.hard_loss_weight, grad_mode, need_dx, need_dw, chunk, sub,
+        fp32_logits, grad_accum_dtype == torch.float32, block, segment, num_warps or GPU_WARPS,
+        grid, -1 if row_sync is None else int(row_sync))
     return loss

@@ -1,0 +1,235 @@
+"""PyTorch front doors on inputs a user meets beyond the harness matrix: strided targets, an
+empty batch, frozen heads, autocast, fp16 "mean" sums, gradients taken with
+``torch.autograd.grad``, double backward, and the tuning keywords' errors. Every case runs the
+Triton backend (interpreted on CPU) against the plain ``torch`` backend or float64 autograd."""
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import logitless.torch as lt
+from harness import SEED, rel_err
+from logitless.triton_kernels import linear_cross_entropy as tl_lce
+
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+
+
+def _lce_data(n, h, v, dtype=torch.float32, seed=0, bias=False):
+    g = torch.Generator().manual_seed(SEED + seed)
+    x = torch.randn(n, h, generator=g)
+    w = torch.randn(v, h, generator=g) * (2.0 / h ** 0.5)
+    b = torch.randn(v, generator=g) * 0.5 if bias else None
+    y = torch.randint(0, v, (n,), generator=g)
+    y[torch.rand(n, generator=g) < 0.2] = -100
+    to = lambda t: None if t is None else t.to(DEV, dtype)
+    return to(x), to(w), to(b), y.to(DEV)
+
+
+def _jsd_data(n, hs, ht, v, seed=0):
+    g = torch.Generator().manual_seed(SEED + seed)
+    t = lambda *s: (torch.randn(*s, generator=g) * (1.0 if len(s) < 2 or s[0] == n else
+                                                   2.0 / s[1] ** 0.5)).to(DEV)
+    y = torch.randint(0, v, (n,), generator=g)
+    y[torch.rand(n, generator=g) < 0.2] = -100
+    return t(n, hs), t(v, hs), t(n, ht), t(v, ht), y.to(DEV)
+
+
+def _grads(fn, *leaves):
+    leaves = [t.detach().requires_grad_() for t in leaves]
+    out = fn(*leaves)
+    out.backward(torch.ones_like(out))
+    return [out.detach()] + [t.grad for t in leaves]
+
+
+def _err(u, v):
+    return rel_err(u.double().cpu().numpy(), v.double().cpu().numpy())
+
+
+def _close(a, b, tol=1e-5):
+    for i, (u, v) in enumerate(zip(a, b)):
+        assert u.shape == v.shape and torch.isfinite(u).all(), i
+        err = _err(u, v)
+        assert err <= tol, f"output {i}: rel err {err:.3g} > {tol:.3g}"
+
+
+# ----------------------------------------------------------------------------- strided targets
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_strided_targets(backend):
+    """A target that is a strided view (a column of a wider tensor; a (B, T) slice that
+    reshape(-1) cannot flatten without a copy) gives what its contiguous copy gives."""
+    x, w, _, y = _lce_data(24, 16, 37, seed=1)
+    wide = torch.stack([y, torch.zeros_like(y)], 1)
+    col = wide[:, 0]
+    assert col.stride() == (2,)
+    sliced = torch.stack([y.reshape(4, 6), y.reshape(4, 6) * 0], -1)[..., 0]
+    for target in (col, sliced):
+        xx = x.reshape(target.shape + (16,))
+        for red in ("mean", "none"):
+            f = lambda x, w, t=target: lt.linear_cross_entropy(x, w, t, reduction=red,
+                                                               backend=backend)
+            g = lambda x, w, t=target: lt.linear_cross_entropy(x, w, t.contiguous(),
+                                                               reduction=red, backend=backend)
+            _close(_grads(f, xx, w), _grads(g, xx, w))
+    xs, ws, xt, wt, y = _jsd_data(24, 16, 12, 37, seed=2)
+    col = torch.stack([y, torch.zeros_like(y)], 1)[:, 0]
+    f = lambda xs, ws: lt.linear_jsd(xs, ws, xt, wt, col, hard_loss_weight=0.5, backend=backend)
+    g = lambda xs, ws: lt.linear_jsd(xs, ws, xt, wt, col.contiguous(), hard_loss_weight=0.5,
+                                     backend=backend)
+    _close(_grads(f, xs, ws), _grads(g, xs, ws))
+
+
+# ----------------------------------------------------------------------------- empty batch
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("low_memory", [False, True])
+def test_triton_empty_batch_has_zero_gradients(reduction, low_memory):
+    _, w, b, _ = _lce_data(1, 16, 29, bias=True)
+    x = torch.randn(0, 16, device=DEV)
+    y = torch.zeros(0, dtype=torch.long, device=DEV)
+    loss, gx, gw, gb = _grads(
+        lambda x, w, b: lt.linear_cross_entropy(x, w, y, linear_bias=b, reduction=reduction,
+                                                backend="triton", low_memory=low_memory),
+        x, w, b)
+    assert gx.shape == (0, 16)
+    for t in (loss, gw, gb):
+        assert torch.all(t == 0), t
+
+
+# ----------------------------------------------------------------------------- autograd.grad
+@pytest.mark.parametrize("kw", [dict(), dict(low_memory=True), dict(reduction="none"),
+                                dict(reduction="sum", chunk_size=16)])
+def test_triton_gradients_from_autograd_grad_are_plain_tensors(kw):
+    """Some gradients are the forward's saved outputs; the caller must get ordinary tensors
+    (no requires_grad), modifiable in place, equal to the torch backend's."""
+    x, w, b, y = _lce_data(40, 16, 33, bias=True, seed=3)
+    leaves = [t.detach().requires_grad_() for t in (x, w, b)]
+    out = lt.linear_cross_entropy(*leaves[:2], y, linear_bias=leaves[2], backend="triton", **kw)
+    grads = torch.autograd.grad(out.sum(), leaves)
+    ref_kw = {k: v for k, v in kw.items() if k == "reduction"}
+    ref = _grads(lambda x, w, b: lt.linear_cross_entropy(x, w, y, linear_bias=b,
+                                                         backend="torch", **ref_kw).sum(),
+                 x, w, b)[1:]
+    for g, r in zip(grads, ref):
+        assert not g.requires_grad
+        _close([g], [r])
+        g.mul_(0.5)  # an in-place op (clipping, scaling) must just work
+    xs, ws, xt, wt, yy = _jsd_data(30, 16, 12, 41, seed=4)
+    leaves = [t.detach().requires_grad_() for t in (xs, ws)]
+    for g in torch.autograd.grad(lt.linear_jsd(*leaves, xt, wt, yy, backend="triton"), leaves):
+        assert not g.requires_grad
+        g.mul_(0.5)
+
+
+def test_triton_double_backward_is_a_clear_error():
+    x, w, _, y = _lce_data(12, 8, 19, seed=5)
+    x.requires_grad_()
+    loss = lt.linear_cross_entropy(x, w, y, backend="triton")
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(loss, x, create_graph=True)
+    xs, ws, xt, wt, yy = _jsd_data(12, 8, 8, 19, seed=6)
+    xs.requires_grad_()
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(lt.linear_jsd(xs, ws, xt, wt, yy, backend="triton"), xs,
+                            create_graph=True)
+
+
+# ----------------------------------------------------------------------------- what gets computed
+@pytest.mark.parametrize("frozen", ["head", "input"])
+def test_triton_frozen_head_or_input_costs_nothing(monkeypatch, frozen):
+    """A frozen head (LoRA) gets no dW GEMM and no [V, H] accumulator in the fused forward; a
+    frozen input no dX. The gradients that are needed match the torch backend's."""
+    seen = []
+    real = tl_lce._forward
+
+    def spy(*a, **k):
+        out = real(*a, **k)
+        seen.append((out[2].numel(), out[3].numel()))
+        return out
+    monkeypatch.setattr(tl_lce, "_forward", spy)
+    x, w, _, y = _lce_data(30, 16, 23, seed=7)
+    x.requires_grad_(frozen == "head")
+    w.requires_grad_(frozen == "input")
+    loss = lt.linear_cross_entropy(x, w, y, backend="triton")
+    loss.backward()
+    dx_numel, dw_numel = seen[-1]
+    assert (dx_numel == 0) == (frozen == "input") and (dw_numel == 0) == (frozen == "head")
+    live = x if frozen == "head" else w
+    ref = _grads(lambda t: lt.linear_cross_entropy(t if frozen == "head" else x.detach(),
+                                                   w.detach() if frozen == "head" else t, y,
+                                                   backend="torch"), live)
+    _close([loss.detach(), live.grad], ref)
+
+
+def test_triton_low_memory_holds_for_per_token_losses(monkeypatch):
+    """low_memory=True takes the vocabulary sweep for dW (no [V, H] accumulator) also when the
+    upstream gradient is per token (reduction="none")."""
+    calls = []
+    real = tl_lce._vocab_sweep
+    monkeypatch.setattr(tl_lce, "_vocab_sweep", lambda *a: calls.append(1) or real(*a))
+    x, w, _, y = _lce_data(20, 16, 29, seed=8)
+    got = _grads(lambda x, w: lt.linear_cross_entropy(x, w, y, reduction="none",
+                                                      backend="triton", low_memory=True), x, w)
+    assert calls
+    ref = _grads(lambda x, w: lt.linear_cross_entropy(x, w, y, reduction="none",
+                                                      backend="torch"), x, w)
+    _close(got, ref)
+
+
+def test_triton_fp16_mean_in_one_chunk_does_not_overflow():
+    """fp16 "mean": the forward's sums are not yet divided by Σω, so they are kept in fp32
+    even when one chunk would need no accumulator (512 tokens whose unscaled dW sum exceeds
+    fp16's 65504 while the gradient itself is ~170)."""
+    n, h, v = 512, 4, 8
+    x = torch.full((n, h), 200.0, device=DEV) + torch.randn(n, h, device=DEV)
+    w = torch.randn(v, h, device=DEV) * 0.01
+    y = torch.zeros(n, dtype=torch.long, device=DEV)
+    ref = _grads(lambda x, w: F.cross_entropy(x @ w.t(), y), x.double(), w.double())
+    naive = _grads(lambda x, w: F.cross_entropy(x @ w.t(), y), x.half(), w.half())
+    got = _grads(lambda x, w: lt.linear_cross_entropy(x, w, y, backend="triton"),
+                 x.half(), w.half())
+    assert ref[2].abs().max() < 1e3 and torch.isfinite(got[2]).all()
+    for g, r, nv in zip(got, ref, naive):  # the harness rule: 2x the naive fp16 error
+        _close([g], [r], tol=max(2 * _err(nv, r), 2e-4))
+
+
+# ----------------------------------------------------------------------------- autocast
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_autocast_casts_like_f_linear(backend):
+    """Under autocast, fp32 weights with bf16 (or fp32) hidden states work as F.linear would:
+    the same as casting by hand, with the gradient reaching the fp32 weight."""
+    x, w, _, y = _lce_data(24, 16, 31, seed=9)
+    with torch.autocast(DEV, dtype=torch.bfloat16):
+        got = _grads(lambda x, w: lt.linear_cross_entropy(x, w, y, backend=backend),
+                     x.bfloat16(), w)
+    want = _grads(lambda x, w: lt.linear_cross_entropy(x, w.float().bfloat16(), y,
+                                                       backend=backend), x.bfloat16(), w)
+    assert got[2].dtype == torch.float32
+    _close(got, want, tol=0)
+    xs, ws, xt, wt, yy = _jsd_data(24, 16, 12, 31, seed=10)
+    with torch.autocast(DEV, dtype=torch.bfloat16):
+        loss = lt.linear_jsd(xs, ws.requires_grad_(), xt, wt, yy, backend=backend)
+    loss.backward()
+    assert ws.grad.dtype == torch.float32 and torch.isfinite(ws.grad).all()
+
+
+# ----------------------------------------------------------------------------- choices, errors
+def test_default_backend_never_picks_triton_for_float64():
+    from logitless import _torch_jsd, torch as front
+    cuda = torch.device("cuda")
+    assert front._resolve(None, cuda, torch.float32)[0] == "triton"
+    assert front._resolve(None, cuda, torch.float64)[0] == "torch"
+    assert _torch_jsd._resolve(None, cuda, torch.float64)[0] == "torch"
+
+
+@pytest.mark.parametrize("kw, name", [
+    (dict(block_v="64"), "block_v"), (dict(block_v=64.0), "block_v"),
+    (dict(num_warps=4.0), "num_warps"), (dict(chunk_size=0), "chunk_size"),
+    (dict(vocab_chunk_size=0), "vocab_chunk_size"), (dict(memory_budget=-1), "memory_budget"),
+    (dict(chunk_size=True), "chunk_size"),
+])
+def test_triton_tuning_errors_name_the_keyword(kw, name):
+    x, w, _, y = _lce_data(8, 16, 32)
+    with pytest.raises(ValueError, match=name):
+        lt.linear_cross_entropy(x, w, y, backend="triton", **kw)
+    assert np.isfinite(lt.linear_cross_entropy(x, w, y, backend="triton",
+                                               chunk_size=4).item())
