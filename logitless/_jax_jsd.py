@@ -71,9 +71,9 @@ def prepare(xs, ws, xt, wt, y, opts: spec.LinearJSDOptions, weight_layout="vh") 
                          f"{opts.ignore_index}")
     if weight_layout not in ("vh", "hv"):
         raise ValueError(f"weight_layout must be 'vh' (V, H) or 'hv' (H, V), got {weight_layout!r}")
-    vh = (lambda s: tuple(s)) if weight_layout == "vh" else (lambda s: tuple(s)[::-1])
-    problem = spec.check_shapes(xs.shape, vh(ws.shape), xt.shape, vh(wt.shape),
-                                None if y is None else y.shape, options=opts)
+    problem = spec.check_shapes(xs.shape, ws.shape, xt.shape, wt.shape,
+                                None if y is None else y.shape, options=opts,
+                                weight_layout=weight_layout)
     if y is not None and not common._is_traced(y):
         spec.check_targets(np.asarray(y), problem.v, opts.ignore_index)
     n = problem.n

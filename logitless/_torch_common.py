@@ -39,7 +39,7 @@ def autocast_inputs(*tensors):
     as ``F.linear`` would (the fused op replaces ``F.linear`` + cross-entropy); else as is.
     Gradients flow back through the casts to the original (e.g. fp32 master) weights."""
     first = next((t for t in tensors if isinstance(t, torch.Tensor)), None)
-    if first is None or not torch.is_autocast_enabled(first.device.type):
+    if first is None or not _autocast_enabled(first.device.type):
         return tensors
     dt = torch.get_autocast_dtype(first.device.type)
     return tuple(t.to(dt) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
@@ -49,9 +49,17 @@ def autocast_inputs(*tensors):
 def autocast_off(device: torch.device):
     """A context without autocast on ``device``: the backends pick their own dtypes (fp32
     GEMMs for fp32 statistics), which autocast would otherwise recast inside them."""
-    if torch.is_autocast_enabled(device.type):
+    if _autocast_enabled(device.type):
         return torch.autocast(device.type, enabled=False)
     return contextlib.nullcontext()
+
+
+def _autocast_enabled(device_type: str) -> bool:
+    # devices autocast does not know (meta, ...) raise instead of answering False
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except RuntimeError:
+        return False
 
 
 def _require_tensor(name, t, optional=False):

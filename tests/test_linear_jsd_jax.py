@@ -144,6 +144,8 @@ BAD = [
     (dict(target=None, hard_loss_weight=0.5), ValueError, "hard_loss_weight > 0 needs target"),
     (dict(ignore_index=2**40), ValueError, "ignore_index must fit in int32"),
     (dict(weight_layout="vhh"), ValueError, "weight_layout must be"),
+    # (H, V) kernels: the message names the layout and the shape as given (here V, H swapped)
+    (dict(weight_layout="hv"), ValueError, "student_weight (H, V) has shape (7, 4)"),
     (dict(backend="triton"), ValueError, "backend must be None or one of"),
     (dict(backend="xla", block_v=64), TypeError, "unknown tuning keyword(s) ['block_v']"),
     (dict(backend="pallas", block_v=48), ValueError, "block_v must be a power of two"),

@@ -116,7 +116,7 @@ def patch_causal_lm(model, *, backend: Optional[str] = None, fuse_in_eval: bool 
     impl_backend = backend
     if impl_backend is None:
         impl_backend = lt.available_backends(head.weight.device)[0]
-    lt._resolve(impl_backend, head.weight.device)
+    lt._resolve(impl_backend, head.weight.device, head.weight.dtype)
     unknown = sorted(set(tuning) - set(lt._load(impl_backend).TUNING))
     if unknown:
         raise TypeError(f"patch_causal_lm: unknown tuning keyword(s) {unknown} for "

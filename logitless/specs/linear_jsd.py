@@ -119,38 +119,43 @@ class Problem:
 def check_shapes(student_input_shape: Sequence[int], student_weight_shape: Sequence[int],
                  teacher_input_shape: Sequence[int], teacher_weight_shape: Sequence[int],
                  target_shape: Optional[Sequence[int]] = None, *,
-                 options: Optional[LinearJSDOptions] = None) -> Problem:
+                 options: Optional[LinearJSDOptions] = None,
+                 weight_layout: str = "vh") -> Problem:
     """Shape rules shared by every front door; errors name the offending argument.
 
     ``student_input (..., H_s)``, ``student_weight (V, H_s)``, ``teacher_input (..., H_t)`` with
     the same leading dims, ``teacher_weight (V, H_t)``, ``target (...)`` (optional; required
-    when ``options.hard_loss_weight > 0``).
+    when ``options.hard_loss_weight > 0``). With ``weight_layout="hv"`` both weights are
+    ``(H, V)`` (and the messages say so, with the shapes as given).
     """
-    xs, ws = tuple(student_input_shape), tuple(student_weight_shape)
-    xt, wt = tuple(teacher_input_shape), tuple(teacher_weight_shape)
+    xs, xt = tuple(student_input_shape), tuple(teacher_input_shape)
+    ws_given, wt_given = tuple(student_weight_shape), tuple(teacher_weight_shape)
+    lay = "(V, H)" if weight_layout == "vh" else "(H, V)"
     for name, shape in (("student_input", xs), ("teacher_input", xt)):
         if len(shape) < 1:
             raise ValueError(f"{name} must have at least 1 dimension (..., H), got shape {shape}")
-    for name, shape in (("student_weight", ws), ("teacher_weight", wt)):
+    for name, shape in (("student_weight", ws_given), ("teacher_weight", wt_given)):
         if len(shape) != 2:
-            raise ValueError(f"{name} must be 2-D (V, H), got shape {shape}")
+            raise ValueError(f"{name} must be 2-D {lay}, got shape {shape}")
+    ws = ws_given if weight_layout == "vh" else ws_given[::-1]
+    wt = wt_given if weight_layout == "vh" else wt_given[::-1]
     v, h_s = ws
     if xs[-1] != h_s:
         raise ValueError(f"hidden size mismatch: student_input has H={xs[-1]} but student_weight "
-                         f"(V, H) has shape {ws}")
+                         f"{lay} has shape {ws_given}")
     if wt[0] != v:
         raise ValueError(f"vocabulary mismatch: student_weight has V={v} but teacher_weight "
-                         f"has shape {wt}")
+                         f"{lay} has shape {wt_given}")
     h_t = wt[1]
     if xt[-1] != h_t:
         raise ValueError(f"hidden size mismatch: teacher_input has H={xt[-1]} but teacher_weight "
-                         f"(V, H) has shape {wt}")
+                         f"{lay} has shape {wt_given}")
     if xt[:-1] != xs[:-1]:
         raise ValueError(f"teacher_input must have the leading shape of student_input "
                          f"{xs[:-1]}, got {xt[:-1]}")
     if v < 1 or h_s < 1 or h_t < 1:
-        raise ValueError(f"weights must have V >= 1 and H >= 1, got student_weight {ws} and "
-                         f"teacher_weight {wt}")
+        raise ValueError(f"weights must have V >= 1 and H >= 1, got student_weight {ws_given} "
+                         f"and teacher_weight {wt_given}")
     if target_shape is not None and tuple(target_shape) != xs[:-1]:
         raise ValueError(f"target must have shape student_input.shape[:-1] = {xs[:-1]}, "
                          f"got {tuple(target_shape)}")
