@@ -101,6 +101,11 @@ def prepare(input, linear_weight, target, linear_bias, weight, *, weight_layout=
             "class-probability targets are not supported")
     if weight is not None and not weight.is_floating_point():
         raise TypeError(f"weight (class weights) must be a floating tensor, got {weight.dtype}")
+    if weight is not None and weight.requires_grad and torch.is_grad_enabled():
+        # as F.cross_entropy: silently returning no gradient would be worse than refusing
+        raise ValueError("weight (class weights) requires grad, but the loss is not "
+                         "differentiable with respect to it (as in F.cross_entropy); pass "
+                         "weight.detach()")
     dev = input.device
     for name, t in (("linear_weight", linear_weight), ("target", target),
                     ("linear_bias", linear_bias), ("weight", weight)):

@@ -79,7 +79,8 @@ def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weig
             non-contiguous (e.g. the transpose of a tied embedding).
         target: ``(...)`` integer class indices in ``[0, V)`` or ``ignore_index``.
         linear_bias: optional ``(V,)`` bias.
-        weight: optional ``(V,)`` per-class weights, as in ``F.cross_entropy``.
+        weight: optional ``(V,)`` per-class weights, as in ``F.cross_entropy`` (constants:
+            one that requires grad is refused, as there).
         reduction: ``"mean"`` (Σ w·loss / Σ w over non-ignored tokens; 0 when all are
             ignored), ``"sum"`` or ``"none"`` (per-token losses shaped like ``target``).
         ignore_index: target value that contributes neither loss nor gradient (``None`` means

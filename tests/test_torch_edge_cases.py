@@ -214,6 +214,18 @@ def test_autocast_casts_like_f_linear(backend):
 
 
 # ----------------------------------------------------------------------------- choices, errors
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_class_weights_that_require_grad_are_refused_like_f_cross_entropy(backend):
+    x, w, _, y = _lce_data(8, 16, 32)
+    cw = torch.rand(32, device=DEV, requires_grad=True)
+    with pytest.raises(ValueError, match=r"weight \(class weights\) requires grad"):
+        lt.linear_cross_entropy(x, w, y, weight=cw, backend=backend)
+    with torch.no_grad():  # nothing to differentiate: fine
+        lt.linear_cross_entropy(x, w, y, weight=cw, backend=backend)
+    lt.linear_cross_entropy(x, w, y, weight=cw.detach(), backend=backend)
+
+
+
 def test_default_backend_never_picks_triton_for_float64():
     from logitless import _torch_jsd, torch as front
     cuda = torch.device("cuda")
