@@ -73,7 +73,8 @@ def linear_cross_entropy(x, linear_weight, labels, *, linear_bias=None, weight=N
             ``"pallas"`` (Pallas kernels; interpreted on CPU) or ``"xla"`` (chunked plain JAX).
         **tuning: chunk and block sizes of the chosen backend as plain keywords (e.g.
             ``chunk_size``, ``memory_budget``; "pallas" also ``block_rows``, ``block_v``,
-            ``num_warps``, ``num_stages``, ``interpret``); unknown keywords are a TypeError.
+            ``num_warps``, ``num_stages``, ``grid_size``, ``fp32_logits``, ``interpret``);
+            unknown keywords are a TypeError.
         axis_name: vocab (tensor) parallelism inside ``shard_map``: ``linear_weight`` (and
             ``linear_bias``, ``weight``) are this device's equal slice of V along the mesh axis
             ``axis_name``; ``x`` and ``labels`` (global indices) are the same on every device of

@@ -17,8 +17,10 @@ Two implementations behind one entry point:
   ``torch.library`` ops. The backward recomputes only the gate/up GEMMs (the shard's output is
   never needed), writes ``h``, ``dh``, ``d gate`` and ``d up`` into two and a half shard-sized
   buffers reused for every shard, and accumulates each weight gradient *in place* with cuBLAS
-  (``addmm`` into the accumulator; fp32 straight from bf16 operands on CUDA): no per-shard
-  gradient temporaries. 11 GEMMs instead of the generic path's 12.
+  (``addmm`` into the accumulator: the parameter dtype by default; with the fp32 option, fp32
+  straight from bf16 operands on CUDA): no per-shard gradient temporaries. 11 GEMMs instead
+  of the generic path's 12. It runs for a plain ``SwiGLUMLP`` whose parameters match ``x``'s
+  dtype and device, outside autocast; anything else takes the generic path.
 
 ``grad_accum_dtype``: the dtype in which half-precision parameter gradients are summed over
 shards. ``None`` (default) sums in each parameter's dtype, as PyTorch does across

@@ -6,6 +6,7 @@
   (forward and ``jax.vjp`` backward jit-compiled once per static config, tensors crossing
   zero-copy).
 * :mod:`.linear_cross_entropy` — ``logitless.torch.linear_cross_entropy(..., backend="pallas")``.
+* :mod:`.linear_jsd` — ``logitless.torch.linear_jsd(..., backend="pallas")``.
 
 GPU memory when both frameworks share a card
 --------------------------------------------

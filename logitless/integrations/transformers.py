@@ -113,11 +113,9 @@ def patch_causal_lm(model, *, backend: Optional[str] = None, fuse_in_eval: bool 
         raise NotImplementedError(f"patch_causal_lm: {type(model).__name__}.forward takes no "
                                   f"**kwargs (no num_items_in_batch)")
     # Catch a misspelled tuning keyword now rather than at the first training step.
-    impl_backend = backend
-    if impl_backend is None:
-        impl_backend = lt.available_backends(head.weight.device)[0]
-    lt._resolve(impl_backend, head.weight.device, head.weight.dtype)
-    unknown = sorted(set(tuning) - set(lt._load(impl_backend).TUNING))
+    # (the backend a call with these weights will pick: backend=None resolves per dtype too)
+    impl_backend, impl = lt._resolve(backend, head.weight.device, head.weight.dtype)
+    unknown = sorted(set(tuning) - set(impl.TUNING))
     if unknown:
         raise TypeError(f"patch_causal_lm: unknown tuning keyword(s) {unknown} for "
                         f"backend={impl_backend!r}")
