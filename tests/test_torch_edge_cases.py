@@ -246,3 +246,29 @@ def test_triton_tuning_errors_name_the_keyword(kw, name):
         lt.linear_cross_entropy(x, w, y, backend="triton", **kw)
     assert np.isfinite(lt.linear_cross_entropy(x, w, y, backend="triton",
                                                chunk_size=4).item())
+
+
+# ----------------------------------------------------------------------------- GPU only
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+def test_gpu_frozen_head_allocates_no_weight_gradient():
+    """On a GPU, peak memory: a frozen head's call stays below the trainable head's by at
+    least the dW buffer (V·H in bf16 for one chunk) that it no longer allocates."""
+    n, h, v = 4096, 1024, 32000
+    g = torch.Generator(device="cuda").manual_seed(SEED)
+    x = torch.randn(n, h, device="cuda", dtype=torch.bfloat16, generator=g)
+    w = torch.randn(v, h, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
+    y = torch.randint(0, v, (n,), device="cuda", generator=g)
+
+    def peak(train_head):
+        xx = x.detach().requires_grad_()
+        ww = w.detach().requires_grad_(train_head)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        lt.linear_cross_entropy(xx, ww, y, backend="triton").backward()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+
+    peak(True)  # compile the kernels first
+    assert peak(False) + 0.9 * v * h * 2 <= peak(True)
