@@ -5,7 +5,8 @@
 only. Its forward walks the shards in a ``lax.fori_loop`` (one traced shard; the ragged last
 one traced on its own) writing each into the output; its backward walks them again, writing
 ``dx`` per shard and summing the parameter gradients in a loop carry (in each leaf's dtype, or
-fp32 for half-precision leaves with ``grad_accum_dtype=jnp.float32``), so only one shard's intermediates are live at a time.
+fp32 for half-precision leaves with ``grad_accum_dtype=jnp.float32``), so only one shard's
+intermediates are live at a time.
 
 * any ``fn``: ``jax.vjp`` of ``fn`` per shard (XLA drops the unused output GEMM of the
   recompute); each shard's parameter cotangents (in the parameters' dtype) are added to the

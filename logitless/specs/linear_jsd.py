@@ -128,6 +128,8 @@ def check_shapes(student_input_shape: Sequence[int], student_weight_shape: Seque
     when ``options.hard_loss_weight > 0``). With ``weight_layout="hv"`` both weights are
     ``(H, V)`` (and the messages say so, with the shapes as given).
     """
+    if weight_layout not in ("vh", "hv"):
+        raise ValueError(f"weight_layout must be 'vh' (V, H) or 'hv' (H, V), got {weight_layout!r}")
     xs, xt = tuple(student_input_shape), tuple(teacher_input_shape)
     ws_given, wt_given = tuple(student_weight_shape), tuple(teacher_weight_shape)
     lay = "(V, H)" if weight_layout == "vh" else "(H, V)"

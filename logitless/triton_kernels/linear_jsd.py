@@ -26,8 +26,9 @@ autograd's version check rather than returning gradients scaled twice.
 
 Memory beyond inputs and gradients: the fp32 accumulators' extra ``2·(V + N)·H`` bytes, plus
 ``C·V·itemsize + 2·c·V·4`` bytes of buffers (``memory_budget``, default 896 MiB: C = 1792,
-c = 384 (C/4 rounded down to a multiple of 128) at V = 128256 in bf16). No host syncs; the ops are ``torch.library`` custom ops with
-fake implementations, so ``torch.compile`` traces them.
+c = 384 (C/4 rounded down to a multiple of 128) at V = 128256 in bf16). No host syncs; the
+ops are ``torch.library`` custom ops with fake implementations, so ``torch.compile`` traces
+them. Only the gradients autograd needs are computed (a frozen student head: no dW GEMM).
 """
 from __future__ import annotations
 
