@@ -255,13 +255,16 @@ def test_fp16_mean_gradients_survive_loss_scaling(op):
     w = f16(rng.standard_normal((v, h)) * 0.5)
     y = jnp.asarray(rng.integers(0, v, n), jnp.int32)
     xt, wt = f16(rng.standard_normal((n, h))), f16(rng.standard_normal((v, h)) * 0.5)
+    # everything as arguments: closed-over arrays would be constant-folded by XLA (slow)
     if op == "linear_cross_entropy":
-        f = lambda x, w, red: lj.linear_cross_entropy(x, w, y, reduction=red, backend="xla")
+        f = lambda x, w, xt, wt, y, red: lj.linear_cross_entropy(x, w, y, reduction=red,
+                                                                 backend="xla")
     else:
-        f = lambda x, w, red: lj.linear_jsd(x, w, xt, wt, y, reduction=red, backend="xla")
-    scaled = jax.jit(jax.grad(lambda x, w: 65536.0 * f(x, w, "mean"), argnums=(0, 1)))(x, w)
-    unfused = jax.jit(jax.grad(lambda x, w: (65536.0 / n) * f(x, w, "sum"),
-                               argnums=(0, 1)))(x, w)
+        f = lambda x, w, xt, wt, y, red: lj.linear_jsd(x, w, xt, wt, y, reduction=red,
+                                                       backend="xla")
+    args = (x, w, xt, wt, y)
+    scaled = jax.jit(jax.grad(lambda *a: 65536.0 * f(*a, "mean"), argnums=(0, 1)))(*args)
+    unfused = jax.jit(jax.grad(lambda *a: (65536.0 / n) * f(*a, "sum"), argnums=(0, 1)))(*args)
     for got, want in zip(scaled, unfused):
         got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
         assert np.isfinite(got).all()
