@@ -92,11 +92,7 @@ def prepare(xs, ws, xt, wt, y, opts: spec.LinearJSDOptions, weight_layout="vh") 
 # c = L_b − L_a comes from log1p(E_Q[expm1(b − a)]) and the per-element terms from
 # δ = b − a − c = log P − log Q and Λ = log1p(β·expm1(δ)), so that a KL or JSD of nearly equal
 # distributions (second order in their difference) is not swamped by rounding of O(10) values.
-FAR = 30.0    # b − a (or δ) beyond which the heads are far apart: no expm1 overflow
-# |L_b − L_a| at or above which c is taken as the plain difference: log1p(E_Q[expm1(b − a)])
-# is accurate only while E_Q[·] = e^c − 1 is not near −1 (cancellation for c ≪ 0).
-GAP = 1.0
-SMALL = 0.1   # below it expm1 / log1p use their Taylor polynomials
+FAR, GAP, SMALL = spec.FAR, spec.GAP, spec.SMALL  # the thresholds (see the spec)
 
 
 def expm1(x):

@@ -24,6 +24,17 @@ class Prepared:
     problem: spec.Problem
 
 
+# reduction -> the int code the torch.library ops take (their schemas have no strings)
+REDUCTION_CODES = {"none": 0, "sum": 1, "mean": 2}
+_REDUCTION_NAMES = {code: name for name, code in REDUCTION_CODES.items()}
+
+
+def folds_mean(reduction_code: int, dtype: torch.dtype) -> bool:
+    """The spec's rule (:func:`~logitless.specs.linear_cross_entropy.folds_mean_divisor`): may
+    a fused forward fold "mean"'s divisor into dz (not in fp16)."""
+    return spec.folds_mean_divisor(_REDUCTION_NAMES[reduction_code], dtype_name(dtype))
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """"float16" for torch.float16: the dtype names the framework-free specs use."""
     return str(dtype).rsplit(".", 1)[-1]

@@ -70,6 +70,14 @@ import numpy as np
 from .linear_cross_entropy import (REDUCTIONS, _check_real, check_targets,
                                    reduction_denominator)
 
+# Thresholds of the fp32 forms every kernel uses (Triton, Pallas, XLA; the derivation is in
+# logitless/triton_kernels/jsd_rows.py): one definition, so that the backends cannot drift.
+FAR = 30.0    # b − a (or δ) beyond which the heads are far apart: no expm1 overflow, and the
+              # plain difference / log β + δ are exact enough
+GAP = 1.0     # |L_b − L_a| from which the normalizer gap is the plain difference (the log1p
+              # form cancels when E_Q[expm1(b − a)] = e^c − 1 is near −1)
+SMALL = 0.1   # |argument| below which expm1 / log1p use their Taylor polynomials
+
 __all__ = ["LinearJSDOptions", "Problem", "check_shapes", "reference", "token_mask"]
 
 

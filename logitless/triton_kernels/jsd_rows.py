@@ -40,6 +40,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..specs import linear_jsd as spec
 from .narrow_cast import round_bf16_bits
 
 # Partial sums per (row, segment), fp32: pass-1 stats then the two pass-2 sums.
@@ -48,13 +49,13 @@ _NF = tl.constexpr(NUM_FIELDS)
 (F_MA, F_SA, F_MB, F_SB, F_U, F_MD, F_W, F_MZ, F_SZ, F_ZY, F_K,
  F_J) = (tl.constexpr(i) for i in range(NUM_FIELDS))
 KIND_FORWARD_KL, KIND_REVERSE_KL, KIND_JSD = 0, 1, 2
-# b − a beyond which the heads are "far apart": expm1 would overflow, and c = L_b − L_a and
-# Λ = log β + δ are exact enough.
-FAR = tl.constexpr(30.0)
-SMALL = tl.constexpr(0.1)  # below it expm1 / log1p use their Taylor polynomials
-# |L_b − L_a| at or above which c is the plain difference: log1p(E_Q[expm1(b − a)]) cancels
-# when E_Q[·] = e^c − 1 is near −1 (c ≪ 0), and a large gap needs no extra accuracy.
-GAP = tl.constexpr(1.0)
+# The thresholds of the accurate forms, shared with the JAX kernels (see the spec): FAR (b − a
+# beyond which expm1 would overflow and c = L_b − L_a, Λ = log β + δ are exact enough), SMALL
+# (the Taylor-polynomial range of expm1 / log1p), GAP (|L_b − L_a| from which c is the plain
+# difference: log1p(E_Q[expm1(b − a)]) cancels when E_Q[·] = e^c − 1 is near −1).
+FAR = tl.constexpr(spec.FAR)
+SMALL = tl.constexpr(spec.SMALL)
+GAP = tl.constexpr(spec.GAP)
 
 
 @triton.jit

@@ -38,7 +38,7 @@ TUNING = ("low_memory", "chunk_size", "vocab_chunk_size", "memory_budget", "grad
 
 FAST_BUDGET = 1 << 30      # one [chunk, V] block of logits: 4096 tokens at V=128256 in bf16
 LOW_MEMORY_BUDGET = 1 << 27  # 128 MiB: 512 tokens, or 4096 vocabulary rows for 16k tokens
-REDUCTIONS = {"none": 0, "sum": 1, "mean": 2}
+REDUCTIONS = common.REDUCTION_CODES
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Row-kernel launch (persistent grid). Measured on an H100 (benchmarks/triton_probe.py stages):
 # long rows stream fastest as one 32-warp program per SM with 32K-element blocks (1.04 ms per
@@ -226,7 +226,7 @@ def _fwd_op(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], y: t
     denom = torch.ones((), dtype=torch.float32, device=x.device)
     if reduction == REDUCTIONS["mean"]:
         denom = common.mean_denominator(common.token_weight_total(y, cw, ignore_index, torch.float32))
-    g = (1.0 / denom).reshape(1) if _folds_mean(reduction, x.dtype) else _ones(x)
+    g = (1.0 / denom).reshape(1) if common.folds_mean(reduction, x.dtype) else _ones(x)
     accum = _accum_dtype(x.dtype, x.shape[0], chunk, accum_fp32, reduction)
     token_loss, lse, dx, dw, db = _forward(x, w, bias, y, cw, _omega_sum(cw), opts_t, cfg,
                                            grad_mode, (need_dx, need_dw, need_db), accum, g)
@@ -237,20 +237,11 @@ def _fwd_op(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], y: t
     return loss, lse, denom, dx, dw, db
 
 
-def _folds_mean(reduction, dtype):
-    """Whether the forward's gradients already carry the 1/Σω of "mean" (so dX is rounded to
-    the input dtype once, as in the naive path): not in fp16 (see the spec's rule)."""
-    return spec.folds_mean_divisor(_REDUCTION_NAMES[reduction], common.dtype_name(dtype))
-
-
-_REDUCTION_NAMES = {code: name for name, code in REDUCTIONS.items()}
-
-
 def _accum_dtype(dtype, n, chunk, accum_fp32, reduction):
     """dW accumulator: fp32 across chunks; a single chunk needs none (one GEMM, one rounding).
     fp16 "mean" always takes fp32: its forward sums are not yet divided by Σω (see
-    :func:`_folds_mean`), so in fp16 they could overflow where the gradient itself does not."""
-    if reduction == REDUCTIONS["mean"] and not _folds_mean(reduction, dtype):
+    ``common.folds_mean``), so in fp16 they could overflow where the gradient itself does not."""
+    if reduction == REDUCTIONS["mean"] and not common.folds_mean(reduction, dtype):
         return torch.float32
     return dtype if (n <= chunk or not accum_fp32) else torch.float32
 
@@ -358,7 +349,8 @@ def _gradients(ctx, g_loss, g_lse):
     if uniform and g_lse is None and a["grad_mode"] != NO_GRAD:
         # The forward already holds the gradients for the upstream 1 (or 1/Σω): scale them
         # (exact in fp32; a no-op rounding for the usual upstream 1.0).
-        saved_scale = g_loss.float().reshape(1) if _folds_mean(a["reduction"], x.dtype) else scale
+        saved_scale = (g_loss.float().reshape(1) if common.folds_mean(a["reduction"], x.dtype)
+                       else scale)
         gx = None
         if need_x:  # dx_saved is ours alone (the front door drops it): scale it in place
             scale_inplace_op(dx_saved, saved_scale, _interpret())

@@ -40,7 +40,6 @@ import triton
 
 from .. import _torch_common as common
 from .. import _torch_jsd as jsd_common
-from ..specs import linear_cross_entropy as lce_spec
 from ..specs import linear_jsd as spec
 from ..specs.tiling import next_power_of_2, plan_token_chunks
 from . import jsd_rows
@@ -59,7 +58,7 @@ GPU_BLOCK = 2048
 GPU_SEGMENT = 8192
 GPU_WARPS = 8
 GPU_PROGRAMS_PER_SM = 2
-REDUCTIONS = {"none": 0, "sum": 1, "mean": 2}
+REDUCTIONS = common.REDUCTION_CODES
 KINDS = {"forward_kl": jsd_rows.KIND_FORWARD_KL, "reverse_kl": jsd_rows.KIND_REVERSE_KL,
          "jsd": jsd_rows.KIND_JSD}
 NO_GRAD, FULL_GRAD = 0, 1
@@ -235,15 +234,6 @@ def _accum(dtype, accum_fp32):
     return "fp32" if (accum_fp32 and dtype != torch.float32) else "input"
 
 
-def _folds_mean(reduction, dtype):
-    """Whether the forward's gradients carry the 1/Σm of "mean" (not in fp16: see the rule in
-    :func:`logitless.specs.linear_cross_entropy.folds_mean_divisor`)."""
-    return lce_spec.folds_mean_divisor(_REDUCTION_NAMES[reduction], common.dtype_name(dtype))
-
-
-_REDUCTION_NAMES = {code: name for name, code in REDUCTIONS.items()}
-
-
 def _cfg(chunk, sub_chunk, fp32_logits, block, segment, num_warps, grid, row_sync):
     return Config(chunk, sub_chunk, fp32_logits, block, segment, num_warps, grid, row_sync)
 
@@ -266,7 +256,7 @@ def _fwd_op(xs: torch.Tensor, ws: torch.Tensor, xt: torch.Tensor, wt: torch.Tens
     denom = torch.ones((), dtype=torch.float32, device=xs.device)
     if reduction == REDUCTIONS["mean"]:
         denom = jsd_common.mean_denominator(y, n, ignore_index, xs)
-    g = (1.0 / denom).reshape(1) if _folds_mean(reduction, xs.dtype) else \
+    g = (1.0 / denom).reshape(1) if common.folds_mean(reduction, xs.dtype) else \
         torch.ones(1, dtype=torch.float32, device=xs.device)
     token_loss, dx_a, dx_b, dw_a, dw_b = _sweep(
         xs, ws, xt, wt, y, g, opts_t, cfg, True, grad_mode == FULL_GRAD,
@@ -364,7 +354,7 @@ def _backward(ctx, g_loss, _g_denom, _g_dxa, _g_dxb, _g_dwa, _g_dwb):
         # The forward holds the gradients for the upstream 1 (or 1/Σm): scale them (exact in
         # fp32). They are ours alone (the front door drops them): finished in place.
         scale = g_loss.float().reshape(1)
-        if not _folds_mean(a["reduction"], xs.dtype):
+        if not common.folds_mean(a["reduction"], xs.dtype):
             scale = scale / denom
         # detached: saved outputs of the op would hand the caller tensors that require grad
         gx = _finish(dx_a, dx_b, scale, xs.shape, xs.dtype).detach() if need_x else None
