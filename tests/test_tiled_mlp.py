@@ -218,10 +218,12 @@ def test_torch_fused_matches_float64(case):
 
 
 def torch_run_naive_per_shard(case, x, p, dy):
-    """The naive MLP run shard by shard through autograd, its shard gradients summed in fp32:
-    the error scale of the generic path, whose parameter gradients reach it per shard already
-    rounded to the parameter dtype (a bias gradient of a few dozen elements, summed from
-    rounded partials, can otherwise exceed twice the untiled error by chance)."""
+    """The naive MLP run shard by shard through autograd, its shard gradients summed in fp64
+    and returned in the parameter dtype, as any gradient is: the error scale of the generic
+    path, whose parameter gradients reach it per shard already rounded to the parameter dtype
+    (a bias gradient of a few dozen elements, summed from rounded partials, can otherwise
+    exceed twice the untiled error by chance). Without that final rounding the scale missed
+    one rounding every tiled result has: 7 failures in 300 seeds of the bf16 case, 0 with it."""
     dt = getattr(torch, case.dtype)
     m = torch_module(LlamaMLP, case, p)
     plan = spec.plan_shards(x.shape, case.num_shards)
@@ -239,7 +241,7 @@ def torch_run_naive_per_shard(case, x, p, dy):
         acc = {k: acc[k] + m.get_parameter(NAMES[k]).grad.double() for k in p}
     f = lambda t: t.detach().double().cpu().numpy()
     out = {"y": f(torch.cat(ys)).reshape(x.shape), "dx": f(torch.cat(dxs)).reshape(x.shape)}
-    out.update({"d" + k: f(v) for k, v in acc.items()})
+    out.update({"d" + k: f(v.to(dt)) for k, v in acc.items()})
     return out
 
 
