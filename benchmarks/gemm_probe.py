@@ -93,50 +93,57 @@ def bench(fn, reps=10, warmup=3):
 
 CONFIGS = [
     dict(bm=128, bn=256, bk=64, stages=3, warps=8),
-    dict(bm=128, bn=256, bk=64, stages=4, warps=8),
     dict(bm=128, bn=256, bk=64, stages=3, warps=8, flatten=True),
-    dict(bm=128, bn=256, bk=64, stages=3, warps=8, ws=True),
-    dict(bm=256, bn=128, bk=64, stages=3, warps=8),
+    dict(bm=128, bn=256, bk=64, stages=3, warps=8, group_m=16, flatten=True),
     dict(bm=128, bn=128, bk=64, stages=4, warps=8),
-    dict(bm=128, bn=128, bk=64, stages=4, warps=4),
-    dict(bm=128, bn=256, bk=64, stages=3, warps=8, group_m=16),
+    dict(bm=128, bn=128, bk=64, stages=4, warps=8, flatten=True),
+    dict(bm=128, bn=128, bk=64, stages=4, warps=4, flatten=True),
+    dict(bm=128, bn=256, bk=64, stages=2, warps=8, flatten=True),
 ]
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="/tmp/gemm_probe.jsonl")
-    ap.add_argument("--shape", default="4096,4096,128256")
+    ap.add_argument("--shapes", default="4096,4096,128256;2048,2304,256000;512,4096,128256")
     args = ap.parse_args()
-    c_tok, h, v = map(int, args.shape.split(","))
+    out = open(args.out, "a")
+    for shape in args.shapes.split(";"):
+        probe(shape, out)
+
+
+def probe(shape, out):
+    c_tok, h, v = map(int, shape.split(","))
     dev = "cuda"
     x = torch.randn(c_tok, h, device=dev, dtype=torch.bfloat16)
     w = torch.randn(v, h, device=dev, dtype=torch.bfloat16) * h ** -0.5
     z = torch.empty(c_tok, v, device=dev, dtype=torch.bfloat16)
     dx = torch.empty(c_tok, h, device=dev, dtype=torch.bfloat16)
     acc = torch.zeros(v, h, device=dev, dtype=torch.float32)
-    nt = triton.cdiv(v, 256)
+    nt = triton.cdiv(v, 128)  # room for the narrowest column tile
     st = (torch.empty(c_tok * nt, device=dev), torch.empty(c_tok * nt, device=dev))
-    out = open(args.out, "a")
 
     def rec(**kw):
-        kw["shape"] = args.shape
+        kw["shape"] = shape
         print(json.dumps(kw), flush=True)
         out.write(json.dumps(kw) + "\n")
         out.flush()
 
+    flops = 2 * c_tok * h * v
     ref = {"logits": bench(lambda: torch.mm(x, w.t(), out=z)),
            "dx": bench(lambda: torch.mm(z, w, out=dx)),
-           "dw_acc": bench(lambda: accumulate_mm_(acc, z.t(), x))}
-    rec(kind="cublas", **ref)
+           "dw_acc": bench(lambda: accumulate_mm_(acc, z.t(), x)),
+           "copy_z": bench(lambda: z.copy_(z))}
+    rec(kind="cublas", tflops={k: round(flops / t / 1e9) for k, t in ref.items()}, **ref)
     zr = torch.mm(x, w.t())
+    dxr = torch.mm(zr, w)
     for cfg in CONFIGS:
         res = dict(cfg)
         for name, fn in {
             "logits": lambda: gemm(x, w, z, a_km=False, b_kn=False, **cfg),
             "logits_stats": lambda: gemm(x, w, z, a_km=False, b_kn=False, epi=2,
                                          stats=st, **cfg),
-            "dx": lambda: gemm(z, w, dx, a_km=False, b_kn=True, **cfg),
+            "dx": lambda: gemm(zr, w, dx, a_km=False, b_kn=True, **cfg),
             "dw_acc": lambda: gemm(z, x, acc, a_km=True, b_kn=True, epi=1, **cfg),
         }.items():
             try:
@@ -144,10 +151,18 @@ def main():
                 torch.cuda.synchronize()
                 if name == "logits":
                     res["logits_err"] = float((z.float() - zr.float()).abs().max())
+                if name == "dx":
+                    res["dx_err"] = float((dx.float() - dxr.float()).abs().max()
+                                          / dxr.float().abs().max())
                 res[name] = bench(fn)
             except Exception as e:  # a config the compiler rejects is a result too
-                res[name] = f"error: {type(e).__name__}: {str(e)[:200]}"
+                res[name] = f"error: {type(e).__name__}: {str(e)[:120]}"
+                if "illegal" in str(e):
+                    rec(kind="abort", **res)
+                    raise
         rec(kind="triton", **res)
+    del x, w, z, dx, acc, st, zr, dxr
+    torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":
