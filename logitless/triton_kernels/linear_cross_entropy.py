@@ -31,12 +31,16 @@ from .. import _torch_common as common
 from ..specs import linear_cross_entropy as spec
 from ..specs.tiling import next_power_of_2, plan_token_chunks
 from .cross_entropy_rows import cross_entropy_rows_kernel
+from .narrow_cast import accumulate_split_, finish_, split_f32, split_rows
 from .scale_cast import scale_cast, scale_cast_op, scale_inplace_op
 
 TUNING = ("low_memory", "chunk_size", "vocab_chunk_size", "memory_budget", "grad_accum_dtype",
           "block_v", "num_warps")
 
-FAST_BUDGET = 1 << 30      # one [chunk, V] block of logits: 4096 tokens at V=128256 in bf16
+# One [chunk, V] block of logits: 3584 tokens at V=128256 in bf16. Peak extra memory is the
+# fp32 dW accumulator (4·V·H, narrowed in place into the 2·V·H result) plus this block: 1.97 GB
+# at the Llama-3 shape (H=4096), inside the 2 GB goal; 1 GiB (4096 tokens) gave 2.10 GB.
+FAST_BUDGET = 896 << 20
 LOW_MEMORY_BUDGET = 1 << 27  # 128 MiB: 512 tokens, or 4096 vocabulary rows for 16k tokens
 REDUCTIONS = common.REDUCTION_CODES
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -138,9 +142,10 @@ def _forward(x, w, bias, y, cw, omega_sum, opts_t, cfg, grad_mode, needs, accum_
     token_loss = torch.empty(n, dtype=torch.float32, device=dev)
     lse = torch.empty(n, dtype=torch.float32, device=dev)
     dx = torch.empty(n, hdim, dtype=x.dtype, device=dev) if need_dx else x.new_empty(0)
-    alloc = torch.zeros if n == 0 else torch.empty  # no chunk will assign them
-    dw = alloc(v, hdim, dtype=accum_dtype, device=dev) if need_dw else x.new_empty(0)
-    db = alloc(v, dtype=torch.float32, device=dev) if need_db else x.new_empty(0)
+    dw = _dw_accumulator(v, hdim, accum_dtype, w.dtype, n, dev) if need_dw else (
+        x.new_empty(0), x.new_empty(0))  # distinct: op outputs may not alias
+    db = (torch.zeros if n == 0 else torch.empty)(v, dtype=torch.float32, device=dev) \
+        if need_db else x.new_empty(0)
     buf = torch.empty(min(cfg.chunk, n), v, dtype=x.dtype, device=dev)
     for s in range(0, n, cfg.chunk):
         e = min(s + cfg.chunk, n)
@@ -152,6 +157,26 @@ def _forward(x, w, bias, y, cw, omega_sum, opts_t, cfg, grad_mode, needs, accum_
             torch.mm(blk, w, out=dx[s:e])
         _accumulate(dw, db, blk, x[s:e], first=s == 0)
     return token_loss, lse, dx, dw, db
+
+
+def _splits(accum_dtype, out_dtype):
+    """Whether the dW accumulator is the split fp32 pair narrowed in place into a 2-byte result."""
+    return accum_dtype == torch.float32 and out_dtype.itemsize == 2
+
+
+def _dw_accumulator(v, hdim, dtype, out_dtype, n, device):
+    """(a, b): the split fp32 pair that :mod:`.narrow_cast` narrows into the ``out_dtype``
+    gradient in place (accumulator and result never coexist), or (one ``dtype`` tensor,
+    empty). Zeros for N=0, which no chunk assigns."""
+    if _splits(dtype, out_dtype):
+        pair = split_f32(v, hdim, device)
+    else:
+        pair = (torch.empty(v, hdim, dtype=dtype, device=device),
+                torch.empty(0, dtype=dtype, device=device))
+    if n == 0:
+        for t in pair:
+            t.zero_()
+    return pair
 
 
 def _token_sweep(x, w, bias, y, cw, omega_sum, lse, g, h, opts_t, cfg, need_dx, dw_acc, db_acc):
@@ -174,9 +199,10 @@ def _token_sweep(x, w, bias, y, cw, omega_sum, lse, g, h, opts_t, cfg, need_dx, 
 
 
 def _accumulate(dw, db, dz, x_c, first):
-    """dW (+)= dzᵀ·x_c in place (fp32 inside cuBLAS), db (+)= Σ dz; the first chunk assigns."""
-    if dw is not None and dw.numel():
-        common.accumulate_mm_(dw, dz.t(), x_c, first=first)
+    """dW (+)= dzᵀ·x_c in place (fp32 inside cuBLAS) into the accumulator pair ``dw`` (see
+    :func:`_dw_accumulator`), db (+)= Σ dz; the first chunk assigns."""
+    if dw is not None and dw[0].numel():
+        accumulate_split_(dw, dz, x_c, first=first)
     if db is not None and db.numel():
         if first:
             torch.sum(dz, 0, dtype=torch.float32, out=db)
@@ -217,8 +243,9 @@ def _fwd_op(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], y: t
             z_loss: float, softcap: float, grad_mode: int, need_dx: bool, need_dw: bool,
             need_db: bool, low_memory: bool, chunk: int, vocab_chunk: int, block_v: int,
             num_warps: int, accum_fp32: bool
-            ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """-> (loss, lse, Σω or 1, dX, dW, db): the gradients (for an upstream 1, with 1/Σω
+            ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                       torch.Tensor, torch.Tensor]:
+    """-> (loss, lse, Σω or 1, dX, dW part a, dW part b, db): the gradients (for an upstream 1, with 1/Σω
     folded in unless fp16) only with ``grad_mode`` and only those needed. ``low_memory`` is
     for backward (the fast forward never sees it)."""
     cfg = Config(chunk, vocab_chunk, block_v, num_warps)
@@ -234,7 +261,7 @@ def _fwd_op(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], y: t
         loss = token_loss
     else:
         loss = token_loss.sum() / denom
-    return loss, lse, denom, dx, dw, db
+    return loss, lse, denom, dx, dw[0], dw[1], db
 
 
 def _accum_dtype(dtype, n, chunk, accum_fp32, reduction):
@@ -255,10 +282,16 @@ def _(x, w, bias, y, cw, reduction, ignore_index, label_smoothing, z_loss, softc
     full = grad_mode == FULL_GRAD
     accum = _accum_dtype(x.dtype, n, chunk, accum_fp32, reduction)
     loss = x.new_empty(n, **f32) if reduction == 0 else x.new_empty((), **f32)
+    if not (full and need_dw):
+        dw = (x.new_empty(0),) * 2
+    elif _splits(accum, w.dtype):
+        r1 = split_rows(v)
+        dw = (x.new_empty(r1, hdim, **f32), x.new_empty(v - r1, hdim, **f32))
+    else:
+        dw = (x.new_empty(v, hdim, dtype=accum), x.new_empty(0, dtype=accum))
     return (loss, x.new_empty(n, **f32), x.new_empty((), **f32),
-            x.new_empty(n, hdim) if (grad_mode and need_dx) else x.new_empty(0),
-            x.new_empty(v, hdim, dtype=accum) if (full and need_dw) else x.new_empty(0),
-            x.new_empty(v, **f32) if (full and need_db and bias is not None) else x.new_empty(0))
+            x.new_empty(n, hdim) if (grad_mode and need_dx) else x.new_empty(0)) + dw + (
+            x.new_empty(v, **f32) if (full and need_db and bias is not None) else x.new_empty(0),)
 
 
 @torch.library.custom_op("logitless::linear_cross_entropy_bwd", mutates_args=())
@@ -284,11 +317,13 @@ def _bwd_op(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], y: t
             _vocab_sweep(x, w, bias, y, cw, omega_sum, lse, g, h, opts_t, cfg, post_scale, dw, db)
         return dx, x.new_empty(0) if dw is None else dw, x.new_empty(0) if db is None else db
     accum = torch.float32 if accum_fp32 else w.dtype
-    alloc = torch.zeros if x.shape[0] == 0 else torch.empty  # no chunk will assign them
-    dw_acc = alloc(v, hdim, dtype=accum, device=w.device) if need_dw else None
-    db_acc = alloc(v, dtype=torch.float32, device=w.device) if need_db else None
+    dw_acc = _dw_accumulator(v, hdim, accum, w.dtype, x.shape[0], w.device) if need_dw else None
+    db_acc = ((torch.zeros if x.shape[0] == 0 else torch.empty)(v, dtype=torch.float32,
+                                                                device=w.device)
+              if need_db else None)
     dx = _token_sweep(x, w, bias, y, cw, omega_sum, lse, g, h, opts_t, cfg, need_dx, dw_acc, db_acc)
-    dw = x.new_empty(0) if dw_acc is None else _cast(dw_acc, None, w.dtype)
+    dw = (x.new_empty(0) if dw_acc is None
+          else finish_(dw_acc[0], dw_acc[1], None, (v, hdim), w.dtype, _interpret()))
     db = x.new_empty(0) if db_acc is None else _cast(db_acc, None, bias.dtype)
     return dx, dw, db
 
@@ -314,8 +349,8 @@ def _setup_context(ctx, inputs, output):
     (x, w, bias, y, cw, reduction, ignore_index, label_smoothing, z_loss, softcap, grad_mode,
      _need_dx, _need_dw, _need_db, low_memory, chunk, vocab_chunk, block_v, num_warps,
      accum_fp32) = inputs
-    loss, lse, denom, dx, dw, db = output
-    ctx.save_for_backward(x, w, bias, y, cw, lse, denom, dx, dw, db)
+    loss, lse, denom, dx, dw_a, dw_b, db = output
+    ctx.save_for_backward(x, w, bias, y, cw, lse, denom, dx, dw_a, dw_b, db)
     ctx.args = dict(reduction=reduction, ignore_index=ignore_index,
                     label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
                     grad_mode=grad_mode, low_memory=low_memory, chunk=chunk,
@@ -324,7 +359,7 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
-def _backward(ctx, g_loss, g_lse, _g_denom, _g_dx, _g_dw, _g_db):
+def _backward(ctx, g_loss, g_lse, _g_denom, _g_dx, _g_dwa, _g_dwb, _g_db):
     """Gradients of (loss, lse). Returned detached: some are the forward's saved outputs, which
     would otherwise reach ``torch.autograd.grad`` callers as tensors that require grad."""
     if torch.is_grad_enabled():
@@ -336,7 +371,7 @@ def _backward(ctx, g_loss, g_lse, _g_denom, _g_dx, _g_dw, _g_db):
 
 def _gradients(ctx, g_loss, g_lse):
     """(dX, dW, db), None where not needed."""
-    x, w, bias, y, cw, lse, denom, dx_saved, dw_saved, db_saved = ctx.saved_tensors
+    x, w, bias, y, cw, lse, denom, dx_saved, dw_a, dw_b, db_saved = ctx.saved_tensors
     a = ctx.args
     need_x, need_w, need_b = ctx.needs_input_grad[:3]
     if g_loss is None and g_lse is None:
@@ -356,7 +391,8 @@ def _gradients(ctx, g_loss, g_lse):
             scale_inplace_op(dx_saved, saved_scale, _interpret())
             gx = dx_saved
         if a["grad_mode"] == FULL_GRAD:
-            gw = scale_cast_op(dw_saved, saved_scale, w.dtype, _interpret()) if need_w else None
+            gw = (finish_(dw_a, dw_b, saved_scale, tuple(w.shape), w.dtype, _interpret())
+                  if need_w else None)
             gb = (scale_cast_op(db_saved, saved_scale, bias.dtype, _interpret())
                   if (need_b and bias is not None) else None)
             return gx, gw, gb
@@ -441,7 +477,7 @@ def linear_cross_entropy(p: common.Prepared, opts: spec.LinearCrossEntropyOption
     if (need_dx or need_dw or need_db) and opts.reduction != "none":
         grad_mode = DX_ONLY if low_memory else FULL_GRAD
     y = p.y if p.y.dtype in (torch.int32, torch.int64) else p.y.long()
-    loss, lse, _denom, _dx, _dw, _db = _fwd_op(
+    loss, lse, _denom, _dx, _dwa, _dwb, _db = _fwd_op(
         x, p.w, p.bias, y, p.class_weight, REDUCTIONS[opts.reduction], opts.ignore_index,
         float(opts.label_smoothing), float(opts.z_loss), float(opts.softcap or 0.0), grad_mode,
         need_dx, need_dw, need_db, low_memory, chunk, vocab_chunk, block_v or 0, num_warps or 0,

@@ -43,7 +43,7 @@ from .. import _torch_jsd as jsd_common
 from ..specs import linear_jsd as spec
 from ..specs.tiling import next_power_of_2, plan_token_chunks
 from . import jsd_rows
-from .narrow_cast import narrow_op, narrowed_view, scale_op, split_rows
+from .narrow_cast import accumulate_split_, finish_, split_f32, split_rows
 
 TUNING = ("chunk_size", "logits_chunk_size", "memory_budget", "fp32_logits", "grad_accum_dtype",
           "block_v", "segment_size", "num_warps", "programs_per_sm", "row_sync")
@@ -144,13 +144,6 @@ def _logits(x, w, out, fp32):
     return torch.mm(x, w.t(), out=out)
 
 
-def _split_f32(rows, cols, device):
-    """The two fp32 halves of a [rows, cols] result that :mod:`.narrow_cast` narrows in place."""
-    r1 = split_rows(rows)
-    return (torch.empty(r1, cols, dtype=torch.float32, device=device),
-            torch.empty(rows - r1, cols, dtype=torch.float32, device=device))
-
-
 def _mm_rows_f32(a, w, parts, s):
     """Rows [s, s + len(a)) of ``a @ w`` in fp32 into the split pair ``parts`` (one or two
     GEMMs: a chunk may straddle the split)."""
@@ -181,10 +174,10 @@ def _sweep(xs, ws, xt, wt, y, g, opts_t, cfg: Config, want_loss, want_grad, accu
     dx = (xs.new_empty(0), xs.new_empty(0))
     dw = (xs.new_empty(0), xs.new_empty(0))
     if want_grad and need_dx:
-        dx = _split_f32(n, hs, dev) if dx_fp32 else (torch.empty(n, hs, dtype=dt, device=dev),
+        dx = split_f32(n, hs, dev) if dx_fp32 else (torch.empty(n, hs, dtype=dt, device=dev),
                                                     xs.new_empty(0))
     if want_grad and need_dw:
-        dw = _split_f32(v, hs, dev) if accum == "fp32" else (torch.empty(v, hs, dtype=dt,
+        dw = split_f32(v, hs, dev) if accum == "fp32" else (torch.empty(v, hs, dtype=dt,
                                                                          device=dev),
                                                               xs.new_empty(0))
     ldt = torch.float32 if cfg.fp32_logits else dt
@@ -210,12 +203,7 @@ def _sweep(xs, ws, xt, wt, y, g, opts_t, cfg: Config, want_loss, want_grad, accu
             else:
                 torch.mm(dz, ws, out=dx[0][s:e])
         if want_grad and need_dw:
-            if accum == "fp32":
-                v1 = dw[0].shape[0]
-                common.accumulate_mm_(dw[0], dz[:, :v1].t(), xs[s:e], first=s == 0)
-                common.accumulate_mm_(dw[1], dz[:, v1:].t(), xs[s:e], first=s == 0)
-            else:
-                common.accumulate_mm_(dw[0], dz.t(), xs[s:e], first=s == 0)
+            accumulate_split_(dw, dz, xs[s:e], first=s == 0)
     if want_grad and n == 0:
         for t in dw:
             t.zero_()
@@ -303,10 +291,7 @@ def _bwd_op(xs: torch.Tensor, ws: torch.Tensor, xt: torch.Tensor, wt: torch.Tens
                                                                    ignore_index, hard_w),
                                   cfg, False, True, _accum(xs.dtype, accum_fp32), False,
                                   need_dx, need_dw)
-    if not need_dw or dw_a.dtype == xs.dtype:
-        return dx, dw_a
-    narrow_op(dw_a, dw_b, None, xs.dtype, _interpret())
-    return dx, narrowed_view(dw_a, v, hs, xs.dtype)
+    return dx, finish_(dw_a, dw_b, None, (v, hs), xs.dtype, _interpret()) if need_dw else dw_a
 
 
 @_bwd_op.register_fake
@@ -331,13 +316,7 @@ def _setup_context(ctx, inputs, output):
 
 
 def _finish(a, b, scale, shape, dtype):
-    """The saved gradient scaled by the upstream scalar, in ``dtype``, in place: narrowed from
-    its fp32 split pair (one rounding), or scaled where it is (already in ``dtype``)."""
-    if a.dtype == dtype:
-        scale_op(a, scale, _interpret())
-        return a
-    narrow_op(a, b, scale, dtype, _interpret())
-    return narrowed_view(a, shape[0], shape[1], dtype)
+    return finish_(a, b, scale, shape, dtype, _interpret())
 
 
 def _backward(ctx, g_loss, _g_denom, _g_dxa, _g_dxb, _g_dwa, _g_dwb):

@@ -17,11 +17,13 @@ upstream scale is applied on the way (one rounding, from fp32). Peak: the accumu
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import triton
 import triton.language as tl
+
+from .._torch_common import accumulate_mm_
 
 FIRST = 4096  # elements narrowed by the first, single-program launch
 
@@ -67,6 +69,41 @@ def _launch(src, dst, scale, start, stop, interpret, sync=False):
 def split_rows(v: int) -> int:
     """Rows of the first accumulator allocation."""
     return (v + 1) // 2
+
+
+def split_f32(rows: int, cols: int, device) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The two fp32 allocations of a ``[rows, cols]`` accumulator that :func:`narrow_`
+    narrows in place."""
+    r1 = split_rows(rows)
+    return (torch.empty(r1, cols, dtype=torch.float32, device=device),
+            torch.empty(rows - r1, cols, dtype=torch.float32, device=device))
+
+
+def accumulate_split_(pair: Tuple[torch.Tensor, torch.Tensor], dz: torch.Tensor,
+                      x_c: torch.Tensor, first: bool) -> None:
+    """``dW (+)= dzᵀ·x_c`` into a weight-gradient accumulator: the split fp32 pair of
+    :func:`split_f32` (columns of ``dz`` are its rows: one GEMM per half), or one tensor in
+    ``pair[0]`` with ``pair[1]`` empty. The first chunk assigns."""
+    a, b = pair
+    if b.numel() == 0 and a.shape[0] == dz.shape[1]:
+        accumulate_mm_(a, dz.t(), x_c, first=first)
+        return
+    r1 = a.shape[0]
+    accumulate_mm_(a, dz[:, :r1].t(), x_c, first=first)
+    accumulate_mm_(b, dz[:, r1:].t(), x_c, first=first)
+
+
+def finish_(a: torch.Tensor, b: torch.Tensor, scale: Optional[torch.Tensor],
+            shape: Tuple[int, int], dtype: torch.dtype, interpret: bool) -> torch.Tensor:
+    """The accumulated gradient times ``scale`` in ``dtype``, in place: narrowed from its fp32
+    split pair (one rounding), or scaled where it is (already in ``dtype``). Goes through the
+    ``torch.library`` ops, so compiled graphs see the mutation."""
+    if a.dtype == dtype:
+        if scale is not None:
+            scale_op(a, scale, interpret)
+        return a
+    narrow_op(a, b, scale, dtype, interpret)
+    return narrowed_view(a, shape[0], shape[1], dtype)
 
 
 def narrow_(a: torch.Tensor, b: Optional[torch.Tensor], scale: Optional[torch.Tensor],
