@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -51,7 +52,10 @@ def main():
     ap.add_argument("--n", type=int, default=8192)
     ap.add_argument("--h", type=int, default=4096)
     ap.add_argument("--v", type=int, default=128256)
+    ap.add_argument("--sweep", default=None,
+                    help="JSON list of tuning-keyword dicts (default: the built-in SWEEP)")
     a = ap.parse_args()
+    sweep = json.loads(a.sweep) if a.sweep else SWEEP
     xs, ws, xt, wt, y = inputs(a.n, a.h, a.v)
     g = torch.randn(a.n, a.v, device="cuda", dtype=torch.bfloat16)
 
@@ -65,7 +69,8 @@ def main():
     del g
     torch.cuda.empty_cache()
     print(f"floor (4 GEMMs): {fl:.2f} ms")
-    for kw in SWEEP:
+    ref = None
+    for kw in sweep:
         def step(kw=kw):
             loss = lt.linear_jsd(xs, ws, xt, wt, y, backend="triton", **kw)
             return torch.autograd.grad(loss, (xs, ws))
@@ -77,9 +82,14 @@ def main():
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - base - sum(t.numel() * t.element_size()
                                                               for t in out)
+        # every setting computes the same gradients (the first one is the reference)
+        diff = [0.0, 0.0] if ref is None else [
+            float((o.float() - r.float()).norm() / r.float().norm()) for o, r in zip(out, ref)]
+        ref = out if ref is None else ref
         del out
         t = time_ms(step)
-        print(f"{kw}: {t:.2f} ms ({t / fl:.3f}x), extra {peak / 1e9:.2f} GB", flush=True)
+        print(f"{kw}: {t:.2f} ms ({t / fl:.3f}x), extra {peak / 1e9:.2f} GB, "
+              f"dX/dW rel diff to the first {diff[0]:.1e}/{diff[1]:.1e}", flush=True)
 
     def step():
         loss = lt.linear_jsd(xs, ws, xt, wt, y, backend="triton")
