@@ -95,13 +95,11 @@ def _online(m, s, x):
 
 
 @triton.jit
-def _seg_stats(s_row, t_row, col0, col1, y_local, inv_t, pa, pb, pz, KIND: tl.constexpr,
-               HARD: tl.constexpr, T_ONE: tl.constexpr, BLOCK: tl.constexpr,
-               RES: tl.constexpr):
+def _seg_stats(s_row, t_row, col0, col1, y_local, inv_t, KIND: tl.constexpr,
+               HARD: tl.constexpr, T_ONE: tl.constexpr, BLOCK: tl.constexpr):
     """Pass 1 over columns [col0, col1): (m_a, s_a, m_b, s_b, u, md, w, m_z, s_z, z_y) with
     u = Σ e^(a−m_a)·expm1(b − a), md = max(b − a), w = Σ e^(b−m_b)·(b − a) (forward KL) or
-    Σ e^(a−m_a)·(a − b) (reverse KL), z_y the target's raw logit (0 when it is elsewhere).
-    ``RES``: the segment is one block, already loaded as (pa, pb, pz)."""
+    Σ e^(a−m_a)·(a − b) (reverse KL), z_y the target's raw logit (0 when it is elsewhere)."""
     offs = tl.arange(0, BLOCK)
     zero = tl.sum(tl.zeros([BLOCK], dtype=tl.float32), 0)
     m_a = zero - float("inf")
@@ -117,12 +115,7 @@ def _seg_stats(s_row, t_row, col0, col1, y_local, inv_t, pa, pb, pz, KIND: tl.co
     for start in range(col0, col1, BLOCK):
         cols = start + offs
         cmask = cols < col1
-        if RES:
-            a = pa
-            b = pb
-            zs = pz
-        else:
-            a, b, zs = _load_block(s_row, t_row, cols, cmask, inv_t)
+        a, b, zs = _load_block(s_row, t_row, cols, cmask, inv_t)
         d = tl.where(cmask, b - a, 0.0)
         ma_new = tl.maximum(m_a, tl.max(tl.where(cmask, a, -float("inf")), 0))
         ra = tl.exp(m_a - ma_new)
@@ -208,14 +201,6 @@ def _jsd_terms(a, b, l_a, c, beta):
 
 
 @triton.jit
-def _jsd_block_sums(q, p, delta, lam, cmask, beta):
-    """A block's share of −Σ Q·Λ (→ K) and Σ β·P·(δ − Λ) − (1−β)·Q·Λ (→ J)."""
-    qlam = q * lam
-    return (-tl.sum(tl.where(cmask, qlam, 0.0), 0),
-            tl.sum(tl.where(cmask, beta * p * (delta - lam) - (1.0 - beta) * qlam, 0.0), 0))
-
-
-@triton.jit
 def _seg_jsd_sums(s_row, t_row, col0, col1, inv_t, l_a, c, beta, BLOCK: tl.constexpr):
     """Pass 2 (0 < β < 1) over [col0, col1): −Σ Q·Λ (→ K) and Σ β·P·(δ − Λ) − (1−β)·Q·Λ (→ J)."""
     offs = tl.arange(0, BLOCK)
@@ -226,60 +211,46 @@ def _seg_jsd_sums(s_row, t_row, col0, col1, inv_t, l_a, c, beta, BLOCK: tl.const
         cmask = cols < col1
         a, b, zs = _load_block(s_row, t_row, cols, cmask, inv_t)
         q, p, delta, lam = _jsd_terms(a, b, l_a, c, beta)
-        dk, dj = _jsd_block_sums(q, p, delta, lam, cmask, beta)
-        k += dk
-        j += dj
+        qlam = q * lam
+        k -= tl.sum(tl.where(cmask, qlam, 0.0), 0)
+        j += tl.sum(tl.where(cmask, beta * p * (delta - lam) - (1.0 - beta) * qlam, 0.0), 0)
     return k, j
-
-
-@triton.jit
-def _grad_block(a, b, zs, cols, y_local, l_a, c, l_z, kk, beta, coef, hard_coef, poison,
-                q_pre, lam_pre, HAVE_QL: tl.constexpr, KIND: tl.constexpr, HARD: tl.constexpr,
-                T_ONE: tl.constexpr, ROUND_BF16: tl.constexpr):
-    """One block of dz = coef·∂J/∂a + hard_coef·(S − [v = y]) (+ poison), fp32. ``HAVE_QL``:
-    the block's JSD Q and Λ come from pass 2 (q_pre, lam_pre), nothing is recomputed."""
-    if HAVE_QL:
-        q = q_pre
-        d = -(1.0 - beta) * q * (lam_pre + kk)
-    elif KIND == 0:
-        lq = a - l_a
-        delta = (b - a) - c
-        q = tl.exp(lq)
-        # Q − P, as −Q·expm1(δ) where P ≈ Q (no cancellation)
-        d = tl.where(tl.abs(delta) < SMALL, -q * _expm1(delta), q - tl.exp(lq + delta))
-    elif KIND == 1:
-        lq = a - l_a
-        q = tl.exp(lq)
-        d = -q * (((b - a) - c) + kk)
-    else:
-        q, p, delta, lam = _jsd_terms(a, b, l_a, c, beta)
-        d = -(1.0 - beta) * q * (lam + kk)
-    d = coef * d
-    if HARD:
-        if T_ONE:
-            sv = q
-        else:
-            sv = tl.exp(zs - l_z)
-        d += hard_coef * (sv - tl.where(cols == y_local, 1.0, 0.0))
-    d += poison
-    if ROUND_BF16:
-        d = round_bf16_bits(d)
-    return d
 
 
 @triton.jit
 def _seg_grad(s_row, t_row, dz_row, col0, col1, y_local, inv_t, l_a, c, l_z, kk, beta,
               coef, hard_coef, poison, KIND: tl.constexpr, HARD: tl.constexpr,
               T_ONE: tl.constexpr, ROUND_BF16: tl.constexpr, BLOCK: tl.constexpr):
-    """Pass 3 over [col0, col1): dz (see :func:`_grad_block`), with coef = g·m/T,
-    hard_coef = g·m·w_h, kk the row's KL (reverse KL) or K (JSD)."""
+    """Pass 3 over [col0, col1): dz = coef·∂J/∂a + hard_coef·(S − [v = y]) (+ poison), with
+    coef = g·m/T, hard_coef = g·m·w_h, kk the row's KL (reverse KL) or K (JSD)."""
     offs = tl.arange(0, BLOCK)
     for start in range(col0, col1, BLOCK):
         cols = start + offs
         cmask = cols < col1
         a, b, zs = _load_block(s_row, t_row, cols, cmask, inv_t)
-        d = _grad_block(a, b, zs, cols, y_local, l_a, c, l_z, kk, beta, coef, hard_coef,
-                        poison, a, a, False, KIND, HARD, T_ONE, ROUND_BF16)
+        if KIND == 0:
+            lq = a - l_a
+            delta = (b - a) - c
+            q = tl.exp(lq)
+            # Q − P, as −Q·expm1(δ) where P ≈ Q (no cancellation)
+            d = tl.where(tl.abs(delta) < SMALL, -q * _expm1(delta), q - tl.exp(lq + delta))
+        elif KIND == 1:
+            lq = a - l_a
+            q = tl.exp(lq)
+            d = -q * (((b - a) - c) + kk)
+        else:
+            q, p, delta, lam = _jsd_terms(a, b, l_a, c, beta)
+            d = -(1.0 - beta) * q * (lam + kk)
+        d = coef * d
+        if HARD:
+            if T_ONE:
+                sv = q
+            else:
+                sv = tl.exp(zs - l_z)
+            d += hard_coef * (sv - tl.where(cols == y_local, 1.0, 0.0))
+        d += poison
+        if ROUND_BF16:
+            d = round_bf16_bits(d)
         tl.store(dz_row + cols, d.to(dz_row.dtype.element_ty), mask=cmask)
 
 
@@ -319,7 +290,7 @@ def _row_segment(row, seg, s_ptr, s_stride, t_ptr, t_stride, dz_ptr, dz_stride, 
                  T_ONE: tl.constexpr, WRITE_LOSS: tl.constexpr, WRITE_GRAD: tl.constexpr,
                  PHASE: tl.constexpr, SEGS: tl.constexpr, SEGS_P2: tl.constexpr,
                  SEG: tl.constexpr, BLOCK: tl.constexpr, ROUND_BF16: tl.constexpr,
-                 MAX_SPIN: tl.constexpr, RES: tl.constexpr):
+                 MAX_SPIN: tl.constexpr):
     row64 = tl.cast(row, tl.int64)
     s_row = s_ptr + row64 * s_stride
     t_row = t_ptr + row64 * t_stride
@@ -342,22 +313,10 @@ def _row_segment(row, seg, s_ptr, s_stride, t_ptr, t_stride, dz_ptr, dz_stride, 
     if keep:
         zero = tl.sum(tl.zeros([BLOCK], dtype=tl.float32), 0)
         ok = zero == 0.0
-        # RES: the segment is one block, read from memory once and held in registers through
-        # the three passes (pass 3 reuses pass 2's Q and Λ: no transcendental recomputed)
-        ra = zero
-        rb = zero
-        rz = zero
-        q_r = zero
-        lam_r = zero
-        if RES:
-            rcols = col0 + tl.arange(0, BLOCK)
-            rmask = rcols < col1
-            ra, rb, rz = _load_block(s_row, t_row, rcols, rmask, inv_t)
         # ---------------------------------------------------------------- pass 1
         if PHASE <= 1:
             m_a, s_a, m_b, s_b, u, md, w, m_z, s_z, z_y = _seg_stats(
-                s_row, t_row, col0, col1, y_local, inv_t, ra, rb, rz, KIND, HARD, T_ONE, BLOCK,
-                RES)
+                s_row, t_row, col0, col1, y_local, inv_t, KIND, HARD, T_ONE, BLOCK)
             if SEGS > 1:
                 p = part + seg * _NF
                 tl.store(p + F_MA, m_a)
@@ -396,12 +355,8 @@ def _row_segment(row, seg, s_ptr, s_stride, t_ptr, t_stride, dz_ptr, dz_stride, 
             jj = zero
             if KIND == 2:
                 if PHASE != 3:
-                    if RES:
-                        q_r, p_r, d_r, lam_r = _jsd_terms(ra, rb, l_a, c, beta)
-                        k_seg, j_seg = _jsd_block_sums(q_r, p_r, d_r, lam_r, rmask, beta)
-                    else:
-                        k_seg, j_seg = _seg_jsd_sums(s_row, t_row, col0, col1, inv_t, l_a, c,
-                                                     beta, BLOCK)
+                    k_seg, j_seg = _seg_jsd_sums(s_row, t_row, col0, col1, inv_t, l_a, c, beta,
+                                                 BLOCK)
                     if SEGS > 1:
                         tl.store(part + seg * _NF + F_K, k_seg)
                         tl.store(part + seg * _NF + F_J, j_seg)
@@ -431,15 +386,9 @@ def _row_segment(row, seg, s_ptr, s_stride, t_ptr, t_stride, dz_ptr, dz_stride, 
                         tl.store(loss_ptr + row64, loss + nan)
                 if WRITE_GRAD:
                     g = tl.load(g_ptr + row64 * g_stride).to(tl.float32)
-                    if RES:
-                        d = _grad_block(ra, rb, rz, rcols, y_local, l_a, c, l_z, kk, beta,
-                                        g * inv_t, g * hard_w, nan, q_r, lam_r, KIND == 2, KIND,
-                                        HARD, T_ONE, ROUND_BF16)
-                        tl.store(dz_row + rcols, d.to(dz_row.dtype.element_ty), mask=rmask)
-                    else:
-                        _seg_grad(s_row, t_row, dz_row, col0, col1, y_local, inv_t, l_a, c,
-                                  l_z, kk, beta, g * inv_t, g * hard_w, nan, KIND, HARD, T_ONE,
-                                  ROUND_BF16, BLOCK)
+                    _seg_grad(s_row, t_row, dz_row, col0, col1, y_local, inv_t, l_a, c, l_z,
+                              kk, beta, g * inv_t, g * hard_w, nan, KIND, HARD, T_ONE,
+                              ROUND_BF16, BLOCK)
     else:
         if PHASE == 0 or PHASE == 3:
             if WRITE_LOSS:
@@ -458,7 +407,6 @@ def jsd_rows_kernel(
     WRITE_LOSS: tl.constexpr, WRITE_GRAD: tl.constexpr, PHASE: tl.constexpr,
     SEGS: tl.constexpr, SEGS_P2: tl.constexpr, SEG: tl.constexpr, BLOCK: tl.constexpr,
     ROUND_BF16: tl.constexpr = False, MAX_SPIN: tl.constexpr = 1 << 20,
-    RES: tl.constexpr = False,
 ):
     """Per-token loss (``loss_ptr``, fp32) and/or the student logit gradient (``dz_ptr``) for
     rows [0, n_rows) of the student / teacher logits buffers. ``inv_t`` = 1/T, ``g`` the
@@ -474,7 +422,7 @@ def jsd_rows_kernel(
                              dz_ptr, dz_stride, y_ptr, g_ptr, g_stride, loss_ptr, part_ptr,
                              sync_ptr, V, ignore_index, inv_t, beta, hard_w, KIND, HAS_Y,
                              HARD, T_ONE, WRITE_LOSS, WRITE_GRAD, PHASE, SEGS, SEGS_P2, SEG,
-                             BLOCK, ROUND_BF16, MAX_SPIN, RES)
+                             BLOCK, ROUND_BF16, MAX_SPIN)
                 ticket = tl.atomic_add(sync_ptr, 1, sem="relaxed")
         else:
             for row in range(tl.program_id(0), n_rows, tl.num_programs(0)):
@@ -482,14 +430,14 @@ def jsd_rows_kernel(
                              y_ptr, g_ptr, g_stride, loss_ptr, part_ptr, sync_ptr, V,
                              ignore_index, inv_t, beta, hard_w, KIND, HAS_Y, HARD, T_ONE,
                              WRITE_LOSS, WRITE_GRAD, PHASE, SEGS, SEGS_P2, SEG, BLOCK,
-                             ROUND_BF16, MAX_SPIN, RES)
+                             ROUND_BF16, MAX_SPIN)
     else:
         pid = tl.program_id(0)
         _row_segment(pid // SEGS, pid % SEGS, s_ptr, s_stride, t_ptr, t_stride, dz_ptr,
                      dz_stride, y_ptr, g_ptr, g_stride, loss_ptr, part_ptr, sync_ptr, V,
                      ignore_index, inv_t, beta, hard_w, KIND, HAS_Y, HARD, T_ONE,
                      WRITE_LOSS, WRITE_GRAD, PHASE, SEGS, SEGS_P2, SEG, BLOCK, ROUND_BF16,
-                     MAX_SPIN, False)
+                     MAX_SPIN)
 
 
 # ----------------------------------------------------------------------------- diagnostics
@@ -528,14 +476,12 @@ def compile_report(arch: int = 90, variants=None) -> str:
 
     base = dict(KIND=KIND_JSD, HAS_Y=True, HARD=False, T_ONE=True, WRITE_LOSS=True,
                 WRITE_GRAD=True, PHASE=0, SEGS=16, SEGS_P2=16, SEG=8192, BLOCK=2048,
-                ROUND_BF16=False, MAX_SPIN=1 << 20, RES=False)
+                ROUND_BF16=False, MAX_SPIN=1 << 20)
     variants = variants or [
         dict(), dict(KIND=KIND_FORWARD_KL), dict(KIND=KIND_REVERSE_KL, HARD=True),
         dict(HARD=True, T_ONE=False), dict(SEGS=1, SEGS_P2=2, SEG=131072),
         dict(PHASE=1), dict(PHASE=2), dict(PHASE=3, HAS_Y=False), dict(WRITE_GRAD=False),
         dict(num_warps=16, BLOCK=4096, SEG=16384, SEGS=8, SEGS_P2=8),
-        dict(RES=True, num_warps=16, BLOCK=8192, SEG=8192),
-        dict(RES=True, num_warps=8, BLOCK=4096, SEG=4096, SEGS=32, SEGS_P2=32),
     ]
     ptxas = _cuda_tool("ptxas", arch)
     sig = dict(s_ptr="*fp32", s_stride="i32", t_ptr="*fp32", t_stride="i32", dz_ptr="*bf16",

@@ -115,9 +115,7 @@ def _row_kernel(zs, zt, dz, y, g, loss, opts_t, v, cfg: Config, write_loss, writ
                 num_warps=cfg.num_warps)
     if fused:
         grid = rows if _interpret() else min(cfg.grid, rows * segs)
-        # a segment of one block stays in registers through the passes (read once)
-        jsd_rows.jsd_rows_kernel[(max(1, grid),)](*args, PHASE=0, RES=cfg.block >= cfg.segment,
-                                                  **meta)
+        jsd_rows.jsd_rows_kernel[(max(1, grid),)](*args, PHASE=0, **meta)
         return
     for phase in ((1, 2, 3) if kind == jsd_rows.KIND_JSD else (1, 3)):
         if phase != 3:
