@@ -8,7 +8,9 @@ Two operating points, one keyword:
 * ``low_memory=False`` (default, *fast*): for ``mean``/``sum`` the forward also produces the
   gradients (for a unit upstream gradient), so the logits GEMM runs once; backward only scales
   them by the upstream scalar (exact: the gradient is linear in it). dW accumulates in place in
-  an fp32 ``[V, H]`` buffer (``grad_accum_dtype`` to trade accuracy for memory). Three GEMMs.
+  an fp32 ``[V, H]`` buffer of two allocations, which backward narrows *in place* into the
+  gradient (:mod:`.narrow_cast`: accumulator and result never coexist); ``grad_accum_dtype``
+  trades accuracy for memory. Three GEMMs.
 * ``low_memory=True``: the forward produces the loss, lse and dX from small token chunks;
   backward recomputes the logits in *vocabulary* chunks and writes each dW slice with one
   GEMM over all tokens (fp32 inside cuBLAS, one rounding), so no ``[V, H]`` accumulator exists.
