@@ -249,6 +249,16 @@ def test_triton_tuning_errors_name_the_keyword(kw, name):
 
 
 # ----------------------------------------------------------------------------- GPU only
+def _gpu_peak(fn):
+    """Peak GPU memory allocated by ``fn()`` above what was held before it, and its result."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base, out
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 def test_gpu_frozen_head_allocates_no_weight_gradient():
@@ -263,12 +273,7 @@ def test_gpu_frozen_head_allocates_no_weight_gradient():
     def peak(train_head):
         xx = x.detach().requires_grad_()
         ww = w.detach().requires_grad_(train_head)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        lt.linear_cross_entropy(xx, ww, y, backend="triton").backward()
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - base
+        return _gpu_peak(lambda: lt.linear_cross_entropy(xx, ww, y, backend="triton").backward())[0]
 
     peak(True)  # compile the kernels first
     assert peak(False) + 0.9 * v * h * 2 <= peak(True)
@@ -295,12 +300,7 @@ def test_gpu_fp32_weight_gradient_is_narrowed_in_place():
 
     step()  # compile the kernels first
     x.grad = w.grad = None
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    step()
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
+    peak, _ = _gpu_peak(step)
     budget = 4 * v * h + 2 * n * h + 2 * chunk * v  # accumulator, dX, one logits block
     assert peak <= budget + v * h, (peak, budget)  # slack: half a result, for small buffers
     ref = torch.nn.functional.cross_entropy((x.detach().float() @ w.detach().float().t()), y)

@@ -247,8 +247,9 @@ def _fwd_op(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], y: t
             num_warps: int, accum_fp32: bool
             ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                        torch.Tensor, torch.Tensor]:
-    """-> (loss, lse, Σω or 1, dX, dW part a, dW part b, db): the gradients (for an upstream 1, with 1/Σω
-    folded in unless fp16) only with ``grad_mode`` and only those needed. ``low_memory`` is
+    """-> (loss, lse, Σω or 1, dX, dW part a, dW part b, db): the gradients (for an upstream
+    1, with 1/Σω folded in unless fp16) only with ``grad_mode`` and only those needed; dW as
+    the accumulator pair of :func:`_dw_accumulator` (part b empty unless split). ``low_memory`` is
     for backward (the fast forward never sees it)."""
     cfg = Config(chunk, vocab_chunk, block_v, num_warps)
     opts_t = _opts_tuple(ignore_index, label_smoothing, z_loss, softcap)
@@ -285,7 +286,7 @@ def _(x, w, bias, y, cw, reduction, ignore_index, label_smoothing, z_loss, softc
     accum = _accum_dtype(x.dtype, n, chunk, accum_fp32, reduction)
     loss = x.new_empty(n, **f32) if reduction == 0 else x.new_empty((), **f32)
     if not (full and need_dw):
-        dw = (x.new_empty(0),) * 2
+        dw = (x.new_empty(0), x.new_empty(0))
     elif _splits(accum, w.dtype):
         r1 = split_rows(v)
         dw = (x.new_empty(r1, hdim, **f32), x.new_empty(v - r1, hdim, **f32))

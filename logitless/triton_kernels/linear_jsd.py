@@ -175,11 +175,11 @@ def _sweep(xs, ws, xt, wt, y, g, opts_t, cfg: Config, want_loss, want_grad, accu
     dw = (xs.new_empty(0), xs.new_empty(0))
     if want_grad and need_dx:
         dx = split_f32(n, hs, dev) if dx_fp32 else (torch.empty(n, hs, dtype=dt, device=dev),
-                                                    xs.new_empty(0))
+                                                   xs.new_empty(0))
     if want_grad and need_dw:
         dw = split_f32(v, hs, dev) if accum == "fp32" else (torch.empty(v, hs, dtype=dt,
-                                                                         device=dev),
-                                                              xs.new_empty(0))
+                                                                        device=dev),
+                                                             xs.new_empty(0))
     ldt = torch.float32 if cfg.fp32_logits else dt
     c = min(cfg.sub_chunk, n)
     zs_buf = _rows_buffer(c, v, ldt, dev)
