@@ -99,23 +99,19 @@ def _seg_stats(s_row, t_row, col0, col1, y_local, inv_t, KIND: tl.constexpr,
                HARD: tl.constexpr, T_ONE: tl.constexpr, BLOCK: tl.constexpr):
     """Pass 1 over columns [col0, col1): (m_a, s_a, m_b, s_b, u, md, w, m_z, s_z, z_y) with
     u = Σ e^(a−m_a)·expm1(b − a), md = max(b − a), w = Σ e^(b−m_b)·(b − a) (forward KL) or
-    Σ e^(a−m_a)·(a − b) (reverse KL), z_y the target's raw logit (0 when it is elsewhere).
-    Only the running maxima are reduced across the block per iteration; the sums are kept per
-    lane (rescaled by the block's scalar factor) and reduced once at the end, which saves
-    the cross-warp exchanges of five reductions per block."""
+    Σ e^(a−m_a)·(a − b) (reverse KL), z_y the target's raw logit (0 when it is elsewhere)."""
     offs = tl.arange(0, BLOCK)
     zero = tl.sum(tl.zeros([BLOCK], dtype=tl.float32), 0)
-    lanes = tl.zeros([BLOCK], dtype=tl.float32)
     m_a = zero - float("inf")
+    s_a = zero
     m_b = zero - float("inf")
-    s_a = lanes
-    s_b = lanes
-    u = lanes
-    md = lanes - float("inf")
-    w = lanes
-    z_y = lanes
+    s_b = zero
+    u = zero
+    md = zero - float("inf")
+    w = zero
     m_z = zero - float("inf")
     s_z = zero
+    z_y = zero
     for start in range(col0, col1, BLOCK):
         cols = start + offs
         cmask = cols < col1
@@ -124,25 +120,24 @@ def _seg_stats(s_row, t_row, col0, col1, y_local, inv_t, KIND: tl.constexpr,
         ma_new = tl.maximum(m_a, tl.max(tl.where(cmask, a, -float("inf")), 0))
         ra = tl.exp(m_a - ma_new)
         ea = tl.where(cmask, tl.exp(a - ma_new), 0.0)
-        s_a = s_a * ra + ea
-        u = u * ra + ea * _expm1(tl.minimum(d, FAR))
-        md = tl.maximum(md, tl.where(cmask, d, -float("inf")))
+        s_a = s_a * ra + tl.sum(ea, 0)
+        u = u * ra + tl.sum(ea * _expm1(tl.minimum(d, FAR)), 0)
+        md = tl.maximum(md, tl.max(tl.where(cmask, d, -float("inf")), 0))
         mb_new = tl.maximum(m_b, tl.max(tl.where(cmask, b, -float("inf")), 0))
         rb = tl.exp(m_b - mb_new)
         eb = tl.where(cmask, tl.exp(b - mb_new), 0.0)
-        s_b = s_b * rb + eb
+        s_b = s_b * rb + tl.sum(eb, 0)
         if KIND == 0:   # forward KL: Σ P·(b − a), weights of the teacher
-            w = w * rb + eb * d
+            w = w * rb + tl.sum(eb * d, 0)
         elif KIND == 1:  # reverse KL: Σ Q·(a − b), weights of the student
-            w = w * ra - ea * d
+            w = w * ra - tl.sum(ea * d, 0)
         m_a = ma_new
         m_b = mb_new
         if HARD:
             if not T_ONE:
                 m_z, s_z = _online(m_z, s_z, tl.where(cmask, zs, -float("inf")))
-            z_y += tl.where(cols == y_local, zs, 0.0)
-    return (m_a, tl.sum(s_a, 0), m_b, tl.sum(s_b, 0), tl.sum(u, 0), tl.max(md, 0),
-            tl.sum(w, 0), m_z, s_z, tl.sum(z_y, 0))
+            z_y += tl.sum(tl.where(cols == y_local, zs, 0.0), 0)
+    return m_a, s_a, m_b, s_b, u, md, w, m_z, s_z, z_y
 
 
 @triton.jit
@@ -209,7 +204,7 @@ def _jsd_terms(a, b, l_a, c, beta):
 def _seg_jsd_sums(s_row, t_row, col0, col1, inv_t, l_a, c, beta, BLOCK: tl.constexpr):
     """Pass 2 (0 < β < 1) over [col0, col1): −Σ Q·Λ (→ K) and Σ β·P·(δ − Λ) − (1−β)·Q·Λ (→ J)."""
     offs = tl.arange(0, BLOCK)
-    k = tl.zeros([BLOCK], dtype=tl.float32)  # per lane, reduced once at the end
+    k = tl.sum(tl.zeros([BLOCK], dtype=tl.float32), 0)
     j = k
     for start in range(col0, col1, BLOCK):
         cols = start + offs
@@ -217,9 +212,9 @@ def _seg_jsd_sums(s_row, t_row, col0, col1, inv_t, l_a, c, beta, BLOCK: tl.const
         a, b, zs = _load_block(s_row, t_row, cols, cmask, inv_t)
         q, p, delta, lam = _jsd_terms(a, b, l_a, c, beta)
         qlam = q * lam
-        k -= tl.where(cmask, qlam, 0.0)
-        j += tl.where(cmask, beta * p * (delta - lam) - (1.0 - beta) * qlam, 0.0)
-    return tl.sum(k, 0), tl.sum(j, 0)
+        k -= tl.sum(tl.where(cmask, qlam, 0.0), 0)
+        j += tl.sum(tl.where(cmask, beta * p * (delta - lam) - (1.0 - beta) * qlam, 0.0), 0)
+    return k, j
 
 
 @triton.jit
