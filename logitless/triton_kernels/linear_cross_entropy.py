@@ -33,8 +33,8 @@ from .. import _torch_common as common
 from ..specs import linear_cross_entropy as spec
 from ..specs.tiling import next_power_of_2, plan_token_chunks
 from .cross_entropy_rows import cross_entropy_rows_kernel
-from .narrow_cast import accumulate_split_, finish_, split_f32, split_rows
-from .scale_cast import scale_cast, scale_cast_op, scale_inplace_op
+from .narrow_cast import (accumulate_split_, finish_, scale_cast, scale_cast_op, scale_op,
+                          split_f32, split_rows)
 
 TUNING = ("low_memory", "chunk_size", "vocab_chunk_size", "memory_budget", "grad_accum_dtype",
           "block_v", "num_warps")
@@ -391,7 +391,7 @@ def _gradients(ctx, g_loss, g_lse):
                        else scale)
         gx = None
         if need_x:  # dx_saved is ours alone (the front door drops it): scale it in place
-            scale_inplace_op(dx_saved, saved_scale, _interpret())
+            scale_op(dx_saved, saved_scale, _interpret())
             gx = dx_saved
         if a["grad_mode"] == FULL_GRAD:
             gw = (finish_(dw_a, dw_b, saved_scale, tuple(w.shape), w.dtype, _interpret())
