@@ -21,7 +21,7 @@ for g in $groups; do
     *) echo "unknown group $g"; exit 2 ;;
   esac
   start=$(date +%s)
-  timeout "${LIMIT:-300}" $PY -m pytest -q -p no:cacheprovider $files > "$OUT/tests-$g.log" 2>&1
+  timeout "${LIMIT:-450}" $PY -m pytest -q -p no:cacheprovider $files > "$OUT/tests-$g.log" 2>&1
   rc=$?
   echo "$g: rc=$rc in $(( $(date +%s) - start )) s: $(tail -1 "$OUT/tests-$g.log")"
   [ $rc -ne 0 ] && status=1
