@@ -33,8 +33,8 @@ from .. import _torch_common as common
 from ..specs import linear_cross_entropy as spec
 from ..specs.tiling import next_power_of_2, plan_token_chunks
 from .cross_entropy_rows import cross_entropy_rows_kernel
-from .narrow_cast import (accumulate_split_, finish_, scale_cast, scale_cast_op, scale_op,
-                          split_f32, split_rows)
+from .narrow_cast import (accumulate_split_, accumulator_pair, finish_, scale_cast,
+                          scale_cast_op, scale_op)
 
 TUNING = ("low_memory", "chunk_size", "vocab_chunk_size", "memory_budget", "grad_accum_dtype",
           "block_v", "num_warps")
@@ -144,8 +144,8 @@ def _forward(x, w, bias, y, cw, omega_sum, opts_t, cfg, grad_mode, needs, accum_
     token_loss = torch.empty(n, dtype=torch.float32, device=dev)
     lse = torch.empty(n, dtype=torch.float32, device=dev)
     dx = torch.empty(n, hdim, dtype=x.dtype, device=dev) if need_dx else x.new_empty(0)
-    dw = _dw_accumulator(v, hdim, accum_dtype, w.dtype, n, dev) if need_dw else (
-        x.new_empty(0), x.new_empty(0))  # distinct: op outputs may not alias
+    dw = (accumulator_pair(v, hdim, accum_dtype, w.dtype, x, zero=n == 0) if need_dw
+          else (x.new_empty(0), x.new_empty(0)))  # distinct: op outputs may not alias
     db = (torch.zeros if n == 0 else torch.empty)(v, dtype=torch.float32, device=dev) \
         if need_db else x.new_empty(0)
     buf = torch.empty(min(cfg.chunk, n), v, dtype=x.dtype, device=dev)
@@ -159,26 +159,6 @@ def _forward(x, w, bias, y, cw, omega_sum, opts_t, cfg, grad_mode, needs, accum_
             torch.mm(blk, w, out=dx[s:e])
         _accumulate(dw, db, blk, x[s:e], first=s == 0)
     return token_loss, lse, dx, dw, db
-
-
-def _splits(accum_dtype, out_dtype):
-    """Whether the dW accumulator is the split fp32 pair narrowed in place into a 2-byte result."""
-    return accum_dtype == torch.float32 and out_dtype.itemsize == 2
-
-
-def _dw_accumulator(v, hdim, dtype, out_dtype, n, device):
-    """(a, b): the split fp32 pair that :mod:`.narrow_cast` narrows into the ``out_dtype``
-    gradient in place (accumulator and result never coexist), or (one ``dtype`` tensor,
-    empty). Zeros for N=0, which no chunk assigns."""
-    if _splits(dtype, out_dtype):
-        pair = split_f32(v, hdim, device)
-    else:
-        pair = (torch.empty(v, hdim, dtype=dtype, device=device),
-                torch.empty(0, dtype=dtype, device=device))
-    if n == 0:
-        for t in pair:
-            t.zero_()
-    return pair
 
 
 def _token_sweep(x, w, bias, y, cw, omega_sum, lse, g, h, opts_t, cfg, need_dx, dw_acc, db_acc):
@@ -202,7 +182,7 @@ def _token_sweep(x, w, bias, y, cw, omega_sum, lse, g, h, opts_t, cfg, need_dx, 
 
 def _accumulate(dw, db, dz, x_c, first):
     """dW (+)= dzᵀ·x_c in place (fp32 inside cuBLAS) into the accumulator pair ``dw`` (see
-    :func:`_dw_accumulator`), db (+)= Σ dz; the first chunk assigns."""
+    :func:`.narrow_cast.accumulator_pair`), db (+)= Σ dz; the first chunk assigns."""
     if dw is not None and dw[0].numel():
         accumulate_split_(dw, dz, x_c, first=first)
     if db is not None and db.numel():
@@ -249,7 +229,7 @@ def _fwd_op(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], y: t
                        torch.Tensor, torch.Tensor]:
     """-> (loss, lse, Σω or 1, dX, dW part a, dW part b, db): the gradients (for an upstream
     1, with 1/Σω folded in unless fp16) only with ``grad_mode`` and only those needed; dW as
-    the accumulator pair of :func:`_dw_accumulator` (part b empty unless split). ``low_memory`` is
+    the accumulator pair of :func:`.narrow_cast.accumulator_pair` (part b empty unless split). ``low_memory`` is
     for backward (the fast forward never sees it)."""
     cfg = Config(chunk, vocab_chunk, block_v, num_warps)
     opts_t = _opts_tuple(ignore_index, label_smoothing, z_loss, softcap)
@@ -285,13 +265,8 @@ def _(x, w, bias, y, cw, reduction, ignore_index, label_smoothing, z_loss, softc
     full = grad_mode == FULL_GRAD
     accum = _accum_dtype(x.dtype, n, chunk, accum_fp32, reduction)
     loss = x.new_empty(n, **f32) if reduction == 0 else x.new_empty((), **f32)
-    if not (full and need_dw):
-        dw = (x.new_empty(0), x.new_empty(0))
-    elif _splits(accum, w.dtype):
-        r1 = split_rows(v)
-        dw = (x.new_empty(r1, hdim, **f32), x.new_empty(v - r1, hdim, **f32))
-    else:
-        dw = (x.new_empty(v, hdim, dtype=accum), x.new_empty(0, dtype=accum))
+    dw = (accumulator_pair(v, hdim, accum, w.dtype, x) if (full and need_dw)
+          else (x.new_empty(0), x.new_empty(0)))
     return (loss, x.new_empty(n, **f32), x.new_empty((), **f32),
             x.new_empty(n, hdim) if (grad_mode and need_dx) else x.new_empty(0)) + dw + (
             x.new_empty(v, **f32) if (full and need_db and bias is not None) else x.new_empty(0),)
@@ -320,7 +295,7 @@ def _bwd_op(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], y: t
             _vocab_sweep(x, w, bias, y, cw, omega_sum, lse, g, h, opts_t, cfg, post_scale, dw, db)
         return dx, x.new_empty(0) if dw is None else dw, x.new_empty(0) if db is None else db
     accum = torch.float32 if accum_fp32 else w.dtype
-    dw_acc = _dw_accumulator(v, hdim, accum, w.dtype, x.shape[0], w.device) if need_dw else None
+    dw_acc = accumulator_pair(v, hdim, accum, w.dtype, x, zero=x.shape[0] == 0) if need_dw else None
     db_acc = ((torch.zeros if x.shape[0] == 0 else torch.empty)(v, dtype=torch.float32,
                                                                 device=w.device)
               if need_db else None)

@@ -43,7 +43,7 @@ from .. import _torch_jsd as jsd_common
 from ..specs import linear_jsd as spec
 from ..specs.tiling import next_power_of_2, plan_token_chunks
 from . import jsd_rows
-from .narrow_cast import accumulate_split_, finish_, split_f32, split_rows
+from .narrow_cast import accumulate_split_, accumulator_pair, finish_
 
 TUNING = ("chunk_size", "logits_chunk_size", "memory_budget", "fp32_logits", "grad_accum_dtype",
           "block_v", "segment_size", "num_warps", "programs_per_sm", "row_sync")
@@ -174,12 +174,10 @@ def _sweep(xs, ws, xt, wt, y, g, opts_t, cfg: Config, want_loss, want_grad, accu
     dx = (xs.new_empty(0), xs.new_empty(0))
     dw = (xs.new_empty(0), xs.new_empty(0))
     if want_grad and need_dx:
-        dx = split_f32(n, hs, dev) if dx_fp32 else (torch.empty(n, hs, dtype=dt, device=dev),
-                                                   xs.new_empty(0))
+        dx = accumulator_pair(n, hs, torch.float32 if dx_fp32 else dt, dt, xs)
     if want_grad and need_dw:
-        dw = split_f32(v, hs, dev) if accum == "fp32" else (torch.empty(v, hs, dtype=dt,
-                                                                        device=dev),
-                                                             xs.new_empty(0))
+        dw = accumulator_pair(v, hs, torch.float32 if accum == "fp32" else dt, dt, xs,
+                              zero=n == 0)
     ldt = torch.float32 if cfg.fp32_logits else dt
     c = min(cfg.sub_chunk, n)
     zs_buf = _rows_buffer(c, v, ldt, dev)
@@ -204,9 +202,6 @@ def _sweep(xs, ws, xt, wt, y, g, opts_t, cfg: Config, want_loss, want_grad, accu
                 torch.mm(dz, ws, out=dx[0][s:e])
         if want_grad and need_dw:
             accumulate_split_(dw, dz, xs[s:e], first=s == 0)
-    if want_grad and n == 0:
-        for t in dw:
-            t.zero_()
     return (token_loss,) + dx + dw
 
 
@@ -253,14 +248,6 @@ def _fwd_op(xs: torch.Tensor, ws: torch.Tensor, xt: torch.Tensor, wt: torch.Tens
     return loss, denom, dx_a, dx_b, dw_a, dw_b
 
 
-def _fake_pair(xs, rows, cols, split):
-    if split:
-        r1 = split_rows(rows)
-        return (xs.new_empty(r1, cols, dtype=torch.float32),
-                xs.new_empty(rows - r1, cols, dtype=torch.float32))
-    return xs.new_empty(rows, cols), xs.new_empty(0)
-
-
 @_fwd_op.register_fake
 def _(xs, ws, xt, wt, y, reduction, beta, temperature, ignore_index, hard_w, grad_mode, need_dx,
       need_dw, chunk, sub_chunk, fp32_logits, accum_fp32, block, segment, num_warps, grid,
@@ -270,9 +257,10 @@ def _(xs, ws, xt, wt, y, reduction, beta, temperature, ignore_index, hard_w, gra
     loss = xs.new_empty(n, **f32) if reduction == REDUCTIONS["none"] else xs.new_empty((), **f32)
     empty = (xs.new_empty(0), xs.new_empty(0))
     full = grad_mode == FULL_GRAD
-    grads = ((_fake_pair(xs, n, hs, xs.dtype != torch.float32) if full and need_dx else empty) +
-             (_fake_pair(xs, v, hs, _accum(xs.dtype, accum_fp32) == "fp32")
-              if full and need_dw else empty))
+    dw_dtype = torch.float32 if _accum(xs.dtype, accum_fp32) == "fp32" else xs.dtype
+    grads = ((accumulator_pair(n, hs, torch.float32, xs.dtype, xs) if full and need_dx
+              else empty) +
+             (accumulator_pair(v, hs, dw_dtype, xs.dtype, xs) if full and need_dw else empty))
     return (loss, xs.new_empty((), **f32)) + grads
 
 

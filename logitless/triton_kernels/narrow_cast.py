@@ -75,18 +75,30 @@ def split_rows(v: int) -> int:
     return (v + 1) // 2
 
 
-def split_f32(rows: int, cols: int, device) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The two fp32 allocations of a ``[rows, cols]`` accumulator that :func:`narrow_`
-    narrows in place."""
-    r1 = split_rows(rows)
-    return (torch.empty(r1, cols, dtype=torch.float32, device=device),
-            torch.empty(rows - r1, cols, dtype=torch.float32, device=device))
+def accumulator_pair(rows: int, cols: int, accum_dtype: torch.dtype, out_dtype: torch.dtype,
+                     like: torch.Tensor, zero: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(a, b): a ``[rows, cols]`` gradient accumulator that :func:`finish_` turns into the
+    ``out_dtype`` result in place. fp32 for a 2-byte result: the two allocations :func:`narrow_`
+    narrows (rows ``[0, split_rows(rows))`` and the rest); else one ``accum_dtype`` tensor and
+    an empty ``b``. Allocated like ``like`` (its device; fake tensors under tracing), zeroed
+    with ``zero`` (when no chunk will assign it)."""
+    if accum_dtype == torch.float32 and out_dtype.itemsize == 2:
+        r1 = split_rows(rows)
+        pair = (like.new_empty(r1, cols, dtype=torch.float32),
+                like.new_empty(rows - r1, cols, dtype=torch.float32))
+    else:
+        pair = (like.new_empty(rows, cols, dtype=accum_dtype),
+                like.new_empty(0, dtype=accum_dtype))
+    if zero:
+        for t in pair:
+            t.zero_()
+    return pair
 
 
 def accumulate_split_(pair: Tuple[torch.Tensor, torch.Tensor], dz: torch.Tensor,
                       x_c: torch.Tensor, first: bool) -> None:
     """``dW (+)= dzᵀ·x_c`` into a weight-gradient accumulator: the split fp32 pair of
-    :func:`split_f32` (columns of ``dz`` are its rows: one GEMM per half), or one tensor in
+    :func:`accumulator_pair` (columns of ``dz`` are its rows: one GEMM per half), or one tensor in
     ``pair[0]`` with ``pair[1]`` empty. The first chunk assigns."""
     a, b = pair
     if b.numel() == 0 and a.shape[0] == dz.shape[1]:
