@@ -11,6 +11,9 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" XLA_PYTHON_CLIENT_PREALLOCAT
 PY=${PY:-python3}
 groups=${*:-all}
 [ "$groups" = all ] && groups="lce jsd mlp bridge"
+# one seed for every group, printed so that a failure can be replayed (pytest -q hides the header)
+export LOGITLESS_TEST_SEED=${LOGITLESS_TEST_SEED:-$(( (RANDOM << 15) | RANDOM ))}
+echo "LOGITLESS_TEST_SEED=$LOGITLESS_TEST_SEED"
 status=0
 for g in $groups; do
   case $g in
