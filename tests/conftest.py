@@ -32,3 +32,9 @@ def pytest_report_header(config):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one)")
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    # again at the end: CI logs are often cut to their tail, and a failure needs the seed
+    terminalreporter.write_line(f"logitless test seed: {harness.SEED} "
+                                f"(LOGITLESS_TEST_SEED={harness.SEED} replays this run)")

@@ -13,12 +13,21 @@ backend's *naive* framework path, and requires each output's relative error to s
 ``FACTOR`` × the naive path's error in that dtype (with a small per-dtype floor, since a naive
 fp32 error can be ~0 by luck). NaN never passes, and a reference that is exactly zero (all
 tokens ignored) must be matched exactly.
+
+The naive error is one random draw too: on a small half-precision case whose error is carried
+by a few elements (N = 1, or a bias gradient summed over tokens with signed weights) it can
+land far under its typical size, and a correct backend then misses 2x it by chance (seen:
+0.5% of seeds for one vocab-parallel bf16 bias gradient, ratios 0.12 to 1.61 over 95 seeds).
+So a miss of the tolerance alone (:class:`ToleranceExceeded`; never NaN, shape or exact-zero
+misses) is re-checked on two fresh draws (:func:`confirmed`), and the case fails when either
+misses again: 2 of 3 draws. A backend that is really worse than naive misses on most draws.
 """
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
 import os
+import warnings
 import zlib
 from typing import Any, Callable, Dict, List, Tuple
 
@@ -106,10 +115,17 @@ def pair_tolerance(case, key, ref, naive_runs) -> float:
     return tol + rounding
 
 
+class ToleranceExceeded(AssertionError):
+    """Only the naive-relative error rule was missed (the values are finite, shaped right and
+    zero where the reference is): a miss :func:`confirmed` re-checks on fresh draws."""
+
+
 def compare(case, out, ref, naive) -> Dict[str, Tuple[float, float]]:
-    """Assert ``out`` matches ``ref``; returns {key: (err, tol)} for reporting."""
+    """Assert ``out`` matches ``ref``; returns {key: (err, tol)} for reporting. ``case`` is a
+    case (its ``dtype`` is used) or a dtype name."""
+    dtype = case if isinstance(case, str) else case.dtype
     assert set(out) >= set(ref), f"backend returned {sorted(out)}, expected {sorted(ref)}"
-    report = {}
+    report, missed = {}, []
     for key, r in ref.items():
         a = np.asarray(out[key], np.float64)
         assert a.shape == np.shape(r), f"{key}: shape {a.shape} != reference {np.shape(r)}"
@@ -119,10 +135,34 @@ def compare(case, out, ref, naive) -> Dict[str, Tuple[float, float]]:
             report[key] = (0.0, 0.0)
             continue
         err = rel_err(a, r)
-        tol = max(FACTOR * rel_err(naive[key], r), FLOOR[case.dtype])
+        naive_err = rel_err(naive[key], r)
+        tol = max(FACTOR * naive_err, FLOOR[dtype])
         report[key] = (err, tol)
-        assert err <= tol, f"{key}: rel err {err:.3g} > tol {tol:.3g} (naive {tol / FACTOR:.3g})"
+        if err > tol:
+            missed.append(f"{key}: rel err {err:.3g} > tol {tol:.3g} (naive {naive_err:.3g})")
+    if missed:
+        raise ToleranceExceeded("; ".join(missed) + f" [seed {SEED}]")
     return report
+
+
+REDRAW_SALTS = (1_000_003, 1_000_033)  # salts of the confirming draws (no test uses them)
+
+
+def confirmed(check: Callable[[int], Any], salt: int = 0) -> Any:
+    """``check(salt)``; if it misses only the tolerance, ``check`` on two fresh draws, failing
+    when either misses too (2 of 3 draws; see the module docstring). ``check`` draws its
+    inputs from the salt it is given. Other failures (NaN, shapes, zeros) raise at once."""
+    try:
+        return check(salt)
+    except ToleranceExceeded as first:
+        for redraw in REDRAW_SALTS:
+            try:
+                check(redraw)
+            except ToleranceExceeded as again:
+                raise AssertionError(f"missed on 2 of 3 draws: salt {salt}: {first}; "
+                                     f"salt {redraw}: {again}") from None
+        warnings.warn(f"missed once, then passed on 2 fresh draws: {first}", stacklevel=2)
+        return None
 
 
 def ulp(values, dtype: str) -> np.ndarray:
@@ -134,19 +174,55 @@ def ulp(values, dtype: str) -> np.ndarray:
     return 2.0 ** (exponent - fi.nmant)
 
 
-def check_backend(op: Op, name: str, case, salt: int = 0) -> Dict[str, Tuple[float, float]]:
+def every_backend_agrees(op: Op, case, names, pairs, salt: int) -> None:
+    """The parity suites' body, on one draw (``salt``): every backend in ``names`` against the
+    float64 spec (harness tolerance, each with its own naive path), and each (a, b) of
+    ``pairs`` against each other (:func:`pair_tolerance`). Misses of a tolerance only raise
+    :class:`ToleranceExceeded` (for :func:`confirmed`); anything else AssertionError."""
+    reg = backends(op.name)
+    missing = {n: missing_modules(reg[n]) for n in names if missing_modules(reg[n])}
+    assert not missing, f"backends need modules the test environment lacks: {missing}"
+    inp = op.make_inputs(case, salt)
+    ref = op.reference(case, inp)
+    runs = {n: reg[n].run(case, inp) for n in names}
+    naive = {n: reg[n].run(case, inp) for n in {reg[n].naive for n in names}}
+    missed = []
+    for name, out in runs.items():
+        try:
+            compare(case, out, ref, naive[reg[name].naive])
+        except ToleranceExceeded as e:
+            missed.append(f"{name} vs spec: {e}")
+    for a, b in pairs:  # each side taken as the other's reference
+        for key, r in ref.items():
+            if not np.any(r):
+                assert not np.any(runs[a][key]) and not np.any(runs[b][key]), key
+                continue
+            tol = pair_tolerance(case, key, ref, naive.values())
+            err = rel_err(runs[a][key], runs[b][key])
+            if err > tol:
+                missed.append(f"{a} vs {b}: {key} rel diff {err:.3g} > {tol:.3g}")
+    if missed:
+        raise ToleranceExceeded("\n".join(missed))
+
+
+def check_backend(op: Op, name: str, case, salt: int = 0):
     """The shared test body: ``name`` (a backend of ``op``) against the float64 reference, with
-    the naive path's error setting the tolerance. Fails (never skips) when a module is missing."""
+    the naive path's error setting the tolerance (re-checked on fresh draws after a miss:
+    :func:`confirmed`). Fails (never skips) when a module is missing. Returns the report
+    {key: (err, tol)} of the first draw, or None when it took the re-draws."""
     be = backends(op.name)[name]
     missing = missing_modules(be)
     if missing:
         raise AssertionError(f"backend {name!r} needs {missing}, which the test environment lacks")
     if case.dtype not in be.dtypes:
         raise AssertionError(f"backend {name!r} does not declare dtype {case.dtype}")
-    inp = op.make_inputs(case, salt)
-    ref = op.reference(case, inp)
-    out = be.run(case, inp)
-    return compare(case, out, ref, naive_outputs(op, be.naive, case, salt, inp))
+
+    def check(s):
+        inp = op.make_inputs(case, s)
+        return compare(case, be.run(case, inp), op.reference(case, inp),
+                       naive_outputs(op, be.naive, case, s, inp))
+
+    return confirmed(check, salt)
 
 
 _NAIVE: Dict[Tuple[str, str, Any, int], Dict[str, np.ndarray]] = {}

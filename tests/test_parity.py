@@ -12,8 +12,6 @@ cases covering every option.
 """
 from __future__ import annotations
 
-import importlib.util
-
 import ml_dtypes
 import numpy as np
 import pytest
@@ -23,9 +21,9 @@ import harness
 import backends  # noqa: F401  (registers the backends)
 from backends_jax import _pallas_test_tuning
 from backends_torch import _torch_collect, _torch_inputs
-from harness import backends, compare, pair_tolerance, rel_err
+from harness import backends
 from helpers import pick_cases
-from op_linear_cross_entropy import cases_linear_cross_entropy, make_inputs, reference
+from op_linear_cross_entropy import OP, cases_linear_cross_entropy, make_inputs, reference
 
 BACKENDS = backends("linear_cross_entropy")
 
@@ -82,38 +80,10 @@ def _bridge_runner(jax_backend, **tuning):
     return run
 
 
-def _run_all(case, names):
-    missing = {n: [m for m in BACKENDS[n].requires if importlib.util.find_spec(m) is None]
-               for n in names}
-    missing = {n: m for n, m in missing.items() if m}
-    if missing:
-        pytest.fail(f"backends need modules the test environment lacks: {missing}")
-    inp = make_inputs(case, salt=7)
-    ref = reference(case, inp)
-    runs = {n: BACKENDS[n].run(case, inp) for n in names}
-    naive = {n: BACKENDS[n].run(case, inp) for n in {BACKENDS[n].naive for n in names}}
-    return inp, ref, runs, naive
-
-
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_same_inputs_every_backend(case):
-    inp, ref, runs, naive = _run_all(case, PYTORCH_SIDE + JAX_SIDE)
-    failures = []
-    for name, out in runs.items():
-        try:
-            compare(case, out, ref, naive[BACKENDS[name].naive])
-        except AssertionError as e:
-            failures.append(f"{name} vs spec: {e}")
-    for a, b in PAIRS:  # each side taken as the other's reference
-        for key, r in ref.items():
-            if not np.any(r):
-                assert not np.any(runs[a][key]) and not np.any(runs[b][key])
-                continue
-            tol = pair_tolerance(case, key, ref, naive.values())
-            err = rel_err(runs[a][key], runs[b][key])
-            if err > tol:
-                failures.append(f"{a} vs {b}: {key} rel diff {err:.3g} > {tol:.3g}")
-    assert not failures, "\n".join(failures)
+    harness.confirmed(lambda salt: harness.every_backend_agrees(
+        OP, case, PYTORCH_SIDE + JAX_SIDE, PAIRS, salt), salt=7)
 
 
 @pytest.mark.parametrize("case", BRIDGE_CASES, ids=lambda c: c.id)

@@ -16,8 +16,7 @@ import pytest
 import backends  # noqa: F401  (registers the backends)
 from backends_jsd_jax import jsd_runner as jax_runner, pallas_test_tuning
 from backends_jsd_torch import torch_collect, torch_inputs
-from harness import (backends as registry, compare, missing_modules, pair_tolerance, rel_err,
-                     ulp)
+from harness import backends as registry, confirmed, every_backend_agrees, ulp
 from helpers import pick_cases
 from op_linear_jsd import OP
 
@@ -55,29 +54,8 @@ BRIDGE_CASES = [PICKED[k] for k in ("f32-mean", "bf16-none", "hard-T")]
                                                       "reverse-kl-n1", "all-ignored")],
                          ids=lambda c: c.id)
 def test_same_inputs_every_backend(case):
-    names = PYTORCH_SIDE + JAX_SIDE
-    missing = {n: missing_modules(BACKENDS[n]) for n in names if missing_modules(BACKENDS[n])}
-    assert not missing, f"backends need modules the test environment lacks: {missing}"
-    inp = OP.make_inputs(case, 7)
-    ref = OP.reference(case, inp)
-    runs = {n: BACKENDS[n].run(case, inp) for n in names}
-    naive = {n: BACKENDS[n].run(case, inp) for n in {BACKENDS[n].naive for n in names}}
-    failures = []
-    for name, out in runs.items():
-        try:
-            compare(case, out, ref, naive[BACKENDS[name].naive])
-        except AssertionError as e:
-            failures.append(f"{name} vs spec: {e}")
-    for a, b in PAIRS:
-        for key, r in ref.items():
-            if not np.any(r):
-                assert not np.any(runs[a][key]) and not np.any(runs[b][key])
-                continue
-            tol = pair_tolerance(case, key, ref, naive.values())
-            err = rel_err(runs[a][key], runs[b][key])
-            if err > tol:
-                failures.append(f"{a} vs {b}: {key} rel diff {err:.3g} > {tol:.3g}")
-    assert not failures, "\n".join(failures)
+    confirmed(lambda salt: every_backend_agrees(OP, case, PYTORCH_SIDE + JAX_SIDE, PAIRS, salt),
+              salt=7)
 
 
 def _bridge_runner(jax_backend, **tuning):

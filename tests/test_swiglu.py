@@ -2,9 +2,10 @@
 both sides: the Triton kernel (interpreted on CPU) and its torch fallback, the Pallas kernel
 (interpret mode on CPU) and its XLA twin; and torch vs JAX on the very same inputs.
 
-Tolerance as in the shared harness: each output's relative error against float64 within
-``FACTOR`` × the naive path's (``F.silu(g) * u`` / ``jax.nn.silu(g) * u`` in the input dtype,
-which round twice), never below the dtype's floor. The kernels compute in fp32 and round once.
+Tolerance: the shared harness's rule (``harness.compare``), each output's relative error
+against float64 within ``FACTOR`` × the naive path's (``F.silu(g) * u`` / ``jax.nn.silu(g) * u``
+in the input dtype, which round twice), never below the dtype's floor. The kernels compute in
+fp32 and round once.
 """
 import zlib
 
@@ -19,7 +20,7 @@ import jax.numpy as jnp
 
 import logitless.jax as lj
 import logitless.torch as lt
-from harness import FACTOR, FLOOR, NP_DTYPES, SEED, rel_err
+from harness import FLOOR, NP_DTYPES, SEED, compare, rel_err
 from logitless import tiled_mlp_torch
 from logitless.specs import tiled_mlp as spec
 from logitless.triton_kernels import swiglu as tk
@@ -76,16 +77,6 @@ def _naive_jax(g, u):
     return rp(rp(jax.nn.silu(g)) * u)
 
 
-def _check(out, ref, naive, dtype):
-    for key, r in ref.items():
-        a = out[key]
-        assert a.shape == r.shape, key
-        assert np.isfinite(a).all(), f"{key}: non-finite values"
-        err = rel_err(a, r)
-        tol = max(FACTOR * rel_err(naive[key], r), FLOOR[dtype])
-        assert err <= tol, f"{key}: rel err {err:.3g} > tol {tol:.3g}"
-
-
 TORCH_IMPLS = {"triton": tk.swiglu, "torch-fallback": tiled_mlp_torch._SwiGLUTorch.apply}
 JAX_IMPLS = {"pallas": lambda g, u: lj.swiglu(g, u, backend="pallas"),
              "xla": lambda g, u: lj.swiglu(g, u, backend="xla")}
@@ -101,7 +92,7 @@ def test_torch_swiglu_matches_float64(shape, dtype):
         if name != "triton" and shape != SHAPES[0]:
             continue  # the same math in plain ops: one shape is enough
         out = _torch_run(fn, g, u, dh, dtype)
-        _check(out, ref, naive, dtype)
+        compare(dtype, out, ref, naive)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -114,7 +105,7 @@ def test_jax_swiglu_matches_float64(shape, dtype):
         if name != "pallas" and shape != SHAPES[0]:
             continue  # the same math in jnp: one shape is enough
         out = _jax_run(jax.jit(fn), g, u, dh, dtype)
-        _check(out, ref, naive, dtype)
+        compare(dtype, out, ref, naive)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -150,9 +141,9 @@ def test_small_tiles_ragged_grid(dtype):
                 return tk.swiglu_backward(dh, *ctx.saved_tensors, **SMALL_TILES)
         return Fn.apply(a, b)
 
-    _check(_torch_run(triton_small, g, u, dh, dtype), ref, naive, dtype)
+    compare(dtype, _torch_run(triton_small, g, u, dh, dtype), ref, naive)
     pallas_small = lambda a, b: lj.swiglu(a, b, backend="pallas", **SMALL_TILES)
-    _check(_jax_run(jax.jit(pallas_small), g, u, dh, dtype), ref, naive, dtype)
+    compare(dtype, _jax_run(jax.jit(pallas_small), g, u, dh, dtype), ref, naive)
 
 
 def test_triton_strided_views_and_in_place_outputs():
@@ -243,6 +234,6 @@ def test_gpu_large_rows_and_inductor():
     ref = _reference(*(a.float().cpu().numpy() for a in (g, u, dh)))
     out = _torch_run(tk.swiglu, *(a.float().cpu().numpy() for a in (g, u, dh)), "bfloat16")
     naive = _torch_run(_naive_torch, *(a.float().cpu().numpy() for a in (g, u, dh)), "bfloat16")
-    _check(out, ref, naive, "bfloat16")
+    compare("bfloat16", out, ref, naive)
     compiled = torch.compile(lambda a, b: lt.swiglu(a, b), fullgraph=True)
     torch.testing.assert_close(compiled(g, u), lt.swiglu(g, u), rtol=0, atol=0)

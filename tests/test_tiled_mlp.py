@@ -3,9 +3,9 @@ JAX custom_vjp, against the float64 reference and each other; the PyTorch semant
 peers get wrong (gradient hooks fire once, earlier micro-batch gradients kept, checkpoint,
 frozen parameters, autocast); the JAX compiled temp memory of one shard.
 
-Tolerance as in the shared harness: relative error against float64 within ``FACTOR`` × the
-naive untiled MLP's error in the same dtype (``F.silu(g) * u`` with autograd / jnp with
-autodiff), never below the dtype's floor. The DDP test is in test_tiled_mlp_ddp.py.
+Tolerance: the shared harness's rule (``harness.compare``), relative error against float64
+within ``FACTOR`` × the naive untiled MLP's error in the same dtype (``F.silu(g) * u`` with
+autograd / jnp with autodiff), never below the dtype's floor. The DDP test is in test_tiled_mlp_ddp.py.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 import logitless.jax as lj
 import logitless.torch as lt
-from harness import FACTOR, FLOOR, NP_DTYPES, SEED, rel_err
+from harness import FACTOR, FLOOR, NP_DTYPES, SEED, compare, rel_err
 from helpers import no_host_sync
 from logitless.specs import tiled_mlp as spec
 
@@ -77,16 +77,6 @@ def make_inputs(case: Case, salt=0):
 
 def reference(x, p, dy, num_shards=None):
     return spec.swiglu_mlp_reference(x, p, dy, num_shards=num_shards)
-
-
-def check(case_dtype, out, ref, naive):
-    for key, r in ref.items():
-        a = np.asarray(out[key], np.float64)
-        assert a.shape == r.shape, f"{key}: shape {a.shape} != {r.shape}"
-        assert np.isfinite(a).all(), f"{key}: non-finite values"
-        err = rel_err(a, r)
-        tol = max(FACTOR * rel_err(naive[key], r), FLOOR[case_dtype])
-        assert err <= tol, f"{key}: rel err {err:.3g} > tol {tol:.3g}"
 
 
 # ----------------------------------------------------------------------------- torch runners
@@ -214,7 +204,7 @@ def test_spec_reference_matches_float64_autodiff(num_shards):
 def test_torch_fused_matches_float64(case):
     x, p, dy = make_inputs(case)
     naive = torch_run(case, x, p, dy, cls=LlamaMLP, tiled=False)
-    check(case.dtype, torch_run(case, x, p, dy), reference(x, p, dy), naive)
+    compare(case.dtype, torch_run(case, x, p, dy), reference(x, p, dy), naive)
 
 
 def torch_run_naive_per_shard(case, x, p, dy):
@@ -249,7 +239,7 @@ def torch_run_naive_per_shard(case, x, p, dy):
 def test_torch_generic_matches_float64(case):
     x, p, dy = make_inputs(case)
     naive = torch_run_naive_per_shard(case, x, p, dy)
-    check(case.dtype, torch_run(case, x, p, dy, cls=LlamaMLP), reference(x, p, dy), naive)
+    compare(case.dtype, torch_run(case, x, p, dy, cls=LlamaMLP), reference(x, p, dy), naive)
 
 
 def test_fp32_accumulation_beats_param_dtype_accumulation():
@@ -261,7 +251,7 @@ def test_fp32_accumulation_beats_param_dtype_accumulation():
     naive = torch_run(case, x, p, dy, cls=LlamaMLP, tiled=False)
     fp32 = torch_run(case, x, p, dy)
     bf16 = torch_run(dataclasses.replace(case, accum_fp32=False), x, p, dy)
-    check(case.dtype, fp32, ref, naive)
+    compare(case.dtype, fp32, ref, naive)
     for k in ("dw_gate", "dw_up", "dw_down"):
         assert rel_err(fp32[k], ref[k]) < rel_err(bf16[k], ref[k]), k
 
@@ -486,7 +476,7 @@ def test_jax_tiled_matches_float64(case, fused):
     else:
         fn = naive_jax_mlp
         naive = jax_run(case, x, p, dy, fn, tiled=False)
-    check(case.dtype, jax_run(case, x, p, dy, fn), reference(x, p, dy), naive)
+    compare(case.dtype, jax_run(case, x, p, dy, fn), reference(x, p, dy), naive)
 
 
 def test_jax_jit_grad_vmap_of_any_fn_equal_untiled():

@@ -53,7 +53,6 @@ def _splits(v, world):
     """(name, per-rank (start, size)) vocab splits of [0, v) for ``world`` ranks."""
     out = []
     if v % world == 0:
-        k = v // world
         out.append(("equal", None))  # defaults: vocab_start_index / vocab_size left out
     # uneven: the first rank holds 1 class, the rest share the remainder unevenly
     sizes = [1] + [0] * (world - 1)
@@ -101,10 +100,11 @@ def _run_vp(case, inp, rank, world, split, group):
     return _torch_collect(case, loss, lse, x, w_l, b_l, g, gl), sl
 
 
-def _variants(world):
-    """Every (id, case, inputs, split) run in a group of ``world`` ranks, in one order."""
+def _variants(world, salt=0):
+    """Every (id, case, inputs, split) run in a group of ``world`` ranks, in one order, on the
+    draw ``salt``."""
     for case in _cases():
-        inp = op.make_inputs(case)
+        inp = op.make_inputs(case, salt)
         for split_name, split in _splits(case.v, world):
             yield f"{case.id}-{split_name}", case, inp, split
             if split is not None and case.ignore == "some" and case.n > 1:
@@ -114,10 +114,13 @@ def _variants(world):
                        _no_target_shard(inp, s0, n0), split)
 
 
-def _check_all(rank, world, group):
-    """{id: (outputs, this rank's vocab slice)} or {id: traceback}."""
+def _check_all(rank, world, group, salt=0, only=None):
+    """{id: (outputs, this rank's vocab slice)} or {id: traceback}, for the draw ``salt`` (the
+    ids in ``only``, if given)."""
     out = {}
-    for cid, case, inp, split in _variants(world):
+    for cid, case, inp, split in _variants(world, salt):
+        if only is not None and cid not in only:
+            continue
         try:
             res, sl = _run_vp(case, inp, rank, world, split, group)
             out[cid] = (res, (sl.start, sl.stop))
@@ -186,25 +189,23 @@ def _worker(rank, world):
                 module=_check_module_and_count(rank, world, group))
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=["world2", "world4"])
-def results(request, tmp_path_factory):
-    world = request.param
-    os.environ["LOGITLESS_TEST_SEED"] = str(harness.SEED)  # every rank draws the same inputs
-    return world, run_gloo_ranks(_worker, world, tmp_path_factory.mktemp(f"vp{world}"),
-                                 triton_interpret=True)
+def _redraw_worker(rank, world, only):
+    """The cases ``only`` on the harness's confirming draws: {salt: {id: ...}}."""
+    return {salt: _check_all(rank, world, dist.group.WORLD, salt, only)
+            for salt in harness.REDRAW_SALTS}
 
 
-def test_vocab_parallel_equals_spec(results):
-    """Per case: each rank's loss, lse and dX, and the dW/db assembled from the ranks' slices
-    (the slices must tile [0, V)), against the float64 spec on the whole W."""
-    world, res = results
-    failures, n = [], 0
-    for cid, case, inp, _ in _variants(world):
-        n += 1
-        per_rank = [r["cases"][cid] for r in res]
+def _judge(world, res, salt, only=None):
+    """{id: failure message} of the draw ``salt`` (ranks' results ``res``: {id: ...} each),
+    each tagged with whether it missed the tolerance only."""
+    failures = {}
+    for cid, case, inp, _ in _variants(world, salt):
+        if only is not None and cid not in only:
+            continue
+        per_rank = [r[cid] for r in res]
         errs = [p for p in per_rank if isinstance(p, str)]
         if errs:
-            failures.append(f"{cid}: {errs[0]}")
+            failures[cid] = (False, errs[0])
             continue
         ref, naive = op.reference(case, inp), naive_torch(case, inp)
         full = {k: np.zeros_like(ref[k]) for k in ("dw", "db") if k in ref}
@@ -220,10 +221,39 @@ def test_vocab_parallel_equals_spec(results):
             assert (covered == 1).all(), f"slices do not tile [0, V): {covered}"
             harness.compare(case, full, {k: ref[k] for k in full},
                             {k: naive[k] for k in full})
+        except harness.ToleranceExceeded as e:
+            failures[cid] = (True, str(e))
         except AssertionError as e:
-            failures.append(f"{cid}: {e}")
+            failures[cid] = (False, str(e))
+    return failures
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["world2", "world4"])
+def results(request, tmp_path_factory):
+    world = request.param
+    os.environ["LOGITLESS_TEST_SEED"] = str(harness.SEED)  # every rank draws the same inputs
+    return world, run_gloo_ranks(_worker, world, tmp_path_factory.mktemp(f"vp{world}"),
+                                 triton_interpret=True)
+
+
+def test_vocab_parallel_equals_spec(results, tmp_path):
+    """Per case: each rank's loss, lse and dX, and the dW/db assembled from the ranks' slices
+    (the slices must tile [0, V)), against the float64 spec on the whole W. A case that misses
+    only the tolerance is re-run on the harness's two confirming draws in a new group, and
+    fails when either misses too (``harness.confirmed``'s 2-of-3 rule)."""
+    world, res = results
+    first = _judge(world, [r["cases"] for r in res], 0)
+    failures = [f"{cid}: {msg}" for cid, (tol_only, msg) in first.items() if not tol_only]
+    retry = {cid for cid, (tol_only, _) in first.items() if tol_only}
+    if retry:
+        again = run_gloo_ranks(_redraw_worker, world, tmp_path, sorted(retry),
+                               triton_interpret=True)
+        for salt in harness.REDRAW_SALTS:
+            for cid, (_, msg) in _judge(world, [r[salt] for r in again], salt, retry).items():
+                failures.append(f"{cid}: missed on 2 of 3 draws: salt 0: {first[cid][1]}; "
+                                f"salt {salt}: {msg}")
     assert not failures, "\n".join(failures)
-    assert n >= 3 * len(_cases())
+    assert sum(1 for _ in _variants(world)) >= 3 * len(_cases())
 
 
 def test_vocab_parallel_errors(results):

@@ -4,8 +4,9 @@ host devices before it initialises, which the pytest process (JAX already import
 For 2 and 4 devices on a mesh axis "tp", each case runs ``jit(vjp)`` of ``shard_map`` of
 ``logitless.jax.linear_cross_entropy(..., axis_name="tp")`` (W, bias, class weights sharded
 on V; x, labels replicated) and is compared with the float64 spec by the shared harness rule
-(``harness.compare`` against the naive jnp path's error). Prints one JSON line: the failures
-and the number of checks; exit status 0 either way (the test asserts on the JSON).
+(``harness.compare`` against the naive jnp path's error; a tolerance miss is re-checked on
+fresh draws, ``harness.confirmed``). Prints one JSON line: the failures and the number of
+checks; exit status 0 either way (the test asserts on the JSON).
 """
 import json
 import os
@@ -95,12 +96,15 @@ def main():
                 if variant and case.ignore == "all":
                     continue
                 cid = f"{ndev}dev-{case.id}{variant}"
-                try:
-                    inp = op.make_inputs(case)
+                def check(salt, case=case, variant=variant, mesh=mesh, ndev=ndev):
+                    inp = op.make_inputs(case, salt)
                     if variant:
                         inp = no_target_shard(inp, ndev)
-                    ref = op.reference(case, inp)
-                    harness.compare(case, run_vp(case, inp, mesh), ref, naive_jax(case, inp))
+                    harness.compare(case, run_vp(case, inp, mesh), op.reference(case, inp),
+                                    naive_jax(case, inp))
+
+                try:
+                    harness.confirmed(check)  # a tolerance miss: 2 of 3 draws must miss
                     checked += 1
                 except Exception:  # noqa: BLE001 - reported to the test
                     failures.append(f"{cid}: {traceback.format_exc(limit=4)}")
