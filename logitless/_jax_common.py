@@ -150,7 +150,7 @@ def token_coefficients(y, class_weight, opts: spec.LinearCrossEntropyOptions, v:
 def mean_denominator(omega):
     """Σω, or 1 where Σω = 0 so that an all-ignored batch gives loss 0 and zero grads."""
     total = jnp.sum(omega)
-    return jnp.where(total > 0, total, 1.0)
+    return jnp.where(total != 0, total, 1.0)  # negative Σω divides, as in F.cross_entropy
 
 
 def with_upstream(coefs, g, h):

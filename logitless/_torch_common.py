@@ -48,13 +48,14 @@ def is_int(value) -> bool:
 def autocast_inputs(*tensors):
     """Under ``torch.autocast`` on the tensors' device, floating tensors cast to its dtype,
     as ``F.linear`` would (the fused op replaces ``F.linear`` + cross-entropy); else as is.
-    Gradients flow back through the casts to the original (e.g. fp32 master) weights."""
+    float64 is left alone, as autocast leaves it. Gradients flow back through the casts to
+    the original (e.g. fp32 master) weights."""
     first = next((t for t in tensors if isinstance(t, torch.Tensor)), None)
     if first is None or not _autocast_enabled(first.device.type):
         return tensors
     dt = torch.get_autocast_dtype(first.device.type)
-    return tuple(t.to(dt) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
-                 for t in tensors)
+    return tuple(t.to(dt) if isinstance(t, torch.Tensor) and t.is_floating_point() and
+                 t.dtype != torch.float64 else t for t in tensors)
 
 
 def autocast_off(device: torch.device):
@@ -240,4 +241,4 @@ def token_weight_total(y, class_weight, ignore_index: int, dtype):
 
 def mean_denominator(total):
     """Σω, or 1 where Σω = 0 so that an all-ignored batch gives loss 0 and zero grads."""
-    return torch.where(total > 0, total, torch.ones_like(total))
+    return torch.where(total != 0, total, torch.ones_like(total))  # Σω < 0 divides too

@@ -550,6 +550,8 @@ def test_triton_argument_errors():
         (dict(grad_accum_dtype=torch.float16), ValueError, "grad_accum_dtype"),
         (dict(block_v=100), ValueError, "block_v"),
         (dict(num_warps=3), ValueError, "num_warps"),
+        (dict(num_warps=True), ValueError, "num_warps"),
+        (dict(num_warps=8.0), ValueError, "num_warps"),
         (dict(segment_size=0), ValueError, "segment_size"),
         (dict(logits_chunk_size=-1), ValueError, "logits_chunk_size"),
         (dict(programs_per_sm=0), ValueError, "programs_per_sm"),

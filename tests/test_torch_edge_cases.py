@@ -175,22 +175,39 @@ def test_triton_low_memory_holds_for_per_token_losses(monkeypatch):
     _close(got, ref)
 
 
-def test_triton_fp16_mean_in_one_chunk_does_not_overflow():
-    """fp16 "mean": the forward's sums are not yet divided by Σω, so they are kept in fp32
-    even when one chunk would need no accumulator (512 tokens whose unscaled dW sum exceeds
-    fp16's 65504 while the gradient itself is ~170)."""
+@pytest.mark.parametrize("accum", [torch.float32, torch.float16])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_triton_fp16_unscaled_sums_in_one_chunk_do_not_overflow(reduction, accum):
+    """fp16: the fused forward sums gradients for an upstream 1, before "mean"'s 1/Σω or the
+    caller's divisor after "sum" (``/ num_items_in_batch`` in the transformers integration),
+    so it keeps them in fp32 even when one chunk would need no accumulator, and even when
+    ``grad_accum_dtype`` asks for fp16: 512 tokens whose unscaled dW sum exceeds fp16's 65504
+    while the gradient itself is ~170."""
     n, h, v = 512, 4, 8
     g = torch.Generator().manual_seed(SEED + 11)
     x = (torch.full((n, h), 200.0) + torch.randn(n, h, generator=g)).to(DEV, torch.float16)
     w = (torch.randn(v, h, generator=g) * 0.01).to(DEV, torch.float16)
     y = torch.zeros(n, dtype=torch.long, device=DEV)
+    div = 1 if reduction == "mean" else n
+    plain = lambda x, w: F.cross_entropy(x @ w.t(), y, reduction=reduction) / div
     # the float64 reference sees the very fp16 values (the harness rule)
-    ref = _grads(lambda x, w: F.cross_entropy(x @ w.t(), y), x.double(), w.double())
-    naive = _grads(lambda x, w: F.cross_entropy(x @ w.t(), y), x, w)
-    got = _grads(lambda x, w: lt.linear_cross_entropy(x, w, y, backend="triton"), x, w)
+    ref = _grads(plain, x.double(), w.double())
+    naive = _grads(plain, x, w)
+    got = _grads(lambda x, w: lt.linear_cross_entropy(x, w, y, reduction=reduction,
+                                                      backend="triton",
+                                                      grad_accum_dtype=accum) / div, x, w)
     assert ref[2].abs().max() < 1e3 and torch.isfinite(got[2]).all()
     for g, r, nv in zip(got, ref, naive):  # the harness rule: 2x the naive fp16 error
         _close([g], [r], tol=max(2 * _err(nv, r), 2e-4))
+    # linear JSD's fused forward: the same rule (a hard-label term carries the large sum)
+    xt, wt = x.clone(), (w.float() * 0.5).half()
+    jsd = lambda be, **k: (lambda x, w: lt.linear_jsd(x, w, xt, wt, y, reduction=reduction,
+                                                      hard_loss_weight=1.0, backend=be,
+                                                      **k) / div)
+    want = _grads(jsd("torch"), x.double(), w.double())
+    got = _grads(jsd("triton", grad_accum_dtype=accum), x, w)
+    assert torch.isfinite(got[2]).all()
+    _close(got[1:], want[1:], tol=1e-2)  # fp16 grads of a ~1e3 sum: finite and right
 
 
 # ----------------------------------------------------------------------------- autocast
@@ -211,6 +228,30 @@ def test_autocast_casts_like_f_linear(backend):
         loss = lt.linear_jsd(xs, ws.requires_grad_(), xt, wt, yy, backend=backend)
     loss.backward()
     assert ws.grad.dtype == torch.float32 and torch.isfinite(ws.grad).all()
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_negative_class_weight_sum_divides_like_f_cross_entropy(backend):
+    """"mean" divides by Σω whatever its sign (only Σω = 0 gives loss 0), as F.cross_entropy
+    does: a negative Σω used to leave the loss undivided, flipping its sign."""
+    x, w, _, y = _lce_data(6, 8, 5, seed=12)
+    y = torch.tensor([0, 0, 1, 2, -100, 0], device=DEV)
+    cw = torch.tensor([-1.0, 0.5, 0.5, 1.0, 1.0], device=DEV)  # Σω over the targets: -1.5
+    want = _grads(lambda x, w: F.cross_entropy(x @ w.t(), y, weight=cw), x, w)
+    got = _grads(lambda x, w: lt.linear_cross_entropy(x, w, y, weight=cw, backend=backend), x, w)
+    assert want[0] > 0
+    _close(got, want)
+
+
+def test_autocast_leaves_float64_alone_like_f_linear():
+    x, w, _, y = _lce_data(6, 8, 5, seed=13)
+    x, w = x.double(), w.double()
+    with torch.autocast(DEV, dtype=torch.bfloat16):
+        assert F.linear(x, w).dtype == torch.float64
+        got = _grads(lambda x, w: lt.linear_cross_entropy(x, w, y), x, w)
+    want = _grads(lambda x, w: F.cross_entropy(x @ w.t(), y), x, w)
+    assert got[0].dtype == torch.float64
+    _close(got, want, tol=1e-12)
 
 
 # ----------------------------------------------------------------------------- choices, errors

@@ -67,10 +67,14 @@ class LinearCrossEntropyOptions:
         if isinstance(self.ignore_index, bool) or not isinstance(self.ignore_index, numbers.Integral):
             raise TypeError(f"ignore_index must be an int, got {self.ignore_index!r}")
         object.__setattr__(self, "ignore_index", int(self.ignore_index))
-        _check_real("label_smoothing", self.label_smoothing, lo=0.0, hi=1.0)
-        _check_real("z_loss", self.z_loss, lo=0.0)
-        if self.softcap is not None:
-            _check_real("softcap", self.softcap, lo=0.0, lo_open=True)
+        # plain Python floats: a NumPy float64 would promote fp32 math to float64 under JAX's
+        # x64 mode, and equal options must hash equal (compile caches key on them)
+        for name, lo, hi, lo_open in (("label_smoothing", 0.0, 1.0, False),
+                                      ("z_loss", 0.0, None, False),
+                                      ("softcap", 0.0, None, True)):
+            if name != "softcap" or self.softcap is not None:
+                object.__setattr__(self, name, _check_real(name, getattr(self, name), lo=lo,
+                                                           hi=hi, lo_open=lo_open))
         if not isinstance(self.return_lse, bool):
             raise TypeError(f"return_lse must be a bool, got {self.return_lse!r}")
 
@@ -79,14 +83,19 @@ class LinearCrossEntropyOptions:
         return self.label_smoothing > 0.0
 
 
-def _check_real(name, value, *, lo=None, hi=None, lo_open=False):
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+def _check_real(name, value, *, lo=None, hi=None, lo_open=False) -> float:
+    """``value`` as a Python float, after the checks (errors name ``name``)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a finite real number, got {value!r}")
+    value = float(value)  # also a symbolic float under torch.compile(dynamic=True): specialized
+    if not math.isfinite(value):
         raise TypeError(f"{name} must be a finite real number, got {value!r}")
     if lo is not None and (value < lo or (lo_open and value == lo)):
         bound = f"> {lo}" if lo_open else f">= {lo}"
         raise ValueError(f"{name} must be {bound}, got {value!r}")
     if hi is not None and value > hi:
         raise ValueError(f"{name} must be <= {hi}, got {value!r}")
+    return value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,10 +145,11 @@ def check_shapes(input_shape: Sequence[int], weight_shape: Sequence[int],
 
 
 def reduction_denominator(token_weight_sum, reduction: str):
-    """The divisor of the summed loss: Σω for "mean" (1 when it is 0, so the loss is 0), else 1."""
+    """The divisor of the summed loss: Σω for "mean" (1 when it is 0, so the loss is 0), else 1.
+    A negative Σω (negative class weights) divides as it is, as ``F.cross_entropy`` does."""
     if reduction != "mean":
         return 1.0
-    return np.where(token_weight_sum > 0, token_weight_sum, 1.0)
+    return np.where(token_weight_sum != 0, token_weight_sum, 1.0)
 
 
 def folds_mean_divisor(reduction: str, dtype_name: str) -> bool:

@@ -92,16 +92,16 @@ class LinearJSDOptions:
     hard_loss_weight: float = 0.0
 
     def __post_init__(self):
-        _check_real("beta", self.beta, lo=0.0, hi=1.0)
-        _check_real("temperature", self.temperature, lo=0.0, lo_open=True)
-        _check_real("hard_loss_weight", self.hard_loss_weight, lo=0.0)
+        for name, lo, hi, lo_open in (("beta", 0.0, 1.0, False),
+                                      ("temperature", 0.0, None, True),
+                                      ("hard_loss_weight", 0.0, None, False)):
+            object.__setattr__(self, name, _check_real(name, getattr(self, name), lo=lo, hi=hi,
+                                                       lo_open=lo_open))
         if self.reduction not in REDUCTIONS:
             raise ValueError(f"reduction must be one of {REDUCTIONS}, got {self.reduction!r}")
         if isinstance(self.ignore_index, bool) or not isinstance(self.ignore_index, numbers.Integral):
             raise TypeError(f"ignore_index must be an int, got {self.ignore_index!r}")
         object.__setattr__(self, "ignore_index", int(self.ignore_index))
-        for name in ("beta", "temperature", "hard_loss_weight"):
-            object.__setattr__(self, name, float(getattr(self, name)))
 
     @property
     def kind(self) -> str:

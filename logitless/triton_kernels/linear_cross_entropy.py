@@ -248,10 +248,13 @@ def _fwd_op(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], y: t
 
 
 def _accum_dtype(dtype, n, chunk, accum_fp32, reduction):
-    """dW accumulator: fp32 across chunks; a single chunk needs none (one GEMM, one rounding).
-    fp16 "mean" always takes fp32: its forward sums are not yet divided by Σω (see
-    ``common.folds_mean``), so in fp16 they could overflow where the gradient itself does not."""
-    if reduction == REDUCTIONS["mean"] and not common.folds_mean(reduction, dtype):
+    """The fused forward's dW accumulator: fp32 across chunks; a single chunk needs none (one
+    GEMM, one rounding). fp16 always takes fp32, whatever ``grad_accum_dtype`` asks: these
+    sums are for an upstream gradient of 1 (not yet divided by Σω for "mean", see
+    ``common.folds_mean``; nor by the caller's divisor after "sum", e.g. ``num_items``), and
+    in fp16's range they can overflow where the real gradient does not."""
+    del reduction  # (every reduction of the fused forward is covered by the fp16 rule)
+    if dtype == torch.float16:
         return torch.float32
     return dtype if (n <= chunk or not accum_fp32) else torch.float32
 
@@ -409,7 +412,8 @@ def linear_cross_entropy(p: common.Prepared, opts: spec.LinearCrossEntropyOption
     (vocabulary rows per chunk of the low-memory dW sweep), ``memory_budget`` (bytes for one
     logits block; sets both chunk sizes when they are not given), ``grad_accum_dtype``
     (``torch.float32``, or the weight's dtype to save ``2·V·H`` bytes at some accuracy cost;
-    fast mode only; fp16 "mean" accumulates in fp32 regardless), ``block_v`` (row-kernel
+    fast mode only; fp16's fused forward accumulates in fp32 regardless, as its sums are not
+    yet scaled by the upstream gradient and could overflow fp16), ``block_v`` (row-kernel
     block, a power of 2), ``num_warps``.
 
     One backward per forward: the fast path hands its saved gradients over in place, so a

@@ -210,10 +210,15 @@ def _opts_tuple(beta, temperature, ignore_index, hard_w):
     return kind, beta, temperature, ignore_index, hard_w
 
 
-def _accum(dtype, accum_fp32):
+def _accum(dtype, accum_fp32, fused=False):
     """How dW accumulates: "fp32" (the split fp32 accumulator, narrowed in place at the end:
     one rounding whatever the number of chunks and the upstream scalar) or "input" (in the
-    input dtype: fp32 inputs, or a half-precision accumulator by request)."""
+    input dtype: fp32 inputs, or a half-precision accumulator by request). The ``fused``
+    forward's fp16 sums are for an upstream gradient of 1, not yet scaled (1/Σm, or the
+    caller's divisor after "sum"), and could overflow fp16 where the gradient does not: fp32
+    whatever was requested."""
+    if fused and dtype == torch.float16:
+        return "fp32"
     return "fp32" if (accum_fp32 and dtype != torch.float32) else "input"
 
 
@@ -243,7 +248,7 @@ def _fwd_op(xs: torch.Tensor, ws: torch.Tensor, xt: torch.Tensor, wt: torch.Tens
         torch.ones(1, dtype=torch.float32, device=xs.device)
     token_loss, dx_a, dx_b, dw_a, dw_b = _sweep(
         xs, ws, xt, wt, y, g, opts_t, cfg, True, grad_mode == FULL_GRAD,
-        _accum(xs.dtype, accum_fp32), xs.dtype != torch.float32, need_dx, need_dw)
+        _accum(xs.dtype, accum_fp32, fused=True), xs.dtype != torch.float32, need_dx, need_dw)
     loss = token_loss if reduction == REDUCTIONS["none"] else token_loss.sum() / denom
     return loss, denom, dx_a, dx_b, dw_a, dw_b
 
@@ -257,7 +262,7 @@ def _(xs, ws, xt, wt, y, reduction, beta, temperature, ignore_index, hard_w, gra
     loss = xs.new_empty(n, **f32) if reduction == REDUCTIONS["none"] else xs.new_empty((), **f32)
     empty = (xs.new_empty(0), xs.new_empty(0))
     full = grad_mode == FULL_GRAD
-    dw_dtype = torch.float32 if _accum(xs.dtype, accum_fp32) == "fp32" else xs.dtype
+    dw_dtype = torch.float32 if _accum(xs.dtype, accum_fp32, fused=True) == "fp32" else xs.dtype
     grads = ((accumulator_pair(n, hs, torch.float32, xs.dtype, xs) if full and need_dx
               else empty) +
              (accumulator_pair(v, hs, dw_dtype, xs.dtype, xs) if full and need_dw else empty))
@@ -378,10 +383,11 @@ def linear_jsd(p: jsd_common.Prepared, opts: spec.LinearJSDOptions, *, chunk_siz
         raise ValueError(f"grad_accum_dtype must be torch.float32 or the input dtype {xs.dtype}, "
                          f"got {grad_accum_dtype!r}")
     _check_pow2("block_v", block_v, 16)
-    if num_warps is not None and num_warps not in (1, 2, 4, 8, 16, 32):
+    if num_warps is not None and (not common.is_int(num_warps) or
+                                  num_warps not in (1, 2, 4, 8, 16, 32)):
         raise ValueError(f"num_warps must be a power of 2 in [1, 32], got {num_warps!r}")
-    if programs_per_sm is not None and (isinstance(programs_per_sm, bool) or
-                                        not isinstance(programs_per_sm, int) or programs_per_sm < 1):
+    if programs_per_sm is not None and (not common.is_int(programs_per_sm) or
+                                        programs_per_sm < 1):
         raise ValueError(f"programs_per_sm must be a positive int, got {programs_per_sm!r}")
     n, v = p.problem.n, p.problem.v
     gpu = xs.is_cuda and not _interpret()
@@ -390,7 +396,7 @@ def linear_jsd(p: jsd_common.Prepared, opts: spec.LinearJSDOptions, *, chunk_siz
     if segment_size is None:
         segment = GPU_SEGMENT if gpu else max(block, next_power_of_2(v))
     else:
-        if isinstance(segment_size, bool) or not isinstance(segment_size, int) or segment_size < 1:
+        if not common.is_int(segment_size) or segment_size < 1:
             raise ValueError(f"segment_size must be a positive int, got {segment_size!r}")
         segment = segment_size
     segment = max(block, -(-segment // block) * block)  # whole blocks
