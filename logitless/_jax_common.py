@@ -334,7 +334,9 @@ def _grads(st: _Static, x, w, bias, y, cw, coefs):
 
 @functools.lru_cache(maxsize=256)
 def _custom_vjp_fn(st: _Static):
-    """The differentiable ``(x, w, bias, y, cw) -> loss`` or ``-> (loss, lse)`` for ``st``.
+    """The differentiable ``(x, w, bias, y, cw) -> loss`` or ``-> (loss, lse)`` for ``st``,
+    jit-compiled: an eager call then compiles once per ``st`` and input signature, not on every
+    call (under an outer ``jax.jit`` the inner one is inlined).
 
     mean/sum without lse ("fused"): the forward rule runs the single gradient sweep for an
     upstream gradient of 1 (the gradient is linear in it) and the backward rule only scales
@@ -368,7 +370,7 @@ def _custom_vjp_fn(st: _Static):
             return scale(dx), scale(dw), None if db is None else scale(db), None, None
 
         f.defvjp(f_fwd, f_bwd)
-        return f
+        return jax.jit(f)
 
     @jax.custom_vjp
     def f(x, w, bias, y, cw):
@@ -391,7 +393,7 @@ def _custom_vjp_fn(st: _Static):
         return (dx, dw.astype(w.dtype), None if db is None else db.astype(bias.dtype), None, None)
 
     f.defvjp(f_fwd, f_bwd)
-    return f
+    return jax.jit(f)
 
 
 def chunked_linear_cross_entropy(p: Prepared, opts: spec.LinearCrossEntropyOptions,

@@ -357,8 +357,9 @@ def _reduce(st: _Static, tok, m):
 
 @functools.lru_cache(maxsize=256)
 def _custom_vjp_fn(st: _Static):
-    """The differentiable ``(xs, ws, xt, wt, y) -> loss`` for ``st``; the teacher and the
-    targets get no cotangent.
+    """The differentiable ``(xs, ws, xt, wt, y) -> loss`` for ``st``, jit-compiled (an eager
+    call compiles once per ``st`` and input signature); the teacher and the targets get no
+    cotangent.
 
     mean/sum: the forward rule runs the gradient sweep for an upstream gradient of 1 (or
     1/Σm), and the backward rule only scales dX and dW by the scalar cotangent; both stay in
@@ -396,7 +397,7 @@ def _custom_vjp_fn(st: _Static):
             return dx, dw.astype(ws.dtype), None, None, None
 
     f.defvjp(f_fwd, f_bwd)
-    return f
+    return jax.jit(f)
 
 
 def plan_chunks(p: Prepared, fp32_logits: bool, share: int, budget, chunk_size,

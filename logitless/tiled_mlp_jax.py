@@ -19,6 +19,7 @@ intermediates are live at a time.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Optional
 
@@ -58,9 +59,10 @@ def _accum_dtype(dtype, accum_fp32: bool, num_shards: int):
         else dtype
 
 
-def _tiled(fn, plan: spec.ShardPlan, x_shape, accum_fp32: bool, out_spec, fused: bool):
+def _tiled(fn, plan: spec.ShardPlan, x_shape, accum_fp32: bool, out_shape, out_dtype,
+           fused: bool):
     n, hidden = plan.n, x_shape[-1]
-    h_out, out_dtype = out_spec.shape[-1], out_spec.dtype
+    h_out = out_shape[-1]
     shard_in = lambda size: spec.shard_shape(x_shape, size)
     shard_out = lambda size: spec.shard_shape(x_shape, size)[:-1] + (h_out,)
     tokens = lambda a, start, size: lax.dynamic_slice_in_dim(a, start, size, axis=0)
@@ -118,6 +120,21 @@ def _tiled(fn, plan: spec.ShardPlan, x_shape, accum_fp32: bool, out_spec, fused:
 
     f.defvjp(f_fwd, f_bwd)
     return f
+
+
+# Built and jit-compiled once per (fn, plan, ...): an eager call then compiles once, not on
+# every call. ``fn`` is part of the key (by its own hash: identity for a closure or a lambda,
+# value for a frozen dataclass such as SwiGLUMLP); the cache is bounded, so functions made
+# anew on every call (fresh lambdas) cost a compile each, as without it, and are not leaked.
+_tiled_jit = functools.lru_cache(maxsize=64)(lambda *key: jax.jit(_tiled(*key)))
+
+
+def _tiled_fn(fn, *key):
+    try:
+        hash(fn)
+    except TypeError:  # an unhashable callable: built (and traced) anew on each call
+        return _tiled(fn, *key)
+    return _tiled_jit(fn, *key)
 
 
 def _swiglu_shard_grads(mlp, params, xs, dys, acc, acc_dtype):
@@ -208,8 +225,9 @@ def tiled_mlp(fn, params, x, *, num_shards: Optional[int] = None,
                          f"an output of shape {list(out_spec.shape)}")
     if plan.n == 0:
         return fn(params, x)
-    return _tiled(fn, plan, tuple(x.shape), grad_accum_dtype is not None, out_spec,
-                  _is_plain_swiglu(fn, params))(params, x)
+    return _tiled_fn(fn, plan, tuple(x.shape), grad_accum_dtype is not None,
+                     tuple(out_spec.shape), jnp.dtype(out_spec.dtype),
+                     _is_plain_swiglu(fn, params))(params, x)
 
 
 # ----------------------------------------------------------------------------- SwiGLU

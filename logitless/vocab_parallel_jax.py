@@ -171,6 +171,8 @@ def _grads(st, x, w, bias, y, cw, lse, omega, big_omega, g_tok, h_tok):
 
 @functools.lru_cache(maxsize=256)
 def _custom_vjp_fn(st: _Static):
+    """The differentiable ``(x, w, bias, y, cw) -> (loss, lse)`` for ``st``, jit-compiled
+    (compiled once per ``st`` and signature; inlined under an outer jit / shard_map)."""
     @jax.custom_vjp
     def f(x, w, bias, y, cw):
         tok, lse, omega, _ = _global_terms(st, x, w, bias, y, cw)
@@ -194,7 +196,7 @@ def _custom_vjp_fn(st: _Static):
                 None, None)
 
     f.defvjp(f_fwd, f_bwd)
-    return f
+    return jax.jit(f)
 
 
 def vocab_parallel_linear_cross_entropy(p: common.Prepared, opts: spec.LinearCrossEntropyOptions,

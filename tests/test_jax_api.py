@@ -124,6 +124,64 @@ def test_flax_hv_layout_uses_the_kernel_as_is(backend):
     assert not moved, moved
 
 
+class _CompileCounter:
+    """Counts JAX's compile-pipeline events (tracing to a jaxpr, lowering, backend compile)
+    through the public ``jax.monitoring`` listeners."""
+
+    def __init__(self):
+        self.events = []
+
+    def _listen(self, name, *_, **__):
+        if name.startswith("/jax/core/compile/"):
+            self.events.append(name)
+
+    def __enter__(self):
+        jax.monitoring.register_event_duration_secs_listener(self._listen)
+        return self
+
+    def __exit__(self, *exc):
+        jax.monitoring.unregister_event_duration_listener(self._listen)
+
+    def compiles(self):
+        return sum("backend_compile" in e for e in self.events)
+
+
+def _eager_ops():
+    x, w, y, b = _problem(n=20, h=8, v=37, bias=True, salt=11)
+    xt = x[::-1] * 0.5
+    mlp = lj.SwiGLUMLP(8, 16, backend="xla")
+    params = mlp.init(jax.random.PRNGKey(0))
+    ce = lambda backend, **kw: lj.linear_cross_entropy(
+        x, w, y, linear_bias=b, backend=backend, chunk_size=8, label_smoothing=0.1, **kw)
+    return {
+        "ce_xla": lambda: ce("xla"),
+        "ce_pallas": lambda: ce("pallas", block_v=16),
+        "ce_none_lse": lambda: ce("xla", reduction="none", return_lse=True),
+        "ce_grad": lambda: jax.grad(lambda x: ce("xla"))(x),
+        "jsd_xla": lambda: lj.linear_jsd(x, w, xt, w, y, backend="xla", chunk_size=8),
+        "jsd_pallas": lambda: lj.linear_jsd(x, w, xt, w, None, backend="pallas", chunk_size=8),
+        "tiled_mlp": lambda: lj.tiled_mlp(mlp, params, x, num_shards=3),
+        "tiled_mlp_grad": lambda: jax.grad(
+            lambda p: jnp.sum(lj.tiled_mlp(mlp, p, x, num_shards=3)))(params),
+    }
+
+
+@pytest.mark.parametrize("op", list(_eager_ops()))
+def test_eager_calls_compile_once(op):
+    """Outside jax.jit, each op compiles on its first call only: warm calls reuse the
+    compiled program (a cached jit of the chunk loop / Pallas call), they do not rebuild it."""
+    run = _eager_ops()[op]
+    with _CompileCounter() as cold:
+        first = jax.block_until_ready(run())
+    assert cold.compiles() > 0, "the counter saw no compile at all: it counts nothing"
+    with _CompileCounter() as warm:
+        for _ in range(3):
+            again = jax.block_until_ready(run())
+    assert warm.compiles() == 0, warm.events
+    for a, b in zip(jax.tree_util.tree_leaves(first), jax.tree_util.tree_leaves(again)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_default_backend_follows_the_platform():
     assert lj.available_backends()[0] == ("pallas" if jax.default_backend() == "gpu" else "xla")
     x, w, y, _ = _problem(salt=5)

@@ -497,6 +497,31 @@ def test_jax_jit_grad_vmap_of_any_fn_equal_untiled():
         assert rel_err(a, b) <= FLOOR["float32"], rel_err(a, b)
 
 
+def test_jax_unhashable_and_closure_fns_are_not_confused():
+    """The compiled tiled function is cached on ``fn``: an unhashable callable still works
+    (uncached), and two closures of equal code but different captured values each get their
+    own result (a closure is keyed by identity, never by its code)."""
+    params = {"w": jax.random.normal(jax.random.PRNGKey(1), (16, 16))}
+    x = jax.random.normal(jax.random.PRNGKey(2), (21, 16))
+
+    @dataclasses.dataclass  # eq without frozen: __hash__ is None
+    class Unhashable:
+        scale: float
+
+        def __call__(self, p, x):
+            return jnp.tanh(x @ p["w"]) * self.scale
+
+    fns = [Unhashable(2.0)] + [(lambda s: lambda p, x: jnp.tanh(x @ p["w"]) * s)(s)
+                               for s in (2.0, 3.0)]
+    for fn in fns:
+        for _ in range(2):
+            got = jax.grad(lambda p, x: jnp.sum(lj.tiled_mlp(fn, p, x, num_shards=3) ** 2),
+                           argnums=(0, 1))(params, x)
+            want = jax.grad(lambda p, x: jnp.sum(fn(p, x) ** 2), argnums=(0, 1))(params, x)
+            for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+                assert rel_err(a, b) <= FLOOR["float32"], rel_err(a, b)
+
+
 def test_jax_fused_path_and_accumulator_dtype(monkeypatch):
     """Traced, not compiled: the written-out SwiGLU backward runs for a plain SwiGLUMLP only
     (not a subclass, which may override __call__), and its weight gradients are accumulated
