@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import math
 from typing import Optional
 
 import jax
@@ -177,7 +178,7 @@ def _jsd_terms(a, b, l_a, c, beta):
     delta = (b - a) - c[:, None]
     q = jnp.exp(lq)
     p = jnp.exp(lq + delta)
-    lam = jnp.where(delta > FAR, np.log(beta) + delta,
+    lam = jnp.where(delta > FAR, math.log(beta) + delta,
                     log1p(beta * expm1(jnp.minimum(delta, FAR))))
     return q, p, delta, lam
 

@@ -4,6 +4,11 @@ argument, out-of-range targets (eager error; NaN under jit), and the Triton lowe
 Pallas kernels for a GPU (checked on CPU by lowering for CUDA, at the TARGETS shapes)."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import numpy as np
 import pytest
 
@@ -180,6 +185,64 @@ def test_eager_calls_compile_once(op):
     assert warm.compiles() == 0, warm.events
     for a, b in zip(jax.tree_util.tree_leaves(first), jax.tree_util.tree_leaves(again)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+_X64_PROBE = textwrap.dedent("""
+    import sys
+    import numpy as np
+    import jax
+    if sys.argv[1] == "x64":
+        jax.config.update("jax_enable_x64", True)
+    import jax.numpy as jnp
+    import logitless.jax as lj
+
+    rng = np.random.default_rng(int(sys.argv[2]))
+    f32 = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
+    x, w, xt, wt = f32(21, 8), f32(37, 8), f32(21, 8), f32(37, 8)
+    y = jnp.asarray(rng.integers(0, 37, 21), jnp.int32)
+    ce = lambda be: lambda x, w: lj.linear_cross_entropy(
+        x, w, y, backend=be, chunk_size=8, label_smoothing=0.1, z_loss=1e-3, softcap=5.0)
+    jsd = lambda be: lambda x, w: lj.linear_jsd(
+        x, w, xt, wt, y, beta=0.5, temperature=2.0, hard_loss_weight=0.3, backend=be,
+        chunk_size=8)
+    out = {}
+    for name, op in (("ce", ce), ("jsd", jsd)):
+        for be in ("xla", "pallas"):
+            out[f"{name}_{be}_loss"] = np.asarray(op(be)(x, w))
+            try:
+                loss, (dx, dw) = jax.value_and_grad(op(be), argnums=(0, 1))(x, w)
+            except NotImplementedError as e:
+                assert be == "pallas" and "jax_enable_x64" in str(e), e
+                continue
+            for k, v in (("loss", loss), ("dx", dx), ("dw", dw)):
+                assert v.dtype == jnp.float32, (name, be, k, v.dtype)
+                out[f"{name}_{be}_grad_{k}"] = np.asarray(v)
+    np.savez(sys.argv[3], **out)
+""")
+
+
+def test_float32_inputs_under_x64_give_the_same_results(tmp_path):
+    """jax_enable_x64 (process-global, hence subprocesses): float32 inputs give the float32
+    loss and gradients they give without it (no float64 constant leaks into a loop carry),
+    for linear CE and JSD with every option that brings a constant (smoothing, z-loss,
+    softcap; β, T, the hard-label weight). The interpreted Pallas gradient, which JAX's
+    interpreter cannot run under x64, is a clear NotImplementedError instead; its loss runs."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [repo] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    res = {}
+    for mode in ("x32", "x64"):
+        path = tmp_path / f"{mode}.npz"
+        r = subprocess.run([sys.executable, "-c", _X64_PROBE, mode, str(SEED % 2**31), str(path)],
+                           env=env, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        res[mode] = dict(np.load(path))
+    x32, x64 = res["x32"], res["x64"]
+    assert {"ce_xla_grad_dw", "jsd_xla_grad_dw", "ce_pallas_loss", "jsd_pallas_loss"} <= set(x64)
+    assert set(x64) <= set(x32)
+    for k in x64:
+        assert np.isfinite(x64[k]).all(), k
+        np.testing.assert_allclose(x64[k], x32[k], rtol=1e-6, atol=1e-7, err_msg=k)
 
 
 def test_default_backend_follows_the_platform():

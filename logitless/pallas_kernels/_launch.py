@@ -72,6 +72,18 @@ def tile(head, n_rows: int, v: int):
     return block_rows, block_v, grid_size
 
 
+def check_interpret_x64(head, write_grad: bool) -> None:
+    """A clear error instead of JAX's own: interpreted (off a GPU) under ``jax_enable_x64``,
+    Pallas (jax 0.10) discharges the gradient sweep's masked stores inside a loop with int32
+    and int64 indices mixed, and fails with "index arguments to dynamic_slice must be
+    integers of the same type". The loss alone (no gradient) runs."""
+    if write_grad and head.interpret and \
+            jax.dtypes.canonicalize_dtype(jnp.int64) == jnp.dtype(jnp.int64):
+        raise NotImplementedError(
+            "backend='pallas' in interpret mode (off a GPU) cannot differentiate with "
+            "jax_enable_x64 on (a Pallas interpreter limitation); use backend='xla' there")
+
+
 def call(head, kernel, inputs, out_shape, *, grid_size: int, aliases, name: str):
     """``pallas_call`` of ``kernel`` on a 1-D grid with the head's Triton settings."""
     return pl.pallas_call(

@@ -16,9 +16,10 @@ Only one ``[chunk, V]`` buffer (logits, then their gradient) exists at a time.
 GPU: the kernel uses Pallas' Triton backend (``compiler_params`` from
 ``jax.experimental.pallas.triton``); masked loads/stores cover the ragged ends of rows and of
 the row blocks, and Pallas switches to 64-bit offsets when a buffer passes 2³² bytes. On other
-platforms it runs in interpret mode (which, in jax 0.10, fails with ``jax_enable_x64`` on: its
-discharge of a masked store inside a loop mixes int32 and int64 indices; use
-``backend="xla"`` there).
+platforms it runs in interpret mode (whose gradient sweep, in jax 0.10, cannot run with
+``jax_enable_x64`` on: its discharge of a masked store inside a loop mixes int32 and int64
+indices, so a gradient there raises ``NotImplementedError``; the loss alone runs; use
+``backend="xla"``).
 """
 from __future__ import annotations
 
@@ -149,6 +150,7 @@ class PallasHead(common.Head):
         inputs = [z, y, coefs.reshape(-1)] + ([bias] if bias is not None else []) \
             + ([cw] if has_cw else [])
         write_grad = grad_dtype is not None
+        launch.check_interpret_x64(self, write_grad)
         out_shape = [jax.ShapeDtypeStruct((n_rows,), jnp.float32)] * 2
         if write_grad:
             out_shape.append(jax.ShapeDtypeStruct(z.shape, grad_dtype))

@@ -14,7 +14,9 @@ Per chunk of tokens (the plan of :mod:`logitless.specs.tiling`):
 The chunk loop and the ``jax.custom_vjp`` are the shared driver of :mod:`logitless._jax_jsd`,
 whose row-block math the kernel runs on each column block. Every load is masked: ragged row
 and vocabulary ends never read out of bounds; masked logits read as 0 and are excluded from
-the reductions. GPU: Pallas' Triton backend; elsewhere interpret mode.
+the reductions. GPU: Pallas' Triton backend; elsewhere interpret mode (where, as for linear
+cross-entropy, a gradient with ``jax_enable_x64`` on raises ``NotImplementedError``: a Pallas
+interpreter limitation; the loss alone runs; use ``backend="xla"``).
 """
 from __future__ import annotations
 
@@ -134,6 +136,7 @@ class PallasHead(jc.Head):
         n_rows, v = zs.shape
         block_rows, block_v, grid_size = launch.tile(self, n_rows, v)
         write_grad = grad_dtype is not None
+        launch.check_interpret_x64(self, write_grad)
         inputs = [zs, zt] + ([y] if y is not None else []) + ([coef] if write_grad else [])
         out_shape = [jax.ShapeDtypeStruct((n_rows,), jnp.float32)]
         if write_grad:
