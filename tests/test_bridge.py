@@ -254,6 +254,51 @@ def test_jax_function_compiles_once_per_config(gen):
         op(x, 2.0, k=1.0)
 
 
+def test_jax_function_static_keys_keep_their_types(gen):
+    """True == 1 == 1.0 in Python, but a static keyword compiles in its own type: each gets
+    its own plan (and fn sees the value it was given), in tuples and dataclasses too."""
+    seen = []
+
+    def f(x, w, *, k):
+        seen.append(k)
+        return jnp.sum(x @ w.T) * 2.0
+
+    op = JaxFunction(f)
+    x, w, _, _ = _leaves(gen)
+    values = [1, True, 1.0, np.int64(1), (1,), (True,), (("c", 1),), (("c", True),)]
+    for k in values:
+        op(x, w, k=k).backward()
+        with torch.no_grad():
+            op(x, w, k=k)
+    assert len(op._plans) == len(values) and len(op._primal) == len(values)
+    assert [type(k) for k in seen[::2]] == [type(k) for k in values]
+
+
+@pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
+@pytest.mark.parametrize("op", ["linear_cross_entropy", "linear_jsd"])
+def test_pallas_backend_validates_tuning_whatever_ran_before(gen, op, grad):
+    """A bad tuning value equal to a good one already compiled (True == 1) is still refused:
+    the bridge's compile cache must not hand it the good value's program."""
+    import logitless.torch as lt
+    n, h, v = 5, 4, 7
+    x = rand(gen, n, h).requires_grad_(grad)
+    w = rand(gen, v, h).requires_grad_(grad)
+    y = torch.randint(0, v, (n,), generator=gen)
+    if op == "linear_cross_entropy":
+        run = lambda **kw: lt.linear_cross_entropy(x, w, y, backend="pallas", **kw)
+    else:
+        xt, wt = rand(gen, n, h), rand(gen, v, h)
+        run = lambda **kw: lt.linear_jsd(x, w, xt, wt, y, backend="pallas", **kw)
+    for good, bad, message in ((dict(chunk_size=1), dict(chunk_size=True), "chunk_size"),
+                               (dict(interpret=True), dict(interpret=1), "interpret"),
+                               (dict(block_v=16), dict(block_v=16.0), "block_v")):
+        with pytest.raises((TypeError, ValueError), match=message):
+            run(**bad)   # refused when nothing ran before ...
+        run(**good)
+        with pytest.raises((TypeError, ValueError), match=message):
+            run(**bad)   # ... and after the equal good value compiled
+
+
 def test_jax_function_residual_inputs_are_not_copied(gen):
     """A custom_vjp that saves its inputs: they are re-read from the inputs, not copied."""
 

@@ -174,14 +174,11 @@ class JaxFunction:
         return f"JaxFunction({self.name})"
 
     def _static_key(self, static):
-        key = tuple(sorted(static.items()))
-        try:
-            hash(key)
-        except TypeError:
-            bad = [k for k, v in static.items() if not _hashable(v)]
+        bad = [k for k, v in static.items() if not _hashable(v)]
+        if bad:
             raise TypeError(f"{self.name}: keyword arguments are static (compiled in) and must be "
-                            f"hashable; not hashable: {bad}") from None
-        return key
+                            f"hashable; not hashable: {bad}")
+        return tuple(sorted((k, _typed(v)) for k, v in static.items()))
 
     def _plan(self, static_key, static, kinds, arrays) -> _Plan:
         sig = tuple((a.shape, str(a.dtype)) for a in arrays)
@@ -214,6 +211,20 @@ class JaxFunction:
         call.plan = self._plan(static_key, static, kinds, call.diff + call.other)
         outs = _Bridge.apply(call, *tensors)
         return jax.tree_util.tree_unflatten(call.plan.out_tree, outs)
+
+
+def _typed(v):
+    """``v`` as a cache key that tells apart values Python calls equal across types (True ==
+    1 == 1.0, 2 == np.int64(2)): each value keyed with its type, inside tuples, lists,
+    frozensets and dataclasses too. Otherwise a call with ``chunk_size=1`` would hand its
+    compiled program (already validated) to a later ``chunk_size=True``."""
+    if isinstance(v, (tuple, list)):
+        return type(v), tuple(_typed(e) for e in v)
+    if isinstance(v, frozenset):
+        return type(v), frozenset(_typed(e) for e in v)
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):
+        return type(v), tuple(_typed(getattr(v, f.name)) for f in dataclasses.fields(v))
+    return type(v), v
 
 
 def _hashable(v) -> bool:
