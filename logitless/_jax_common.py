@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Optional
+from typing import Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +37,10 @@ class Prepared:
     class_weight: Optional[jax.Array]  # (V,) float32
     layout: str
     problem: spec.Problem
+    # which gradients (dX, dW, db) the caller will use: the fused forward computes and keeps
+    # only those (the PyTorch bridge knows which tensors require grad: a frozen head costs no
+    # dW GEMM and no float32 [V, H] accumulator); a skipped one is a zero cotangent
+    needs: Tuple[bool, bool, bool] = (True, True, True)
 
 
 def _require_array(name, a, optional=False):
@@ -243,6 +247,7 @@ class _Static:
     v: int
     layout: str
     head: Head
+    needs: Tuple[bool, bool, bool] = (True, True, True)  # see Prepared.needs
 
 
 def _walk_chunks(st: _Static, n: int, body, carry):
@@ -303,8 +308,11 @@ def _reduce(st: _Static, tok, omega):
 
 
 def _grads(st: _Static, x, w, bias, y, cw, coefs):
-    """One sweep computing loss/lse *and* dX, dW (fp32), db (fp32) for the G/H in ``coefs``."""
+    """One sweep computing loss/lse *and* dX, dW (fp32), db (fp32) for the G/H in ``coefs``;
+    a gradient ``st.needs`` does not want is not computed (None)."""
     n = x.shape[0]
+    need_dx, need_dw, need_db = st.needs
+    need_db = need_db and bias is not None
 
     def body(start, size, carry):
         tok, lse, dx, dw, db = carry
@@ -313,22 +321,24 @@ def _grads(st: _Static, x, w, bias, y, cw, coefs):
         l_c, lse_c, dz = st.head.loss_lse_grad(z, _tokens(y, start, size),
                                                _tokens(coefs, start, size, axis=1), bias, cw,
                                                x.dtype)
-        dx = lax.dynamic_update_slice_in_dim(dx, grad_input(dz, w, st.layout), start, 0)
+        if need_dx:
+            dx = lax.dynamic_update_slice_in_dim(dx, grad_input(dz, w, st.layout), start, 0)
         # the first chunk assigns the fp32 accumulators: no zero-fill, no read of [V, H] zeros
-        dw_c = grad_weight(dz, xc, st.layout)
-        dw = dw_c if dw is None else dw + dw_c
-        if bias is not None:
+        if need_dw:
+            dw_c = grad_weight(dz, xc, st.layout)
+            dw = dw_c if dw is None else dw + dw_c
+        if need_db:
             db_c = jnp.sum(dz.astype(jnp.float32), axis=0)
             db = db_c if db is None else db + db_c
         return (lax.dynamic_update_slice_in_dim(tok, l_c, start, 0),
                 lax.dynamic_update_slice_in_dim(lse, lse_c, start, 0), dx, dw, db)
 
     zeros = jnp.zeros((n,), jnp.float32)
-    tok, lse, dx, dw, db = _walk_chunks(st, n, body, (zeros, zeros, jnp.zeros(x.shape, x.dtype),
-                                                      None, None))
-    if dw is None:  # no tokens at all
-        dw = jnp.zeros(w.shape, jnp.float32)
-        db = None if bias is None else jnp.zeros(bias.shape, jnp.float32)
+    dx0 = jnp.zeros(x.shape, x.dtype) if need_dx else None
+    tok, lse, dx, dw, db = _walk_chunks(st, n, body, (zeros, zeros, dx0, None, None))
+    if n == 0:  # no tokens at all
+        dw = jnp.zeros(w.shape, jnp.float32) if need_dw else None
+        db = jnp.zeros(bias.shape, jnp.float32) if need_db else None
     return tok, lse, dx, dw, db
 
 
@@ -360,14 +370,14 @@ def _custom_vjp_fn(st: _Static):
             scale, post = mean_scales(opts.reduction, x.dtype, omega)
             coefs = with_upstream(coefs, scale, 0.0)
             tok, _, dx, dw, db = _grads(st, x, w, bias, y, cw, coefs)
-            return _reduce(st, tok, omega), (dx, dw, db, post)
+            return _reduce(st, tok, omega), (dx, dw, db, post, jnp.zeros((), x.dtype))  # dtype tag
 
         def f_bwd(res, g):
-            dx, dw, db, post = res
+            dx, dw, db, post, dt = res[0], res[1], res[2], res[3], res[4].dtype
             g = g.astype(jnp.float32) * post
-            dt = dx.dtype  # x, linear_weight and linear_bias share one dtype (prepare checks)
-            scale = lambda a: (g * a.astype(jnp.float32)).astype(dt)
-            return scale(dx), scale(dw), None if db is None else scale(db), None, None
+            # x, linear_weight and linear_bias share one dtype (prepare checks)
+            scale = lambda a: None if a is None else (g * a.astype(jnp.float32)).astype(dt)
+            return scale(dx), scale(dw), scale(db), None, None
 
         f.defvjp(f_fwd, f_bwd)
         return jax.jit(f)
@@ -390,7 +400,8 @@ def _custom_vjp_fn(st: _Static):
         coefs, _ = token_coefficients(y, cw, opts, st.v)
         coefs = with_upstream(coefs, g, h.astype(jnp.float32))
         _, _, dx, dw, db = _grads(st, x, w, bias, y, cw, coefs)
-        return (dx, dw.astype(w.dtype), None if db is None else db.astype(bias.dtype), None, None)
+        return (dx, None if dw is None else dw.astype(w.dtype),
+                None if db is None else db.astype(bias.dtype), None, None)
 
     f.defvjp(f_fwd, f_bwd)
     return jax.jit(f)
@@ -399,7 +410,7 @@ def _custom_vjp_fn(st: _Static):
 def chunked_linear_cross_entropy(p: Prepared, opts: spec.LinearCrossEntropyOptions,
                                  plan: ChunkPlan, head: Head):
     """Returns ``(loss, lse)`` (lse None unless ``opts.return_lse``); loss flat for "none"."""
-    st = _Static(opts=opts, plan=plan, v=p.problem.v, layout=p.layout, head=head)
+    st = _Static(opts=opts, plan=plan, v=p.problem.v, layout=p.layout, head=head, needs=p.needs)
     out = _custom_vjp_fn(st)(p.x, p.w, p.bias, p.y, p.class_weight)
     if opts.reduction != "none" and not opts.return_lse:
         return out, None

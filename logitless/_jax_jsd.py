@@ -13,7 +13,7 @@ import dataclasses
 import functools
 import importlib
 import math
-from typing import Optional
+from typing import Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +46,7 @@ class Prepared:
     y: Optional[jax.Array]        # (N,) int32 or None
     layout: str
     problem: spec.Problem
+    needs: Tuple[bool, bool] = (True, True)  # (dX, dW) wanted: see _jax_common.Prepared
 
 
 def prepare(xs, ws, xt, wt, y, opts: spec.LinearJSDOptions, weight_layout="vh") -> Prepared:
@@ -78,9 +79,10 @@ def prepare(xs, ws, xt, wt, y, opts: spec.LinearJSDOptions, weight_layout="vh") 
     if y is not None and not common._is_traced(y):
         spec.check_targets(np.asarray(y), problem.v, opts.ignore_index)
     n = problem.n
+    # the teacher needs no stop_gradient: the custom_vjp gives it no cotangent, and as the
+    # caller's very arrays the unfused path's residuals stay the inputs (no copy out of a jit)
     return Prepared(xs=jnp.reshape(xs, (n, problem.h_s)), ws=jnp.asarray(ws),
-                    xt=lax.stop_gradient(jnp.reshape(xt, (n, problem.h_t))),
-                    wt=lax.stop_gradient(jnp.asarray(wt)),
+                    xt=jnp.reshape(xt, (n, problem.h_t)), wt=jnp.asarray(wt),
                     y=None if y is None else common.labels_int32(jnp.reshape(y, (n,)),
                                                                  opts.ignore_index),
                     layout=weight_layout, problem=problem)
@@ -265,6 +267,7 @@ class _Static:
     v: int
     layout: str
     head: Head
+    needs: Tuple[bool, bool] = (True, True)  # (dX, dW) wanted
 
 
 def _walk(n: int, size: int, body, carry, start0=0):
@@ -322,6 +325,7 @@ def _grads(st: _Static, xs, ws, xt, wt, y, g, dx_dtype):
     m = token_mask(y, n, st.opts, st.v)
     ys = None if y is None else safe_targets(y, st.opts, st.v)
     coef = g * m
+    need_dx, need_dw = st.needs
 
     def body(start, size, carry):
         tok, dx, dw = carry
@@ -336,15 +340,17 @@ def _grads(st: _Static, xs, ws, xt, wt, y, g, dx_dtype):
 
         dz = jnp.zeros((size, st.v), xs.dtype)  # every row is overwritten by a sub-chunk
         tok, dz = _walk(size, min(st.sub_chunk, size), sub_body, (tok, dz), start0=start)
-        xc = _tokens(xs, start, size)
-        dx = lax.dynamic_update_slice_in_dim(dx, common.grad_input(dz, ws, st.layout, dx_dtype),
-                                             start, 0)
-        dw_c = common.grad_weight(dz, xc, st.layout)  # the first chunk assigns: no zero-fill
-        return tok, dx, dw_c if dw is None else dw + dw_c
+        if need_dx:
+            dx = lax.dynamic_update_slice_in_dim(
+                dx, common.grad_input(dz, ws, st.layout, dx_dtype), start, 0)
+        if need_dw:
+            dw_c = common.grad_weight(dz, _tokens(xs, start, size), st.layout)
+            dw = dw_c if dw is None else dw + dw_c  # the first chunk assigns: no zero-fill
+        return tok, dx, dw
 
-    tok, dx, dw = _walk(n, st.plan.chunk, body, (jnp.zeros((n,), jnp.float32),
-                                                 jnp.zeros(xs.shape, dx_dtype), None))
-    if dw is None:  # no tokens at all
+    dx0 = jnp.zeros(xs.shape, dx_dtype) if need_dx else None
+    tok, dx, dw = _walk(n, st.plan.chunk, body, (jnp.zeros((n,), jnp.float32), dx0, None))
+    if n == 0 and need_dw:  # no tokens at all
         dw = jnp.zeros(ws.shape, jnp.float32)
     return tok * m, dx, dw
 
@@ -386,7 +392,8 @@ def _custom_vjp_fn(st: _Static):
         def f_bwd(res, g):
             dx, dw, post, dt = res[0], res[1], res[2], res[3].dtype
             g = g.astype(jnp.float32) * post
-            return (g * dx).astype(dt), (g * dw).astype(dt), None, None, None
+            scale = lambda a: None if a is None else (g * a).astype(dt)
+            return scale(dx), scale(dw), None, None, None
     else:
         def f_fwd(xs, ws, xt, wt, y):
             tok, m = _forward(st, xs, ws, xt, wt, y)
@@ -395,7 +402,7 @@ def _custom_vjp_fn(st: _Static):
         def f_bwd(res, g):
             xs, ws, xt, wt, y = res
             _, dx, dw = _grads(st, xs, ws, xt, wt, y, g.astype(jnp.float32), xs.dtype)
-            return dx, dw.astype(ws.dtype), None, None, None
+            return dx, None if dw is None else dw.astype(ws.dtype), None, None, None
 
     f.defvjp(f_fwd, f_bwd)
     return jax.jit(f)
@@ -429,7 +436,8 @@ def chunked_linear_jsd(p: Prepared, opts: spec.LinearJSDOptions, plan: ChunkPlan
     """The loss reduced per ``opts.reduction`` (flat ``(N,)`` for "none"). ``plan``: tokens per
     dX / dW chunk; ``sub_chunk``: tokens per logits GEMM and head call (default: the chunk)."""
     sub = plan.chunk if sub_chunk is None else max(1, min(sub_chunk, plan.chunk))
-    st = _Static(opts=opts, plan=plan, sub_chunk=sub, v=p.problem.v, layout=p.layout, head=head)
+    st = _Static(opts=opts, plan=plan, sub_chunk=sub, v=p.problem.v, layout=p.layout, head=head,
+                 needs=p.needs)
     return _custom_vjp_fn(st)(p.xs, p.ws, p.xt, p.wt, p.y)
 
 
@@ -459,13 +467,21 @@ def linear_jsd(student_input, student_weight, teacher_input, teacher_weight, tar
         beta=beta, temperature=temperature, reduction=reduction,
         ignore_index=-100 if ignore_index is None else ignore_index,
         hard_loss_weight=hard_loss_weight)
+    return run(student_input, student_weight, teacher_input, teacher_weight, target, opts,
+               weight_layout, backend, tuning)
+
+
+def run(xs, ws, xt, wt, target, opts: spec.LinearJSDOptions, weight_layout, backend, tuning,
+        needs: Tuple[bool, bool] = (True, True)):
+    """:func:`linear_jsd` with its options built; ``needs``: which of (dX, dW) the caller will
+    use (the PyTorch bridge: a frozen student head costs no dW GEMM or accumulator)."""
     name, impl = _resolve(backend)
     unknown = sorted(set(tuning) - set(impl.TUNING))
     if unknown:
         raise TypeError(f"unknown tuning keyword(s) {unknown} for backend={name!r}; "
                         f"it accepts {list(impl.TUNING)}")
-    p = prepare(student_input, student_weight, teacher_input, teacher_weight, target, opts,
-                weight_layout)
+    p = dataclasses.replace(prepare(xs, ws, xt, wt, target, opts, weight_layout),
+                            needs=tuple(needs))
     loss = impl.linear_jsd(p, opts, **tuning)
     if opts.reduction == "none":
         loss = jnp.reshape(loss, p.problem.batch_shape)

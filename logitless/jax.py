@@ -8,6 +8,7 @@ without materializing the ``[N, V]`` logits, with the keywords of the PyTorch fr
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from typing import Optional
 
@@ -91,6 +92,15 @@ def linear_cross_entropy(x, linear_weight, labels, *, linear_bias=None, weight=N
     if axis_name is not None:
         return _vocab_parallel(x, linear_weight, labels, linear_bias, weight, opts,
                                weight_layout, backend, axis_name, tuning)
+    return _run(x, linear_weight, labels, linear_bias, weight, opts, weight_layout, backend,
+                tuning)
+
+
+def _run(x, linear_weight, labels, linear_bias, weight, opts, weight_layout, backend, tuning,
+         needs=(True, True, True)):
+    """:func:`linear_cross_entropy` with its options built (no ``axis_name``); ``needs``: which
+    of (dX, dW, db) the caller will use (the PyTorch bridge: a frozen head costs no dW GEMM
+    and no float32 [V, H] accumulator; a skipped one gets a zero cotangent)."""
     name, impl = _resolve(backend)
     unknown = sorted(set(tuning) - set(impl.TUNING))
     if unknown:
@@ -98,6 +108,7 @@ def linear_cross_entropy(x, linear_weight, labels, *, linear_bias=None, weight=N
                         f"it accepts {list(impl.TUNING)}")
     prepared = common.prepare(x, linear_weight, labels, linear_bias, weight,
                               ignore_index=opts.ignore_index, weight_layout=weight_layout)
+    prepared = dataclasses.replace(prepared, needs=tuple(needs))
     loss, lse = impl.linear_cross_entropy(prepared, opts, **tuning)
     return _shaped(loss, lse, prepared, opts)
 

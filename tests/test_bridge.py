@@ -518,6 +518,53 @@ def test_pallas_backend_reads_inputs_in_place(gen, layout):
         np.testing.assert_allclose(as_np(a), as_np(e), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("frozen", ["weight", "input"])
+@pytest.mark.parametrize("op", ["linear_cross_entropy", "linear_jsd"])
+def test_pallas_backend_frozen_tensor_costs_no_gradient(gen, op, frozen, reduction):
+    """A frozen head (LoRA) or input: the op saves no new tensor of its size for backward
+    (the fused forward computes and keeps no float32 dW / no dX for it) and the gradient
+    of the other one is the plain PyTorch backend's."""
+    import logitless.torch as lt
+    n, h, v = 13, 16, 67
+    x = rand(gen, n, h).requires_grad_(frozen != "input")
+    w = rand(gen, v, h).requires_grad_(frozen != "weight")
+    b = rand(gen, v).requires_grad_(frozen != "weight")
+    y = torch.randint(0, v, (n,), generator=gen)
+    xt, wt = rand(gen, n, h), rand(gen, v, h)
+    up = rand(gen, n)
+
+    def run(backend):
+        if op == "linear_cross_entropy":
+            out = lt.linear_cross_entropy(x, w, y, linear_bias=b, reduction=reduction,
+                                          label_smoothing=0.1, backend=backend)
+        else:
+            out = lt.linear_jsd(x, w, xt, wt, y, reduction=reduction, hard_loss_weight=0.5,
+                                backend=backend)
+        return out if reduction == "mean" else (out * up).sum()
+
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = run("pallas")
+    # the inputs themselves may be saved (the unfused path recomputes from them): not new
+    inputs = {t.data_ptr() for t in (x, w, b, y, xt, wt)}
+    shape = tuple((w if frozen == "weight" else x).shape)  # that of its gradient
+    new = [t for t in saved if tuple(t.shape) == shape and t.data_ptr() not in inputs]
+    assert not new, f"a {shape} tensor saved for backward: {len(new)}"
+    wanted = [t for t in (x, w, b if op == "linear_cross_entropy" else None)
+              if t is not None and t.requires_grad]
+    got = torch.autograd.grad(loss, wanted)
+    want = torch.autograd.grad(run("torch"), wanted)
+    np.testing.assert_allclose(as_np(loss), as_np(run("torch")), rtol=1e-5)
+    for a, e in zip(got, want):
+        np.testing.assert_allclose(as_np(a), as_np(e), rtol=1e-4, atol=1e-5)
+
+
 def test_pallas_backend_refuses_float64(gen):
     import logitless.torch as lt
     x, w = rand(gen, 3, 4).double(), rand(gen, 5, 4).double()

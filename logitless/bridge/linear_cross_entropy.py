@@ -49,12 +49,8 @@ def tuning_keywords(jax_backend: str):
     return tuple(importlib.import_module(_JAX_BACKEND_MODULES[jax_backend]).TUNING)
 
 
-def _jax_loss(x, w, y, bias, class_weight, *, opts, layout, backend, tuning):
-    out = lj.linear_cross_entropy(
-        x, w, y, linear_bias=bias, weight=class_weight, reduction=opts.reduction,
-        ignore_index=opts.ignore_index, label_smoothing=opts.label_smoothing,
-        z_loss=opts.z_loss, softcap=opts.softcap, return_lse=opts.return_lse,
-        weight_layout=layout, backend=backend, **dict(tuning))
+def _jax_loss(x, w, y, bias, class_weight, *, opts, layout, backend, tuning, needs):
+    out = lj._run(x, w, y, bias, class_weight, opts, layout, backend, dict(tuning), needs)
     return out if opts.return_lse else (out,)
 
 
@@ -79,8 +75,11 @@ def bridged(p: common.Prepared, opts: spec.LinearCrossEntropyOptions, jax_backen
     if jax_backend == "pallas" and not p.x.is_cuda and "interpret" not in tuning:
         # CPU tensors make a CPU computation even where JAX's default backend is a GPU
         tuning = {**tuning, "interpret": True}
+    # the gradients autograd will ask for: a frozen head (LoRA) or input costs no dW / dX
+    # GEMM, and the fused forward keeps no float32 [V, H] dW for it
+    needs = tuple(t is not None and t.requires_grad for t in (p.x, p.w, p.bias))
     out = _OP(p.x.contiguous(), w, p.y, p.bias, p.class_weight, opts=opts, layout=layout,
-              backend=jax_backend, tuning=tuple(sorted(tuning.items())))
+              backend=jax_backend, tuning=tuple(sorted(tuning.items())), needs=needs)
     return (out[0], out[1]) if opts.return_lse else (out[0], None)
 
 

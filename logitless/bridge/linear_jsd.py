@@ -17,7 +17,7 @@ import importlib
 import torch
 
 from .. import _torch_jsd as jsd_common
-from .. import jax as lj
+from .. import _jax_jsd as jax_jsd
 from ..specs import linear_jsd as spec
 from .autograd import JaxFunction
 
@@ -35,11 +35,8 @@ def __getattr__(name):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def _jax_loss(xs, ws, xt, wt, y, *, opts, layout, backend, tuning):
-    return lj.linear_jsd(xs, ws, xt, wt, y, beta=opts.beta, temperature=opts.temperature,
-                         ignore_index=opts.ignore_index, reduction=opts.reduction,
-                         hard_loss_weight=opts.hard_loss_weight, weight_layout=layout,
-                         backend=backend, **dict(tuning))
+def _jax_loss(xs, ws, xt, wt, y, *, opts, layout, backend, tuning, needs):
+    return jax_jsd.run(xs, ws, xt, wt, y, opts, layout, backend, dict(tuning), needs)
 
 
 _OP = JaxFunction(_jax_loss, name="linear_jsd")
@@ -59,9 +56,10 @@ def bridged(p: jsd_common.Prepared, opts: spec.LinearJSDOptions, jax_backend: st
     layout = "hv" if (not p.ws.is_contiguous() and p.ws.t().is_contiguous()) else "vh"
     if jax_backend == "pallas" and not p.xs.is_cuda and "interpret" not in tuning:
         tuning = {**tuning, "interpret": True}  # CPU tensors: a CPU computation
+    needs = (p.xs.requires_grad, p.ws.requires_grad)  # a frozen head costs no dW GEMM
     return _OP(p.xs.contiguous(), _in_layout(p.ws, layout), p.xt.contiguous(),
                _in_layout(p.wt, layout), p.y, opts=opts, layout=layout, backend=jax_backend,
-               tuning=tuple(sorted(tuning.items())))
+               tuning=tuple(sorted(tuning.items())), needs=needs)
 
 
 def linear_jsd(p: jsd_common.Prepared, opts: spec.LinearJSDOptions, **tuning):
