@@ -84,7 +84,7 @@ def prepare(x, linear_weight, labels, linear_bias, weight, *, ignore_index: int,
     problem = spec.check_shapes(x.shape, linear_weight.shape, labels.shape,
                                 None if linear_bias is None else linear_bias.shape,
                                 None if weight is None else weight.shape,
-                                weight_layout=weight_layout)
+                                weight_layout=weight_layout, names=("x", "labels"))
     if check_range and not _is_traced(labels):
         spec.check_targets(np.asarray(labels), problem.v, ignore_index)
     return Prepared(

@@ -111,30 +111,32 @@ class Problem:
 def check_shapes(input_shape: Sequence[int], weight_shape: Sequence[int],
                  target_shape: Sequence[int], bias_shape: Optional[Sequence[int]] = None,
                  class_weight_shape: Optional[Sequence[int]] = None, *,
-                 weight_layout: str = "vh") -> Problem:
+                 weight_layout: str = "vh", names: Sequence[str] = ("input", "target")) -> Problem:
     """Shape rules shared by every front door; errors name the offending argument.
 
     ``input (..., H)``, ``linear_weight (V, H)`` (or ``(H, V)`` with ``weight_layout="hv"``),
     ``target (...)`` with the leading dims of ``input``, ``linear_bias (V,)``, ``weight (V,)``.
+    ``names``: what the front door calls ``input`` and ``target`` (JAX: ``x``, ``labels``).
     """
     input_shape, weight_shape, target_shape = tuple(input_shape), tuple(weight_shape), tuple(target_shape)
+    x_name, y_name = names
     if weight_layout not in ("vh", "hv"):
         raise ValueError(f"weight_layout must be 'vh' (V, H) or 'hv' (H, V), got {weight_layout!r}")
     if len(input_shape) < 1:
-        raise ValueError(f"input must have at least 1 dimension (..., H), got shape {input_shape}")
+        raise ValueError(f"{x_name} must have at least 1 dimension (..., H), got shape {input_shape}")
     if len(weight_shape) != 2:
         raise ValueError(f"linear_weight must be 2-D, got shape {weight_shape}")
     v, h = weight_shape if weight_layout == "vh" else weight_shape[::-1]
     if input_shape[-1] != h:
         layout = "(V, H)" if weight_layout == "vh" else "(H, V)"
         raise ValueError(
-            f"hidden size mismatch: input has H={input_shape[-1]} but linear_weight {layout} "
+            f"hidden size mismatch: {x_name} has H={input_shape[-1]} but linear_weight {layout} "
             f"has shape {weight_shape}")
     if v < 1 or h < 1:
         raise ValueError(f"linear_weight must have V >= 1 and H >= 1, got shape {weight_shape}")
     if target_shape != input_shape[:-1]:
-        raise ValueError(
-            f"target must have shape input.shape[:-1] = {input_shape[:-1]}, got {target_shape}")
+        raise ValueError(f"{y_name} must have shape {x_name}.shape[:-1] = {input_shape[:-1]}, "
+                         f"got {target_shape}")
     if bias_shape is not None and tuple(bias_shape) != (v,):
         raise ValueError(f"linear_bias must have shape (V,) = ({v},), got {tuple(bias_shape)}")
     if class_weight_shape is not None and tuple(class_weight_shape) != (v,):
