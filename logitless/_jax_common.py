@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import numbers
 from typing import Optional, Tuple
 
 import jax
@@ -113,12 +114,21 @@ def labels_int32(y, ignore_index: int):
 
 
 def check_tuning(name: str, value, *, power_of_2=False, lo=1, hi=None):
-    """A positive-int tuning keyword (optionally a power of two within [lo, hi])."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo or \
+    """A positive-int tuning keyword (optionally a power of two within [lo, hi]), returned as
+    a Python int (NumPy integers are accepted; bools are not)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < lo or \
             (hi is not None and value > hi) or (power_of_2 and value & (value - 1)):
         what = "a power of two" if power_of_2 else "an int"
         rng = f" in [{lo}, {hi}]" if hi is not None else f" >= {lo}"
         raise ValueError(f"{name} must be {what}{rng}, got {value!r}")
+    return int(value)
+
+
+def plain_int(value):
+    """A NumPy integer as a Python int (the chunk planner takes Python ints); anything else,
+    bools included, unchanged for the planner's own check to judge."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value)
     return value
 
 

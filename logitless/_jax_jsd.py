@@ -419,15 +419,13 @@ def plan_chunks(p: Prepared, fp32_logits: bool, share: int, budget, chunk_size,
     share = share if logit_bytes > in_bytes else 1
     per_token = in_bytes + (2 * logit_bytes + 4 * (temporaries - 1)) / share
     plan = plan_token_chunks(p.problem.n, p.problem.v, bytes_per_element=max(1, round(per_token)),
-                             budget_bytes=budget, chunk_size=chunk_size)
+                             budget_bytes=common.plain_int(budget),
+                             chunk_size=common.plain_int(chunk_size))
     if logits_chunk_size is None:
         sub = plan.chunk if (share == 1 or plan.chunk <= 128) else \
             max(128, plan.chunk // share // 128 * 128)
     else:
-        if isinstance(logits_chunk_size, bool) or not isinstance(logits_chunk_size, int) \
-                or logits_chunk_size < 1:
-            raise ValueError(f"logits_chunk_size must be a positive int, got {logits_chunk_size!r}")
-        sub = logits_chunk_size
+        sub = common.check_tuning("logits_chunk_size", logits_chunk_size)
     return plan, min(sub, plan.chunk)
 
 

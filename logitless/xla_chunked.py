@@ -37,7 +37,8 @@ class XlaHead(common.Head):
         c_y = jnp.sum(jnp.where(is_target, c, 0.0), axis=1)
         wc = None
         if self.smoothing:
-            wc = jnp.sum(c, axis=1) if cw is None else c @ cw
+            wc = jnp.sum(c, axis=1) if cw is None else \
+                jnp.dot(c, cw, precision=lax.Precision.HIGHEST)  # full fp32, as the GEMMs
         k = coefs
         loss = common.token_loss(lse, c_y, wc, k[common.B], k[common.SM], k[common.SMO],
                                  k[common.ZW])
@@ -62,6 +63,7 @@ def linear_cross_entropy(p: common.Prepared, opts: spec.LinearCrossEntropyOption
     """Returns ``(loss, lse)``: loss reduced per ``opts.reduction`` (flat for "none")."""
     # budget the float32 working copy of a chunk's logits and of their gradient
     plan = plan_token_chunks(p.problem.n, p.problem.v, bytes_per_element=8,
-                             budget_bytes=memory_budget, chunk_size=chunk_size)
+                             budget_bytes=common.plain_int(memory_budget),
+                             chunk_size=common.plain_int(chunk_size))
     head = XlaHead(softcap=opts.softcap, smoothing=opts.uses_smoothing)
     return common.chunked_linear_cross_entropy(p, opts, plan, head)

@@ -301,6 +301,8 @@ BAD = [
     (dict(backend="pallas", interpret="yes"), TypeError, "interpret must be a bool"),
     (dict(backend="pallas", fp32_logits=1), TypeError, "fp32_logits must be a bool"),
     (dict(backend="xla", chunk_size=0), ValueError, "chunk_size must be a positive int"),
+    (dict(backend="xla", chunk_size=True), ValueError, "chunk_size must be a positive int"),
+    (dict(backend="pallas", block_v=np.bool_(True)), ValueError, "block_v must be a power"),
     (dict(backend="pallas", memory_budget=-1), ValueError, "memory_budget must be"),
 ]
 
@@ -312,6 +314,42 @@ def test_bad_arguments_raise_naming_the_argument(change, exc, message):
         lj.linear_cross_entropy(args.pop("x"), args.pop("linear_weight"), args.pop("labels"),
                                 **args)
     assert message in str(info.value)
+
+
+@pytest.mark.parametrize("op", ["linear_cross_entropy", "linear_jsd"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_numpy_integer_tuning_values_are_accepted(op, backend):
+    """Tuning sizes computed with NumPy (np.int64) work as the equal Python ints do."""
+    x, w, y, _ = _problem(n=9, h=4, v=37, salt=12)
+    tuning = dict(chunk_size=4)
+    if backend == "pallas":
+        tuning.update(block_v=16, block_rows=2, num_warps=4, grid_size=3)
+    if op == "linear_jsd":
+        tuning["logits_chunk_size"] = 2
+        f = lambda **t: lj.linear_jsd(x, w, x * 0.5, w, y, backend=backend, **t)
+    else:
+        f = lambda **t: lj.linear_cross_entropy(x, w, y, backend=backend, **t)
+    want = f(**tuning)
+    got = f(**{k: np.int64(v) for k, v in tuning.items()})
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    budget = f(memory_budget=np.int64(1 << 20))
+    _assert_close(budget, np.asarray(want, np.float64), 1e-6)
+
+
+def test_label_smoothing_with_class_weights_runs_every_fp32_product_in_full_precision():
+    """Σ_v w_v·c_v (label smoothing with class weights) is a matrix-vector product: like every
+    float32 GEMM it must ask for HIGHEST precision (DEFAULT is TF32-like on a GPU)."""
+    x, w, y, _ = _problem(n=9, h=4, v=37, salt=13)
+    cw = jnp.asarray(np.random.default_rng([SEED, 13]).random(37) + 0.5, jnp.float32)
+    f = lambda x, w: lj.linear_cross_entropy(x, w, y, weight=cw, label_smoothing=0.1,
+                                             backend="xla", chunk_size=4)
+    eqns = [e for e in jaxpr_eqns(jax.make_jaxpr(jax.value_and_grad(f, (0, 1)))(x, w).jaxpr)
+            if e.primitive.name == "dot_general"]
+    assert eqns
+    for e in eqns:
+        prec = e.params["precision"]
+        precs = prec if isinstance(prec, tuple) else (prec,)
+        assert all(p == jax.lax.Precision.HIGHEST for p in precs), (prec, e)
 
 
 # --------------------------------------------------------------------- targets out of range
