@@ -28,6 +28,17 @@ class Prepared:
 REDUCTION_CODES = {"none": 0, "sum": 1, "mean": 2}
 _REDUCTION_NAMES = {code: name for name, code in REDUCTION_CODES.items()}
 
+# Raised by every backend's backward under create_graph=True (format with op=...).
+NO_DOUBLE_BACKWARD = (
+    "{op} has no double backward (create_graph=True) on any backend: its backward is a "
+    "fused, chunked computation that is not itself differentiable. For a penalty on the "
+    "gradient, compute that loss unfused (F.linear, then the loss).")
+
+
+def reduction_name(code: int) -> str:
+    """The reduction's name for an op's int ``code`` (see REDUCTION_CODES)."""
+    return _REDUCTION_NAMES[code]
+
 
 def folds_mean(reduction_code: int, dtype: torch.dtype) -> bool:
     """The spec's rule (:func:`~logitless.specs.linear_cross_entropy.folds_mean_divisor`): may
@@ -56,6 +67,13 @@ def autocast_inputs(*tensors):
     dt = torch.get_autocast_dtype(first.device.type)
     return tuple(t.to(dt) if isinstance(t, torch.Tensor) and t.is_floating_point() and
                  t.dtype != torch.float64 else t for t in tensors)
+
+
+def on_device(t: torch.Tensor):
+    """A context making ``t``'s CUDA device current (else nothing). Triton launches on the
+    current device and its stream, not on the tensors': a model split over GPUs (e.g. a
+    transformers ``device_map="auto"`` head on cuda:1) would otherwise launch on the wrong one."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
 def autocast_off(device: torch.device):

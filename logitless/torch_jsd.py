@@ -2,11 +2,13 @@
 
 What CPU-only users get, and the fallback anywhere Triton is missing. Forward keeps only the
 per-token losses; backward recomputes each chunk's two logits blocks (fp32, as the spec
-requires) and writes dX per chunk while dW accumulates in place in fp32.
+requires) and writes dX per chunk while dW accumulates in place in fp32. Forward and backward
+are ``torch.library`` ops (``logitless::chunked_linear_jsd_fwd/_bwd``).
 """
 from __future__ import annotations
 
 import math
+from typing import Optional, Tuple
 
 import torch
 
@@ -68,68 +70,124 @@ def _mask(y, n, opts, like):
     return (y != opts.ignore_index).to(like.dtype)
 
 
-class _ChunkedLinearJSD(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, xs, ws, xt, wt, y, opts, plan):
-        acc = _acc_dtype(xs)
-        n = xs.shape[0]
-        token_loss = torch.empty(n, dtype=acc, device=xs.device)
-        for s, e in plan.bounds():
-            if e <= s:
-                continue
-            loss_c, _ = chunk_terms(jsd_common.logits_f32(xs[s:e], ws).to(acc),
-                                    jsd_common.logits_f32(xt[s:e], wt).to(acc),
-                                    None if y is None else y[s:e], opts, want_grad=False)
-            token_loss[s:e] = loss_c
-        token_loss *= _mask(y, n, opts, token_loss)
-        denom = None
-        if opts.reduction == "none":
-            loss = token_loss
-        else:
-            loss = token_loss.sum()
-            if opts.reduction == "mean":
-                denom = jsd_common.mean_denominator(y, n, opts.ignore_index, xs).to(acc)
-                loss = loss / denom
-        ctx.opts, ctx.plan, ctx.has_y = opts, plan, y is not None
-        ctx.save_for_backward(xs, ws, xt, wt, y, denom)
-        ctx.set_materialize_grads(False)
-        return loss
-
-    @staticmethod
-    def backward(ctx, g_loss):
-        xs, ws, xt, wt, y, denom = ctx.saved_tensors
-        opts, plan = ctx.opts, ctx.plan
-        need_x, need_w = ctx.needs_input_grad[:2]
-        none = (None,) * 5
-        if g_loss is None or not (need_x or need_w):
-            return (None, None) + none
-        acc = _acc_dtype(xs)
-        n, v = xs.shape[0], ws.shape[0]
-        g = g_loss.to(acc)
-        if opts.reduction == "none":
-            g_tok = g
-        else:
-            g_tok = (g / denom if denom is not None else g).expand(n)
-        g_tok = g_tok * _mask(y, n, opts, g_tok)
-        dx = torch.empty(xs.shape, dtype=xs.dtype, device=xs.device) if need_x else None
-        dw = torch.empty(v, xs.shape[1], dtype=acc, device=xs.device) if need_w else None
-        first = True
-        for s, e in plan.bounds():
-            if e <= s:
-                continue
-            _, dz = chunk_terms(jsd_common.logits_f32(xs[s:e], ws).to(acc),
+def _forward(xs, ws, xt, wt, y, opts, plan):
+    """-> (loss reduced per ``opts.reduction``, Σm or 1)."""
+    acc = _acc_dtype(xs)
+    n = xs.shape[0]
+    token_loss = torch.empty(n, dtype=acc, device=xs.device)
+    for s, e in plan.bounds():
+        if e <= s:
+            continue
+        loss_c, _ = chunk_terms(jsd_common.logits_f32(xs[s:e], ws).to(acc),
                                 jsd_common.logits_f32(xt[s:e], wt).to(acc),
-                                None if y is None else y[s:e], opts, want_grad=True)
-            dz_low = dz.mul_(g_tok[s:e, None]).to(xs.dtype)
-            del dz
-            if dx is not None:
-                torch.mm(dz_low, ws, out=dx[s:e])
-            if dw is not None:
-                common.accumulate_mm_(dw, dz_low.t(), xs[s:e], first=first)
-            first = False
-        if dw is not None and first:  # no tokens at all
-            dw.zero_()
-        return (dx, None if dw is None else dw.to(ws.dtype)) + none
+                                None if y is None else y[s:e], opts, want_grad=False)
+        token_loss[s:e] = loss_c
+    token_loss *= _mask(y, n, opts, token_loss)
+    denom = torch.ones((), dtype=acc, device=xs.device)
+    if opts.reduction == "none":
+        return token_loss, denom
+    if opts.reduction == "mean":
+        denom = jsd_common.mean_denominator(y, n, opts.ignore_index, xs).to(acc)
+    return token_loss.sum() / denom, denom
+
+
+def _backward(xs, ws, xt, wt, y, denom, g_loss, opts, plan, need_x, need_w):
+    """(dX, dW) for the upstream gradient ``g_loss``; each None unless needed."""
+    acc = _acc_dtype(xs)
+    n, v = xs.shape[0], ws.shape[0]
+    g = g_loss.to(acc)
+    g_tok = g if opts.reduction == "none" else (g / denom).expand(n)  # denom 1 for "sum"
+    g_tok = g_tok * _mask(y, n, opts, g_tok)
+    dx = torch.empty(xs.shape, dtype=xs.dtype, device=xs.device) if need_x else None
+    dw = torch.empty(v, xs.shape[1], dtype=acc, device=xs.device) if need_w else None
+    first = True
+    for s, e in plan.bounds():
+        if e <= s:
+            continue
+        _, dz = chunk_terms(jsd_common.logits_f32(xs[s:e], ws).to(acc),
+                            jsd_common.logits_f32(xt[s:e], wt).to(acc),
+                            None if y is None else y[s:e], opts, want_grad=True)
+        dz_low = dz.mul_(g_tok[s:e, None]).to(xs.dtype)
+        del dz
+        if dx is not None:
+            torch.mm(dz_low, ws, out=dx[s:e])
+        if dw is not None:
+            common.accumulate_mm_(dw, dz_low.t(), xs[s:e], first=first)
+        first = False
+    if dw is not None and first:  # no tokens at all
+        dw.zero_()
+    return dx, None if dw is None else dw.to(ws.dtype)
+
+
+# torch.library ops, so that torch.compile sees one opaque call whatever the number of chunks
+# (the Python chunk loop would otherwise specialize the graph on N) and gives eager results.
+def _opts(reduction, beta, temperature, ignore_index, hard_w):
+    return spec.LinearJSDOptions(beta=beta, temperature=temperature, ignore_index=ignore_index,
+                                 reduction=common.reduction_name(reduction),
+                                 hard_loss_weight=hard_w)
+
+
+def _plan(xs, ws, chunk):
+    return plan_token_chunks(xs.shape[0], ws.shape[0], bytes_per_element=1, chunk_size=chunk)
+
+
+@torch.library.custom_op("logitless::chunked_linear_jsd_fwd", mutates_args=())
+def _fwd_op(xs: torch.Tensor, ws: torch.Tensor, xt: torch.Tensor, wt: torch.Tensor,
+            y: Optional[torch.Tensor], reduction: int, beta: float, temperature: float,
+            ignore_index: int, hard_w: float, chunk: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """-> (loss, Σm or 1)."""
+    return _forward(xs, ws, xt, wt, y, _opts(reduction, beta, temperature, ignore_index, hard_w),
+                    _plan(xs, ws, chunk))
+
+
+@_fwd_op.register_fake
+def _(xs, ws, xt, wt, y, reduction, beta, temperature, ignore_index, hard_w, chunk):
+    acc = _acc_dtype(xs)
+    loss = (xs.new_empty(xs.shape[0], dtype=acc) if reduction == common.REDUCTION_CODES["none"]
+            else xs.new_empty((), dtype=acc))
+    return loss, xs.new_empty((), dtype=acc)
+
+
+@torch.library.custom_op("logitless::chunked_linear_jsd_bwd", mutates_args=())
+def _bwd_op(xs: torch.Tensor, ws: torch.Tensor, xt: torch.Tensor, wt: torch.Tensor,
+            y: Optional[torch.Tensor], denom: torch.Tensor, g_loss: torch.Tensor,
+            reduction: int, beta: float, temperature: float, ignore_index: int, hard_w: float,
+            chunk: int, need_x: bool, need_w: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """-> (dX, dW), each empty unless needed."""
+    dx, dw = _backward(xs, ws, xt, wt, y, denom, g_loss,
+                       _opts(reduction, beta, temperature, ignore_index, hard_w),
+                       _plan(xs, ws, chunk), need_x, need_w)
+    return (xs.new_empty(0) if dx is None else dx, xs.new_empty(0) if dw is None else dw)
+
+
+@_bwd_op.register_fake
+def _(xs, ws, xt, wt, y, denom, g_loss, reduction, beta, temperature, ignore_index, hard_w,
+      chunk, need_x, need_w):
+    return (xs.new_empty(xs.shape) if need_x else xs.new_empty(0),
+            ws.new_empty(ws.shape) if need_w else xs.new_empty(0))
+
+
+def _setup_context(ctx, inputs, output):
+    xs, ws, xt, wt, y, *opts_chunk = inputs
+    ctx.save_for_backward(xs, ws, xt, wt, y, output[1])
+    ctx.opts_chunk = opts_chunk
+    ctx.set_materialize_grads(False)
+
+
+def _autograd_backward(ctx, g_loss, _g_denom):
+    if torch.is_grad_enabled():
+        raise RuntimeError(common.NO_DOUBLE_BACKWARD.format(op="linear_jsd"))
+    xs, ws, xt, wt, y, denom = ctx.saved_tensors
+    need_x, need_w = ctx.needs_input_grad[:2]
+    none = (None,) * 9
+    if g_loss is None or not (need_x or need_w):
+        return (None, None) + none
+    dx, dw = _bwd_op(xs, ws, xt, wt, y, denom, g_loss, *ctx.opts_chunk, need_x, need_w)
+    return (dx if need_x else None, dw if need_w else None) + none
+
+
+torch.library.register_autograd("logitless::chunked_linear_jsd_fwd", _autograd_backward,
+                                setup_context=_setup_context)
 
 
 def linear_jsd(p: jsd_common.Prepared, opts: spec.LinearJSDOptions, *, chunk_size=None,
@@ -138,4 +196,7 @@ def linear_jsd(p: jsd_common.Prepared, opts: spec.LinearJSDOptions, *, chunk_siz
     bytes_per = _TEMPORARIES * torch.finfo(_acc_dtype(p.xs)).bits // 8
     plan = plan_token_chunks(p.problem.n, p.problem.v, bytes_per_element=bytes_per,
                              budget_bytes=memory_budget, chunk_size=chunk_size)
-    return _ChunkedLinearJSD.apply(p.xs, p.ws, p.xt, p.wt, p.y, opts, plan)
+    loss, _denom = _fwd_op(p.xs, p.ws, p.xt, p.wt, p.y, common.REDUCTION_CODES[opts.reduction],
+                           opts.beta, opts.temperature, opts.ignore_index,
+                           opts.hard_loss_weight, plan.chunk)
+    return loss

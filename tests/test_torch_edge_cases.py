@@ -120,17 +120,59 @@ def test_triton_gradients_from_autograd_grad_are_plain_tensors(kw):
         g.mul_(0.5)
 
 
-def test_triton_double_backward_is_a_clear_error():
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_double_backward_is_a_clear_error(backend):
     x, w, _, y = _lce_data(12, 8, 19, seed=5)
     x.requires_grad_()
-    loss = lt.linear_cross_entropy(x, w, y, backend="triton")
-    with pytest.raises(RuntimeError, match="double backward"):
+    loss = lt.linear_cross_entropy(x, w, y, backend=backend)
+    with pytest.raises(RuntimeError, match="no double backward .* on any backend"):
         torch.autograd.grad(loss, x, create_graph=True)
     xs, ws, xt, wt, yy = _jsd_data(12, 8, 8, 19, seed=6)
     xs.requires_grad_()
-    with pytest.raises(RuntimeError, match="double backward"):
-        torch.autograd.grad(lt.linear_jsd(xs, ws, xt, wt, yy, backend="triton"), xs,
+    with pytest.raises(RuntimeError, match="no double backward .* on any backend"):
+        torch.autograd.grad(lt.linear_jsd(xs, ws, xt, wt, yy, backend=backend), xs,
                             create_graph=True)
+
+
+def test_second_backward_through_one_graph():
+    """Triton's fast mode hands its saved gradients over in place: a second backward through
+    the same graph is refused with a message naming the way out; backend="torch" recomputes
+    and gives the same gradients again."""
+    x, w, _, y = _lce_data(12, 8, 19, seed=14)
+    x.requires_grad_()
+    loss = lt.linear_cross_entropy(x, w, y, backend="triton")
+    torch.autograd.grad(loss, x, retain_graph=True)
+    with pytest.raises(RuntimeError, match="one backward per forward.*backend='torch'"):
+        torch.autograd.grad(loss, x)
+    loss = lt.linear_cross_entropy(x, w, y, backend="torch")
+    first = torch.autograd.grad(loss, x, retain_graph=True)[0]
+    torch.testing.assert_close(torch.autograd.grad(loss, x)[0], first, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dynamic", [None, True])
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_compile_fullgraph_over_varying_token_counts(backend, dynamic):
+    """Both ops on both backends are torch.library ops: torch.compile(fullgraph=True) keeps
+    the token count symbolic (the chunk loops run inside the ops) instead of specializing a
+    graph per N and failing at the recompile limit; results equal eager."""
+    from torch._dynamo.utils import counters
+    x0, w, _, y0 = _lce_data(15, 8, 19, seed=15)
+    xs0, ws, xt0, wt, _ = _jsd_data(15, 8, 6, 19, seed=16)
+    w.requires_grad_()
+
+    def step(x, xs, xt, y):
+        return (lt.linear_cross_entropy(x, w, y, backend=backend, label_smoothing=0.1) +
+                lt.linear_jsd(xs, ws, xt, wt, y, backend=backend, beta=0.3))
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager", dynamic=dynamic)
+    for n in (5, 7, 9, 11, 13, 15):
+        args = [x0[:n].clone().requires_grad_(), xs0[:n].clone().requires_grad_(), xt0[:n],
+                y0[:n]]
+        got = _grads(lambda x, xs: compiled(x, xs, args[2], args[3]), args[0], args[1])
+        want = _grads(lambda x, xs: step(x, xs, args[2], args[3]), args[0], args[1])
+        _close(got, want, tol=1e-6)
+    assert counters["stats"]["unique_graphs"] <= 2, counters["stats"]
 
 
 # ----------------------------------------------------------------------------- what gets computed

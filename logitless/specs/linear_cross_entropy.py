@@ -87,8 +87,10 @@ def _check_real(name, value, *, lo=None, hi=None, lo_open=False) -> float:
     """``value`` as a Python float, after the checks (errors name ``name``)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a finite real number, got {value!r}")
-    value = float(value)  # also a symbolic float under torch.compile(dynamic=True): specialized
-    if not math.isfinite(value):
+    value = float(value)
+    # comparisons, not math.isfinite: torch.compile(dynamic=True) hands symbolic floats here,
+    # which compare (and get specialized) but have no isfinite; NaN fails both comparisons
+    if not -math.inf < value < math.inf:
         raise TypeError(f"{name} must be a finite real number, got {value!r}")
     if lo is not None and (value < lo or (lo_open and value == lo)):
         bound = f"> {lo}" if lo_open else f">= {lo}"

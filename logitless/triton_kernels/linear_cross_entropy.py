@@ -33,8 +33,8 @@ from .. import _torch_common as common
 from ..specs import linear_cross_entropy as spec
 from ..specs.tiling import next_power_of_2, plan_token_chunks
 from .cross_entropy_rows import cross_entropy_rows_kernel
-from .narrow_cast import (accumulate_split_, accumulator_pair, finish_, scale_cast,
-                          scale_cast_op, scale_op)
+from .narrow_cast import (accumulate_split_, accumulator_pair, finish_, hand_over_once,
+                          scale_cast, scale_cast_op, scale_op)
 
 TUNING = ("low_memory", "chunk_size", "vocab_chunk_size", "memory_budget", "grad_accum_dtype",
           "block_v", "num_warps")
@@ -231,20 +231,22 @@ def _fwd_op(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], y: t
     1, with 1/Σω folded in unless fp16) only with ``grad_mode`` and only those needed; dW as
     the accumulator pair of :func:`.narrow_cast.accumulator_pair` (part b empty unless split). ``low_memory`` is
     for backward (the fast forward never sees it)."""
-    cfg = Config(chunk, vocab_chunk, block_v, num_warps)
-    opts_t = _opts_tuple(ignore_index, label_smoothing, z_loss, softcap)
-    denom = torch.ones((), dtype=torch.float32, device=x.device)
-    if reduction == REDUCTIONS["mean"]:
-        denom = common.mean_denominator(common.token_weight_total(y, cw, ignore_index, torch.float32))
-    g = (1.0 / denom).reshape(1) if common.folds_mean(reduction, x.dtype) else _ones(x)
-    accum = _accum_dtype(x.dtype, x.shape[0], chunk, accum_fp32, reduction)
-    token_loss, lse, dx, dw, db = _forward(x, w, bias, y, cw, _omega_sum(cw), opts_t, cfg,
-                                           grad_mode, (need_dx, need_dw, need_db), accum, g)
-    if reduction == REDUCTIONS["none"]:
-        loss = token_loss
-    else:
-        loss = token_loss.sum() / denom
-    return loss, lse, denom, dx, dw[0], dw[1], db
+    with common.on_device(x):
+        cfg = Config(chunk, vocab_chunk, block_v, num_warps)
+        opts_t = _opts_tuple(ignore_index, label_smoothing, z_loss, softcap)
+        denom = torch.ones((), dtype=torch.float32, device=x.device)
+        if reduction == REDUCTIONS["mean"]:
+            denom = common.mean_denominator(
+                common.token_weight_total(y, cw, ignore_index, torch.float32))
+        g = (1.0 / denom).reshape(1) if common.folds_mean(reduction, x.dtype) else _ones(x)
+        accum = _accum_dtype(x.dtype, x.shape[0], chunk, accum_fp32, reduction)
+        token_loss, lse, dx, dw, db = _forward(x, w, bias, y, cw, _omega_sum(cw), opts_t, cfg,
+                                               grad_mode, (need_dx, need_dw, need_db), accum, g)
+        if reduction == REDUCTIONS["none"]:
+            loss = token_loss
+        else:
+            loss = token_loss.sum() / denom
+        return loss, lse, denom, dx, dw[0], dw[1], db
 
 
 def _accum_dtype(dtype, n, chunk, accum_fp32, reduction):
@@ -284,29 +286,33 @@ def _bwd_op(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], y: t
             num_warps: int, accum_fp32: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Recomputing backward. ``g``: per-token upstream gradient (N,) or a uniform one (1,);
     ``h``: upstream gradient of lse; ``post_scale`` multiplies the vocabulary-sweep results."""
-    cfg = Config(chunk, vocab_chunk, block_v, num_warps)
-    opts_t = _opts_tuple(ignore_index, label_smoothing, z_loss, softcap)
-    v, hdim = w.shape
-    omega_sum = _omega_sum(cw)
-    need_db = need_db and bias is not None
-    if low_memory:
-        dx = (_token_sweep(x, w, bias, y, cw, omega_sum, lse, g, h, opts_t, cfg, True, None, None)
-              if need_dx else x.new_empty(0))
-        dw = torch.empty(v, hdim, dtype=w.dtype, device=w.device) if need_dw else None
-        db = torch.empty(v, dtype=bias.dtype, device=w.device) if need_db else None
-        if need_dw or need_db:
-            _vocab_sweep(x, w, bias, y, cw, omega_sum, lse, g, h, opts_t, cfg, post_scale, dw, db)
-        return dx, x.new_empty(0) if dw is None else dw, x.new_empty(0) if db is None else db
-    accum = torch.float32 if accum_fp32 else w.dtype
-    dw_acc = accumulator_pair(v, hdim, accum, w.dtype, x, zero=x.shape[0] == 0) if need_dw else None
-    db_acc = ((torch.zeros if x.shape[0] == 0 else torch.empty)(v, dtype=torch.float32,
-                                                                device=w.device)
-              if need_db else None)
-    dx = _token_sweep(x, w, bias, y, cw, omega_sum, lse, g, h, opts_t, cfg, need_dx, dw_acc, db_acc)
-    dw = (x.new_empty(0) if dw_acc is None
-          else finish_(dw_acc[0], dw_acc[1], None, (v, hdim), w.dtype, _interpret()))
-    db = x.new_empty(0) if db_acc is None else _cast(db_acc, None, bias.dtype)
-    return dx, dw, db
+    with common.on_device(x):
+        cfg = Config(chunk, vocab_chunk, block_v, num_warps)
+        opts_t = _opts_tuple(ignore_index, label_smoothing, z_loss, softcap)
+        v, hdim = w.shape
+        omega_sum = _omega_sum(cw)
+        need_db = need_db and bias is not None
+        if low_memory:
+            dx = (_token_sweep(x, w, bias, y, cw, omega_sum, lse, g, h, opts_t, cfg, True, None,
+                               None) if need_dx else x.new_empty(0))
+            dw = torch.empty(v, hdim, dtype=w.dtype, device=w.device) if need_dw else None
+            db = torch.empty(v, dtype=bias.dtype, device=w.device) if need_db else None
+            if need_dw or need_db:
+                _vocab_sweep(x, w, bias, y, cw, omega_sum, lse, g, h, opts_t, cfg, post_scale, dw,
+                             db)
+            return dx, x.new_empty(0) if dw is None else dw, x.new_empty(0) if db is None else db
+        accum = torch.float32 if accum_fp32 else w.dtype
+        dw_acc = (accumulator_pair(v, hdim, accum, w.dtype, x, zero=x.shape[0] == 0) if need_dw
+                  else None)
+        db_acc = ((torch.zeros if x.shape[0] == 0 else torch.empty)(v, dtype=torch.float32,
+                                                                    device=w.device)
+                  if need_db else None)
+        dx = _token_sweep(x, w, bias, y, cw, omega_sum, lse, g, h, opts_t, cfg, need_dx, dw_acc,
+                          db_acc)
+        dw = (x.new_empty(0) if dw_acc is None
+              else finish_(dw_acc[0], dw_acc[1], None, (v, hdim), w.dtype, _interpret()))
+        db = x.new_empty(0) if db_acc is None else _cast(db_acc, None, bias.dtype)
+        return dx, dw, db
 
 
 @_bwd_op.register_fake
@@ -344,25 +350,27 @@ def _backward(ctx, g_loss, g_lse, _g_denom, _g_dx, _g_dwa, _g_dwb, _g_db):
     """Gradients of (loss, lse). Returned detached: some are the forward's saved outputs, which
     would otherwise reach ``torch.autograd.grad`` callers as tensors that require grad."""
     if torch.is_grad_enabled():
-        raise RuntimeError("linear_cross_entropy (backend='triton') has no double backward "
-                           "(create_graph=True); use backend='torch'")
+        raise RuntimeError(common.NO_DOUBLE_BACKWARD.format(op="linear_cross_entropy"))
     grads = _gradients(ctx, g_loss, g_lse)
     return tuple(None if t is None else t.detach() for t in grads) + (None,) * 17
 
 
 def _gradients(ctx, g_loss, g_lse):
     """(dX, dW, db), None where not needed."""
-    x, w, bias, y, cw, lse, denom, dx_saved, dw_a, dw_b, db_saved = ctx.saved_tensors
     a = ctx.args
-    need_x, need_w, need_b = ctx.needs_input_grad[:3]
     if g_loss is None and g_lse is None:
         return (None,) * 3
     uniform = a["reduction"] != REDUCTIONS["none"]
+    saved_grads = uniform and g_lse is None and a["grad_mode"] != NO_GRAD
+    if saved_grads:  # before the saved tensors are unpacked (autograd's version check)
+        hand_over_once(ctx, "linear_cross_entropy")
+    x, w, bias, y, cw, lse, denom, dx_saved, dw_a, dw_b, db_saved = ctx.saved_tensors
+    need_x, need_w, need_b = ctx.needs_input_grad[:3]
     low_memory = a["low_memory"]
     scale = None
     if uniform and g_loss is not None:
         scale = (g_loss.float() / denom).reshape(1)  # mean: g/Σω; sum: denom is 1
-    if uniform and g_lse is None and a["grad_mode"] != NO_GRAD:
+    if saved_grads:
         # The forward already holds the gradients for the upstream 1 (or 1/Σω): scale them
         # (exact in fp32; a no-op rounding for the usual upstream 1.0).
         saved_scale = (g_loss.float().reshape(1) if common.folds_mean(a["reduction"], x.dtype)
@@ -417,8 +425,9 @@ def linear_cross_entropy(p: common.Prepared, opts: spec.LinearCrossEntropyOption
     block, a power of 2), ``num_warps``.
 
     One backward per forward: the fast path hands its saved gradients over in place, so a
-    second backward through the same graph (``retain_graph=True``) is refused by autograd's
-    version check, and double backward (``create_graph=True``) raises.
+    second backward through the same graph (``retain_graph=True``) raises (backend="torch"
+    recomputes and allows it); double backward (``create_graph=True``) raises on every
+    backend.
     """
     x = p.x
     if x.dtype not in SUPPORTED_DTYPES:

@@ -21,8 +21,8 @@ final gradient *in place* (:mod:`.narrow_cast`): accumulator and result never co
 upstream scalar is applied before the one rounding. dX is kept in fp32 (written by fp32-output
 GEMMs) and narrowed the same way, so it too is rounded once whatever the upstream scalar (a
 bf16 dX scaled in backward would be rounded twice). Since backward finishes the saved gradients in
-place, a second backward through the same graph (``retain_graph=True``) is refused by
-autograd's version check rather than returning gradients scaled twice.
+place, a second backward through the same graph (``retain_graph=True``) raises
+(``narrow_cast.hand_over_once``) rather than returning gradients scaled twice.
 
 Memory beyond inputs and gradients: the fp32 accumulators' extra ``2·(V + N)·H`` bytes, plus
 ``C·V·itemsize + 2·c·V·4`` bytes of buffers (``memory_budget``, default 896 MiB: C = 1792,
@@ -43,7 +43,7 @@ from .. import _torch_jsd as jsd_common
 from ..specs import linear_jsd as spec
 from ..specs.tiling import next_power_of_2, plan_token_chunks
 from . import jsd_rows
-from .narrow_cast import accumulate_split_, accumulator_pair, finish_
+from .narrow_cast import accumulate_split_, accumulator_pair, finish_, hand_over_once
 
 TUNING = ("chunk_size", "logits_chunk_size", "memory_budget", "fp32_logits", "grad_accum_dtype",
           "block_v", "segment_size", "num_warps", "programs_per_sm", "row_sync")
@@ -238,19 +238,21 @@ def _fwd_op(xs: torch.Tensor, ws: torch.Tensor, xt: torch.Tensor, wt: torch.Tens
     """-> (loss, Σm or 1, dX part a, dX part b, dW part a, dW part b): the gradients (for an
     upstream 1, with 1/Σm folded in unless fp16) only with ``grad_mode`` (mean/sum) and only
     those needed, in fp32 split pairs for half-precision inputs (see :func:`_sweep`)."""
-    cfg = _cfg(chunk, sub_chunk, fp32_logits, block, segment, num_warps, grid, row_sync)
-    n = xs.shape[0]
-    opts_t = _opts_tuple(beta, temperature, ignore_index, hard_w)
-    denom = torch.ones((), dtype=torch.float32, device=xs.device)
-    if reduction == REDUCTIONS["mean"]:
-        denom = jsd_common.mean_denominator(y, n, ignore_index, xs)
-    g = (1.0 / denom).reshape(1) if common.folds_mean(reduction, xs.dtype) else \
-        torch.ones(1, dtype=torch.float32, device=xs.device)
-    token_loss, dx_a, dx_b, dw_a, dw_b = _sweep(
-        xs, ws, xt, wt, y, g, opts_t, cfg, True, grad_mode == FULL_GRAD,
-        _accum(xs.dtype, accum_fp32, fused=True), xs.dtype != torch.float32, need_dx, need_dw)
-    loss = token_loss if reduction == REDUCTIONS["none"] else token_loss.sum() / denom
-    return loss, denom, dx_a, dx_b, dw_a, dw_b
+    with common.on_device(xs):
+        cfg = _cfg(chunk, sub_chunk, fp32_logits, block, segment, num_warps, grid, row_sync)
+        n = xs.shape[0]
+        opts_t = _opts_tuple(beta, temperature, ignore_index, hard_w)
+        denom = torch.ones((), dtype=torch.float32, device=xs.device)
+        if reduction == REDUCTIONS["mean"]:
+            denom = jsd_common.mean_denominator(y, n, ignore_index, xs)
+        g = (1.0 / denom).reshape(1) if common.folds_mean(reduction, xs.dtype) else \
+            torch.ones(1, dtype=torch.float32, device=xs.device)
+        token_loss, dx_a, dx_b, dw_a, dw_b = _sweep(
+            xs, ws, xt, wt, y, g, opts_t, cfg, True, grad_mode == FULL_GRAD,
+            _accum(xs.dtype, accum_fp32, fused=True), xs.dtype != torch.float32, need_dx,
+            need_dw)
+        loss = token_loss if reduction == REDUCTIONS["none"] else token_loss.sum() / denom
+        return loss, denom, dx_a, dx_b, dw_a, dw_b
 
 
 @_fwd_op.register_fake
@@ -262,7 +264,8 @@ def _(xs, ws, xt, wt, y, reduction, beta, temperature, ignore_index, hard_w, gra
     loss = xs.new_empty(n, **f32) if reduction == REDUCTIONS["none"] else xs.new_empty((), **f32)
     empty = (xs.new_empty(0), xs.new_empty(0))
     full = grad_mode == FULL_GRAD
-    dw_dtype = torch.float32 if _accum(xs.dtype, accum_fp32, fused=True) == "fp32" else xs.dtype
+    dw_dtype = (torch.float32 if _accum(xs.dtype, accum_fp32, fused=True) == "fp32"
+                else xs.dtype)
     grads = ((accumulator_pair(n, hs, torch.float32, xs.dtype, xs) if full and need_dx
               else empty) +
              (accumulator_pair(v, hs, dw_dtype, xs.dtype, xs) if full and need_dw else empty))
@@ -278,13 +281,15 @@ def _bwd_op(xs: torch.Tensor, ws: torch.Tensor, xt: torch.Tensor, wt: torch.Tens
     """Recomputing backward for per-token upstream gradients ``g`` (N,): (dX, dW), each empty
     unless needed. g is in dz already, so dX is written (rounded) once; dW is narrowed from
     fp32 without a scale."""
-    cfg = _cfg(chunk, sub_chunk, fp32_logits, block, segment, num_warps, grid, row_sync)
-    v, hs = ws.shape
-    _, dx, _, dw_a, dw_b = _sweep(xs, ws, xt, wt, y, g, _opts_tuple(beta, temperature,
-                                                                   ignore_index, hard_w),
-                                  cfg, False, True, _accum(xs.dtype, accum_fp32), False,
-                                  need_dx, need_dw)
-    return dx, finish_(dw_a, dw_b, None, (v, hs), xs.dtype, _interpret()) if need_dw else dw_a
+    with common.on_device(xs):
+        cfg = _cfg(chunk, sub_chunk, fp32_logits, block, segment, num_warps, grid, row_sync)
+        v, hs = ws.shape
+        _, dx, _, dw_a, dw_b = _sweep(xs, ws, xt, wt, y, g, _opts_tuple(beta, temperature,
+                                                                       ignore_index, hard_w),
+                                      cfg, False, True, _accum(xs.dtype, accum_fp32), False,
+                                      need_dx, need_dw)
+        return dx, (finish_(dw_a, dw_b, None, (v, hs), xs.dtype, _interpret()) if need_dw
+                    else dw_a)
 
 
 @_bwd_op.register_fake
@@ -313,15 +318,16 @@ def _finish(a, b, scale, shape, dtype):
 
 
 def _backward(ctx, g_loss, _g_denom, _g_dxa, _g_dxb, _g_dwa, _g_dwb):
-    xs, ws, xt, wt, y, denom, dx_a, dx_b, dw_a, dw_b = ctx.saved_tensors
     a = ctx.args
     need_x, need_w = ctx.needs_input_grad[:2]
     none = (None,) * 20
     if torch.is_grad_enabled():
-        raise RuntimeError("linear_jsd (backend='triton') has no double backward "
-                           "(create_graph=True); use backend='torch'")
+        raise RuntimeError(common.NO_DOUBLE_BACKWARD.format(op="linear_jsd"))
     if g_loss is None or not (need_x or need_w):
         return (None, None) + none
+    if a["grad_mode"] == FULL_GRAD:  # before the saved tensors are unpacked (version check)
+        hand_over_once(ctx, "linear_jsd")
+    xs, ws, xt, wt, y, denom, dx_a, dx_b, dw_a, dw_b = ctx.saved_tensors
     if a["grad_mode"] == FULL_GRAD:
         # The forward holds the gradients for the upstream 1 (or 1/Σm): scale them (exact in
         # fp32). They are ours alone (the front door drops them): finished in place.

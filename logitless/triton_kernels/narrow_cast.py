@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import _torch_common as common
 from .._torch_common import accumulate_mm_
 
 FIRST = 4096  # elements narrowed by the first, single-program launch
@@ -164,7 +165,8 @@ def scale_(t: torch.Tensor, scale: torch.Tensor, interpret: bool) -> None:
 @torch.library.custom_op("logitless::narrow_", mutates_args=("a",))
 def narrow_op(a: torch.Tensor, b: Optional[torch.Tensor], scale: Optional[torch.Tensor],
               dtype: torch.dtype, interpret: bool) -> None:
-    narrow_(a, b, scale, dtype, interpret)
+    with common.on_device(a):
+        narrow_(a, b, scale, dtype, interpret)
 
 
 @narrow_op.register_fake
@@ -176,7 +178,8 @@ def _(a, b, scale, dtype, interpret):
 @torch.library.custom_op("logitless::scale_cast", mutates_args=())
 def scale_cast_op(src: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
                   interpret: bool) -> torch.Tensor:
-    return scale_cast(src, scale, dtype, interpret)
+    with common.on_device(src):
+        return scale_cast(src, scale, dtype, interpret)
 
 
 @scale_cast_op.register_fake
@@ -186,9 +189,23 @@ def _(src, scale, dtype, interpret):
 
 @torch.library.custom_op("logitless::scale_", mutates_args=("t",))
 def scale_op(t: torch.Tensor, scale: torch.Tensor, interpret: bool) -> None:
-    scale_(t, scale, interpret)
+    with common.on_device(t):
+        scale_(t, scale, interpret)
 
 
 @scale_op.register_fake
 def _(t, scale, interpret):
     return None
+
+
+def hand_over_once(ctx, op):
+    """The forward's saved gradients are finished in place and handed over: a second backward
+    through the same graph (retain_graph=True) would get them scaled twice, so it is refused
+    with a message (autograd's version check would also refuse it, less clearly)."""
+    if getattr(ctx, "handed_over", False):
+        raise RuntimeError(
+            f"{op} (backend='triton') supports one backward per forward: the forward's saved "
+            "gradients were finished in place by the first. For a second backward through the "
+            "same graph (retain_graph=True), use backend='torch' (it recomputes in backward), "
+            "or run the forward again.")
+    ctx.handed_over = True

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import _torch_common as common
 from ..specs.tiling import next_power_of_2
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -185,7 +186,8 @@ def swiglu_backward(grad_h: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, 
 @torch.library.custom_op("logitless::swiglu", mutates_args=())
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` through the Triton kernel (differentiable; fp32 math, one rounding)."""
-    return swiglu_forward(gate, up)
+    with common.on_device(gate):
+        return swiglu_forward(gate, up)
 
 
 @swiglu.register_fake
@@ -196,7 +198,8 @@ def _(gate, up):
 @torch.library.custom_op("logitless::swiglu_backward", mutates_args=())
 def swiglu_backward_op(grad_h: torch.Tensor, gate: torch.Tensor, up: torch.Tensor
                        ) -> Tuple[torch.Tensor, torch.Tensor]:
-    return swiglu_backward(grad_h, gate, up)
+    with common.on_device(gate):
+        return swiglu_backward(grad_h, gate, up)
 
 
 @swiglu_backward_op.register_fake
