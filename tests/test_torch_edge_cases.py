@@ -248,8 +248,8 @@ def test_triton_fp16_unscaled_sums_in_one_chunk_do_not_overflow(reduction, accum
                                                       **k) / div)
     want = _grads(jsd("torch"), x.double(), w.double())
     got = _grads(jsd("triton", grad_accum_dtype=accum), x, w)
-    assert torch.isfinite(got[2]).all()
-    _close(got[1:], want[1:], tol=1e-2)  # fp16 grads of a ~1e3 sum: finite and right
+    assert want[2].abs().max() < 1e4 and torch.isfinite(got[1]).all()
+    _close(got[2:], want[2:], tol=1e-2)  # dW, an fp16 gradient of ~1e3 from a 1e5 sum
 
 
 # ----------------------------------------------------------------------------- autocast
