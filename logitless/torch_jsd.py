@@ -70,6 +70,14 @@ def _mask(y, n, opts, like):
     return (y != opts.ignore_index).to(like.dtype)
 
 
+def _chunk(xs, ws, xt, wt, y, s, e, acc, opts, want_grad):
+    """:func:`chunk_terms` of tokens [s, e): both logits blocks computed in fp32 (as the spec
+    requires), then held in ``acc``."""
+    return chunk_terms(jsd_common.logits_f32(xs[s:e], ws).to(acc),
+                       jsd_common.logits_f32(xt[s:e], wt).to(acc),
+                       None if y is None else y[s:e], opts, want_grad)
+
+
 def _forward(xs, ws, xt, wt, y, opts, plan):
     """-> (loss reduced per ``opts.reduction``, Σm or 1)."""
     acc = _acc_dtype(xs)
@@ -78,10 +86,7 @@ def _forward(xs, ws, xt, wt, y, opts, plan):
     for s, e in plan.bounds():
         if e <= s:
             continue
-        loss_c, _ = chunk_terms(jsd_common.logits_f32(xs[s:e], ws).to(acc),
-                                jsd_common.logits_f32(xt[s:e], wt).to(acc),
-                                None if y is None else y[s:e], opts, want_grad=False)
-        token_loss[s:e] = loss_c
+        token_loss[s:e], _ = _chunk(xs, ws, xt, wt, y, s, e, acc, opts, want_grad=False)
     token_loss *= _mask(y, n, opts, token_loss)
     denom = torch.ones((), dtype=acc, device=xs.device)
     if opts.reduction == "none":
@@ -104,9 +109,7 @@ def _backward(xs, ws, xt, wt, y, denom, g_loss, opts, plan, need_x, need_w):
     for s, e in plan.bounds():
         if e <= s:
             continue
-        _, dz = chunk_terms(jsd_common.logits_f32(xs[s:e], ws).to(acc),
-                            jsd_common.logits_f32(xt[s:e], wt).to(acc),
-                            None if y is None else y[s:e], opts, want_grad=True)
+        _, dz = _chunk(xs, ws, xt, wt, y, s, e, acc, opts, want_grad=True)
         dz_low = dz.mul_(g_tok[s:e, None]).to(xs.dtype)
         del dz
         if dx is not None:
