@@ -124,14 +124,6 @@ def check_tuning(name: str, value, *, power_of_2=False, lo=1, hi=None):
     return int(value)
 
 
-def plain_int(value):
-    """A NumPy integer as a Python int (the chunk planner takes Python ints); anything else,
-    bools included, unchanged for the planner's own check to judge."""
-    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
-        return int(value)
-    return value
-
-
 # ------------------------------------------------------------------- per-token coefficients
 # Rows of the packed (6, N) float32 coefficient array (see the spec's docstring):
 #   B = (1-ε)ω,  SM = m·ε/V,  SMO = SM·Ω,  ZW = ζ·ω,  G = upstream grad of l_i,  H = of lse_i

@@ -419,8 +419,8 @@ def plan_chunks(p: Prepared, fp32_logits: bool, share: int, budget, chunk_size,
     share = share if logit_bytes > in_bytes else 1
     per_token = in_bytes + (2 * logit_bytes + 4 * (temporaries - 1)) / share
     plan = plan_token_chunks(p.problem.n, p.problem.v, bytes_per_element=max(1, round(per_token)),
-                             budget_bytes=common.plain_int(budget),
-                             chunk_size=common.plain_int(chunk_size))
+                             budget_bytes=budget,
+                             chunk_size=chunk_size)
     if logits_chunk_size is None:
         sub = plan.chunk if (share == 1 or plan.chunk <= 128) else \
             max(128, plan.chunk // share // 128 * 128)

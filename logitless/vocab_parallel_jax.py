@@ -205,8 +205,8 @@ def vocab_parallel_linear_cross_entropy(p: common.Prepared, opts: spec.LinearCro
     """Returns ``(loss, lse)`` (lse None unless ``opts.return_lse``); ``p`` holds this device's
     slices (``p.problem.v`` = V_local). Must run inside ``shard_map`` binding ``axis_name``."""
     plan = plan_token_chunks(p.problem.n, p.problem.v, bytes_per_element=8,
-                             budget_bytes=common.plain_int(memory_budget),
-                             chunk_size=common.plain_int(chunk_size))
+                             budget_bytes=memory_budget,
+                             chunk_size=chunk_size)
     st = _Static(opts=opts, plan=plan, v_local=p.problem.v, layout=p.layout, axis_name=axis_name)
     loss, lse = _custom_vjp_fn(st)(p.x, p.w, p.bias, p.y, p.class_weight)
     return loss, (lse if opts.return_lse else None)

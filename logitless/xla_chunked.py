@@ -63,7 +63,7 @@ def linear_cross_entropy(p: common.Prepared, opts: spec.LinearCrossEntropyOption
     """Returns ``(loss, lse)``: loss reduced per ``opts.reduction`` (flat for "none")."""
     # budget the float32 working copy of a chunk's logits and of their gradient
     plan = plan_token_chunks(p.problem.n, p.problem.v, bytes_per_element=8,
-                             budget_bytes=common.plain_int(memory_budget),
-                             chunk_size=common.plain_int(chunk_size))
+                             budget_bytes=memory_budget,
+                             chunk_size=chunk_size)
     head = XlaHead(softcap=opts.softcap, smoothing=opts.uses_smoothing)
     return common.chunked_linear_cross_entropy(p, opts, plan, head)

@@ -193,7 +193,7 @@ def linear_cross_entropy(p: common.Prepared, opts: spec.LinearCrossEntropyOption
         softcap=opts.softcap, smoothing=opts.uses_smoothing, **settings)
     bytes_per = p.x.dtype.itemsize + (4 if fp32_logits and p.x.dtype.itemsize < 4 else 0)
     plan = plan_token_chunks(p.problem.n, p.problem.v, bytes_per_element=bytes_per,
-                             budget_bytes=common.plain_int(
-                                 launch.pick(GPU_DEFAULTS, memory_budget, "memory_budget")),
-                             chunk_size=common.plain_int(chunk_size))
+                             budget_bytes=launch.pick(GPU_DEFAULTS, memory_budget,
+                                                      "memory_budget"),
+                             chunk_size=chunk_size)
     return common.chunked_linear_cross_entropy(p, opts, plan, head)

@@ -8,6 +8,7 @@ never below ``min_chunk`` (one chunk must exist even when the budget is tiny).
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Optional
 
 # Default budget for the one [chunk, V] logits block a fused loss may hold at a time.
@@ -41,18 +42,24 @@ def plan_token_chunks(n: int, v: int, *, bytes_per_element: int,
     for name, val in (("n", n), ("v", v), ("bytes_per_element", bytes_per_element)):
         if not isinstance(val, int) or val < (0 if name == "n" else 1):
             raise ValueError(f"{name} must be a positive int, got {val!r}")
+    # the user's values: any integer type (a NumPy int too, as a Python int), never a bool
     if chunk_size is not None:
-        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        if not _is_integer(chunk_size) or chunk_size < 1:
             raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
-        return ChunkPlan(n=n, chunk=max(1, min(chunk_size, max(n, 1))))
+        return ChunkPlan(n=n, chunk=max(1, min(int(chunk_size), max(n, 1))))
     budget = DEFAULT_BUDGET_BYTES if budget_bytes is None else budget_bytes
-    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+    if not _is_integer(budget) or budget < 1:
         raise ValueError(f"memory_budget must be a positive number of bytes, got {budget_bytes!r}")
+    budget = int(budget)
     chunk = budget // (v * bytes_per_element)
     if chunk >= multiple:
         chunk = (chunk // multiple) * multiple
     chunk = max(min_chunk, chunk)
     return ChunkPlan(n=n, chunk=max(1, min(chunk, max(n, 1))))
+
+
+def _is_integer(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def ceil_div(a: int, b: int) -> int:

@@ -239,7 +239,7 @@ def _fwd_op(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], y: t
             denom = common.mean_denominator(
                 common.token_weight_total(y, cw, ignore_index, torch.float32))
         g = (1.0 / denom).reshape(1) if common.folds_mean(reduction, x.dtype) else _ones(x)
-        accum = _accum_dtype(x.dtype, x.shape[0], chunk, accum_fp32, reduction)
+        accum = _accum_dtype(x.dtype, x.shape[0], chunk, accum_fp32)
         token_loss, lse, dx, dw, db = _forward(x, w, bias, y, cw, _omega_sum(cw), opts_t, cfg,
                                                grad_mode, (need_dx, need_dw, need_db), accum, g)
         if reduction == REDUCTIONS["none"]:
@@ -249,13 +249,12 @@ def _fwd_op(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], y: t
         return loss, lse, denom, dx, dw[0], dw[1], db
 
 
-def _accum_dtype(dtype, n, chunk, accum_fp32, reduction):
+def _accum_dtype(dtype, n, chunk, accum_fp32):
     """The fused forward's dW accumulator: fp32 across chunks; a single chunk needs none (one
     GEMM, one rounding). fp16 always takes fp32, whatever ``grad_accum_dtype`` asks: these
     sums are for an upstream gradient of 1 (not yet divided by Σω for "mean", see
     ``common.folds_mean``; nor by the caller's divisor after "sum", e.g. ``num_items``), and
     in fp16's range they can overflow where the real gradient does not."""
-    del reduction  # (every reduction of the fused forward is covered by the fp16 rule)
     if dtype == torch.float16:
         return torch.float32
     return dtype if (n <= chunk or not accum_fp32) else torch.float32
@@ -268,7 +267,7 @@ def _(x, w, bias, y, cw, reduction, ignore_index, label_smoothing, z_loss, softc
     v = w.shape[0]
     f32 = dict(dtype=torch.float32, device=x.device)
     full = grad_mode == FULL_GRAD
-    accum = _accum_dtype(x.dtype, n, chunk, accum_fp32, reduction)
+    accum = _accum_dtype(x.dtype, n, chunk, accum_fp32)
     loss = x.new_empty(n, **f32) if reduction == 0 else x.new_empty((), **f32)
     dw = (accumulator_pair(v, hdim, accum, w.dtype, x) if (full and need_dw)
           else (x.new_empty(0), x.new_empty(0)))
