@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The test suite on a CUDA machine, in groups with time limits, logs under ${OUT:-/tmp/gpu-tests}:
 #   bash benchmarks/gpu_tests.sh [group ...]     (groups: lce jsd mlp bridge all; default all)
+# WORKERS=n runs each group on n pytest-xdist processes sharing the GPU (default 1; the GPU
+# image has xdist): most of the time is compiling kernels on the host, which n cores share.
 # On the device tool's machine carry .whl/ so that peers import (benchmarks/gpu_peers.sh).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -24,7 +26,9 @@ for g in $groups; do
     *) echo "unknown group $g"; exit 2 ;;
   esac
   start=$(date +%s)
-  timeout "${LIMIT:-450}" $PY -m pytest -q -p no:cacheprovider $files > "$OUT/tests-$g.log" 2>&1
+  par=""
+  [ "${WORKERS:-1}" -gt 1 ] && par="-n $WORKERS"
+  timeout "${LIMIT:-450}" $PY -m pytest -q -p no:cacheprovider $par $files > "$OUT/tests-$g.log" 2>&1
   rc=$?
   echo "$g: rc=$rc in $(( $(date +%s) - start )) s: $(tail -1 "$OUT/tests-$g.log")"
   [ $rc -ne 0 ] && status=1

@@ -89,6 +89,18 @@ register(Backend("naive-torch", naive_torch, naive="naive-torch", requires=("tor
 register(Backend("torch", torch_backend_runner("torch"), naive="naive-torch", requires=("torch",)))
 register(Backend("triton", torch_backend_runner("triton"), naive="naive-torch",
                  requires=("torch", "triton")))
+
+
+def own_gemm_runner(case, inp):
+    """backend="triton" with the forward's logits from the statistics-epilogue GEMM
+    (logits_gemm="triton") wherever the case allows it: half precision, no label smoothing,
+    rows of a multiple of 8 elements (TMA alignment); elsewhere the automatic choice."""
+    ok = case.dtype != "float32" and not case.label_smoothing and case.h % 8 == 0
+    return torch_backend_runner("triton", logits_gemm="triton" if ok else "auto")(case, inp)
+
+
+register(Backend("triton-own-gemm", own_gemm_runner, naive="naive-torch",
+                 requires=("torch", "triton")))
 # low-memory operating point; small vocabulary chunks exercise the multi-chunk dW sweep
 register(Backend("triton-low-memory",
                  torch_backend_runner("triton", low_memory=True, vocab_chunk_size=64),

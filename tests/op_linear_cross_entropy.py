@@ -116,6 +116,11 @@ def cases_linear_cross_entropy():
         Case(n=130, h=48, v=509, dtype="bfloat16", chunk_size=48, **everything),  # many chunks
         Case(n=130, h=48, v=509, reduction="none", chunk_size=48, class_weight=True),
         Case(n=64, h=64, v=1031, dtype="bfloat16", label_smoothing=0.1),  # wider V, prime
+        # H a multiple of 8, no smoothing: Triton's own logits GEMM can take these (several
+        # row, column and K tiles; V not a multiple of 8, so the logits rows are padded)
+        Case(n=130, h=48, v=509, dtype="bfloat16", chunk_size=48,
+             **{**everything, "label_smoothing": 0.0}),
+        Case(n=45, h=32, v=250, dtype="float16", reduction="sum", bias=True, z_loss=1e-3),
     ]
     for red in ("mean", "sum", "none"):  # every token ignored: loss 0, zero grads, no NaN
         out.append(Case(**base, reduction=red, ignore="all", **{**everything, "lse_grad": False}))

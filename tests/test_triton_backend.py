@@ -103,17 +103,80 @@ def test_no_grad_forward_matches():
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+# ----------------------------------------------------------------------------- logits_gemm
+def _spy_own_gemm(monkeypatch):
+    """Count the launches of the statistics-epilogue logits GEMM."""
+    import logitless.triton_kernels.logits_gemm as stats_gemm
+    calls = []
+    real = stats_gemm.logits_with_stats
+
+    def spy(*args, **kwargs):
+        calls.append(args[0].shape[0])
+        return real(*args, **kwargs)
+    monkeypatch.setattr(stats_gemm, "logits_with_stats", spy)
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_own_logits_gemm_runs_and_equals_the_cublas_path(monkeypatch, dtype):
+    # several row / column / K tiles, V not a multiple of 8 (padded rows), 3 token chunks
+    n, h, v = 100, 64, 301
+    x, w, y = _data(n, h, v, dtype=dtype, seed=11)
+    b = torch.randn(v, device=DEV).to(dtype)
+    cw = torch.rand(v, device=DEV)
+    kw = dict(backend="triton", linear_bias=b, weight=cw, softcap=6.0, z_loss=1e-3,
+              chunk_size=48)
+    calls = _spy_own_gemm(monkeypatch)
+    ref = _loss_and_grads(x, w, y, logits_gemm="cublas", **kw)
+    assert calls == []
+    got = _loss_and_grads(x, w, y, logits_gemm="triton", **kw)
+    assert calls == [48, 48, 4]
+    torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=0)
+    for a, r in zip(got[1:], ref[1:]):
+        rel = ((a.float() - r.float()).norm() / r.float().norm()).item()
+        assert rel < 2e-3, rel  # summation order only; dz itself is computed identically
+    with torch.no_grad():  # the loss-only forward and reduction="none" take it too
+        none = lt.linear_cross_entropy(x, w, y, reduction="none", logits_gemm="triton", **kw)
+    assert len(calls) == 6
+    torch.testing.assert_close(none.sum() / cw[y.clamp_min(0)][y != -100].sum(), ref[0],
+                               rtol=1e-5, atol=0)
+
+
+def test_logits_gemm_errors():
+    x, w, y = _data(8, 64, 40, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="logits_gemm must be one of"):
+        lt.linear_cross_entropy(x, w, y, backend="triton", logits_gemm="cutlass")
+    with pytest.raises(ValueError, match="logits_gemm must be one of"):
+        lt.linear_cross_entropy(x, w, y, backend="triton", logits_gemm=True)
+    with pytest.raises(ValueError, match="label smoothing"):
+        lt.linear_cross_entropy(x, w, y, backend="triton", logits_gemm="triton",
+                                label_smoothing=0.1)
+    with pytest.raises(ValueError, match="bfloat16/float16 inputs only"):
+        lt.linear_cross_entropy(x.float(), w.float(), y, backend="triton", logits_gemm="triton")
+    x33, w33, y33 = _data(8, 33, 40, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="input must be row-major with 16-byte aligned rows"):
+        lt.linear_cross_entropy(x33, w33, y33, backend="triton", logits_gemm="triton")
+    w_t = w.t().contiguous().t()  # a transposed tied embedding: column-major
+    with pytest.raises(ValueError, match="linear_weight must be row-major"):
+        lt.linear_cross_entropy(x, w_t, y, backend="triton", logits_gemm="triton")
+    # "auto" never raises for these: it falls back to cuBLAS
+    for xx, ww, yy in ((x33, w33, y33), (x, w_t, y), (x.float(), w.float(), y)):
+        lt.linear_cross_entropy(xx, ww, yy, backend="triton", label_smoothing=0.1)
+
+
 # ----------------------------------------------------------------------------- GPU only
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("chunk_size", [None, 20000])
-def test_64bit_indexing_matches_torch_backend(chunk_size):
+@pytest.mark.parametrize("chunk_size,logits_gemm", [(None, "auto"), (20000, "cublas"),
+                                                    (20000, "triton")])
+def test_64bit_indexing_matches_torch_backend(chunk_size, logits_gemm):
     # N·V = 2.57e9 > 2^31; with chunk_size=N one logits buffer holds all of them, so the
     # kernel's row offsets pass 2^31 and must be 64-bit.
     n, h, v = 20000, 64, 128256
     x, w, y = _data(n, h, v, dtype=torch.bfloat16, seed=4)
     y[-1] = v - 1  # the very last logit is a target
-    got = _loss_and_grads(x, w, y, backend="triton", chunk_size=chunk_size, reduction="sum")
+    got = _loss_and_grads(x, w, y, backend="triton", chunk_size=chunk_size, reduction="sum",
+                          logits_gemm=logits_gemm)
     ref = _loss_and_grads(x, w, y, backend="torch", reduction="sum")
     torch.testing.assert_close(got[0], ref[0], rtol=2e-4, atol=0)
     for a, b in zip(got[1:], ref[1:]):
@@ -136,6 +199,35 @@ def test_cuda_graph_training_step(low_memory):
 
 @gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("low_memory", [False, True])
+def test_cuda_graph_training_step_own_logits_gemm(monkeypatch, low_memory):
+    # the GEMM's tensor descriptors are built on the host at launch: captured, then replayed
+    torch.manual_seed(SEED)
+    n, h, v = 512, 128, 4099
+    hidden = torch.randn(n, h, device="cuda", dtype=torch.bfloat16)
+    y = torch.randint(0, v, (n,), device="cuda")
+    head = torch.nn.Linear(h, v, bias=False, device="cuda", dtype=torch.bfloat16)
+    calls = _spy_own_gemm(monkeypatch)
+    check_cuda_graph_training(head, lambda w: lt.linear_cross_entropy(
+        hidden, w, y, backend="triton", low_memory=low_memory, z_loss=1e-4,
+        logits_gemm="triton"))
+    assert calls
+
+
+@gpu
+@pytest.mark.gpu
+def test_auto_takes_own_logits_gemm_on_hopper_at_large_hidden(monkeypatch):
+    x, w, y = _data(64, 4096, 1000, dtype=torch.bfloat16, seed=12)
+    calls = _spy_own_gemm(monkeypatch)
+    _loss_and_grads(x, w, y, backend="triton")
+    assert bool(calls) == (torch.cuda.get_device_capability()[0] == 9)
+    calls.clear()
+    _loss_and_grads(x[:, :2048], w[:, :2048], y, backend="triton")  # small H: cuBLAS
+    assert calls == []
+
+
+@gpu
+@pytest.mark.gpu
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 @pytest.mark.parametrize("low_memory", [False, True])
 def test_no_host_sync(reduction, low_memory):
@@ -149,6 +241,12 @@ def test_no_host_sync(reduction, low_memory):
                                        weight=torch.rand(1000, device="cuda"))
         loss.sum().backward()
     assert torch.isfinite(x.grad.float()).all()
+    lt.linear_cross_entropy(x, w, y, backend="triton", logits_gemm="triton").sum().backward()
+    with no_host_sync():  # the own logits GEMM (no smoothing)
+        loss = lt.linear_cross_entropy(x, w, y, backend="triton", reduction=reduction,
+                                       low_memory=low_memory, logits_gemm="triton",
+                                       weight=torch.rand(1000, device="cuda"))
+        loss.sum().backward()
 
 
 @gpu

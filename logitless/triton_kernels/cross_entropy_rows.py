@@ -6,7 +6,8 @@ slice of V starting at ``col_offset``) it can
 
 * pass 1 (``COMPUTE_LSE``): stream the row once for max / Σexp (one exp per element, block-wise
   online rescaling), the smoothing sum Σ_v w_v c_v and the target logit; store lse and the
-  per-token loss of the spec;
+  per-token loss of the spec. With ``FROM_TILES`` the max / Σexp come instead from the per-tile
+  partials that the logits GEMM's epilogue left (:mod:`.logits_gemm`; no smoothing): no pass;
 * pass 2 (``WRITE_GRAD``): stream it again and overwrite it in place with the logit gradient
   dz = (g·A + h)·p − g·B·[v = y] − g·m·(ε/V)·w_v, times the softcap derivative.
 
@@ -40,8 +41,8 @@ def cross_entropy_rows_kernel(
     lse_ptr, loss_ptr,
     g_ptr, g_stride, h_ptr,
     n_rows, n_cols, col_offset, V, ignore_index,
-    eps, z_loss, softcap,
-    COMPUTE_LSE: tl.constexpr, WRITE_GRAD: tl.constexpr,
+    eps, z_loss, softcap, stat_m_ptr, stat_s_ptr, n_tiles,
+    COMPUTE_LSE: tl.constexpr, WRITE_GRAD: tl.constexpr, FROM_TILES: tl.constexpr,
     HAS_CW: tl.constexpr, SMOOTH: tl.constexpr, HAS_Z: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_H: tl.constexpr,
     BLOCK_V: tl.constexpr, ROUND_BF16: tl.constexpr = False,
@@ -73,21 +74,31 @@ def cross_entropy_rows_kernel(
             m = zero - float("inf")
             s = zero
             wc = zero
-            for start in range(0, n_cols, BLOCK_V):
-                cols = start + offs
-                cmask = cols < n_cols
-                z = tl.load(base + cols, mask=cmask, other=0.0).to(tl.float32)
-                c = _cap(z, softcap, HAS_SOFTCAP)  # finite everywhere (masked lanes: z = 0)
-                if SMOOTH:
-                    if HAS_CW:
-                        wv = tl.load(cw_ptr + col_offset + cols, mask=cmask, other=0.0).to(tl.float32)
-                        wc += tl.sum(wv * c, 0)
-                    else:
-                        wc += tl.sum(tl.where(cmask, c, 0.0), 0)
-                c = tl.where(cmask, c, -float("inf"))
-                m_new = tl.maximum(m, tl.max(c, 0))
-                s = s * tl.exp(m - m_new) + tl.sum(tl.exp(c - m_new), 0)
-                m = m_new
+            if FROM_TILES:  # fold the GEMM epilogue's per-tile max / Σexp
+                for start in range(0, n_tiles, BLOCK_V):
+                    t = start + offs
+                    tmask = t < n_tiles
+                    tm = tl.load(stat_m_ptr + row64 * n_tiles + t, mask=tmask, other=-float("inf"))
+                    ts = tl.load(stat_s_ptr + row64 * n_tiles + t, mask=tmask, other=0.0)
+                    m_new = tl.maximum(m, tl.max(tm, 0))
+                    s = s * tl.exp(m - m_new) + tl.sum(ts * tl.exp(tm - m_new), 0)
+                    m = m_new
+            else:
+                for start in range(0, n_cols, BLOCK_V):
+                    cols = start + offs
+                    cmask = cols < n_cols
+                    z = tl.load(base + cols, mask=cmask, other=0.0).to(tl.float32)
+                    c = _cap(z, softcap, HAS_SOFTCAP)  # finite everywhere (masked lanes: z = 0)
+                    if SMOOTH:
+                        if HAS_CW:
+                            wv = tl.load(cw_ptr + col_offset + cols, mask=cmask, other=0.0).to(tl.float32)
+                            wc += tl.sum(wv * c, 0)
+                        else:
+                            wc += tl.sum(tl.where(cmask, c, 0.0), 0)
+                    c = tl.where(cmask, c, -float("inf"))
+                    m_new = tl.maximum(m, tl.max(c, 0))
+                    s = s * tl.exp(m - m_new) + tl.sum(tl.exp(c - m_new), 0)
+                    m = m_new
             lse = m + tl.log(s)
             here = (y_local >= 0) & (y_local < n_cols) & valid
             z_y = tl.load(base + tl.where(here, y_local, 0), mask=here, other=0.0).to(tl.float32)

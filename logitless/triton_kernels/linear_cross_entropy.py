@@ -32,12 +32,13 @@ import triton
 from .. import _torch_common as common
 from ..specs import linear_cross_entropy as spec
 from ..specs.tiling import next_power_of_2, plan_token_chunks
+from . import logits_gemm as stats_gemm
 from .cross_entropy_rows import cross_entropy_rows_kernel
 from .narrow_cast import (accumulate_split_, accumulator_pair, finish_, hand_over_once,
                           scale_cast, scale_cast_op, scale_op)
 
 TUNING = ("low_memory", "chunk_size", "vocab_chunk_size", "memory_budget", "grad_accum_dtype",
-          "block_v", "num_warps")
+          "block_v", "num_warps", "logits_gemm")
 
 # One [chunk, V] block of logits: 3584 tokens at V=128256 in bf16. Peak extra memory is the
 # fp32 dW accumulator (4·V·H, narrowed in place into the 2·V·H result) plus this block: 1.97 GB
@@ -58,6 +59,8 @@ PROGRAMS_PER_SM = 4
 
 # grad_mode of the forward op
 NO_GRAD, FULL_GRAD, DX_ONLY = 0, 1, 2
+# logits_gemm of the forward op: who computes the forward's logits (see logits_gemm.py)
+LOGITS_GEMM = {"auto": 0, "cublas": 1, "triton": 2}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +69,7 @@ class Config:
     vocab_chunk: int    # vocabulary rows per chunk (the low-memory dW sweep)
     block_v: int        # 0 = pick from the row length
     num_warps: int      # 0 = pick from the block
+    logits_gemm: int = 1  # LOGITS_GEMM code, resolved (auto already decided): the forward's GEMM
 
 
 # Triton decides interpreter-or-GPU when kernels are decorated (import time); read it once too,
@@ -79,8 +83,9 @@ def _interpret() -> bool:
 
 # ----------------------------------------------------------------------------- launching
 def _rows(buf, n_rows, n_cols, col_offset, y, cw, omega_sum, lse, loss, g, h, opts_t, v, cfg,
-          compute_lse, write_grad):
-    """Run the row kernel over ``buf[:n_rows, :n_cols]`` (see cross_entropy_rows)."""
+          compute_lse, write_grad, stats=None):
+    """Run the row kernel over ``buf[:n_rows, :n_cols]`` (see cross_entropy_rows); ``stats``:
+    the logits GEMM's per-tile (max, Σexp), ``[n_rows, n_tiles]`` each, for lse."""
     ignore_index, eps, z_loss, softcap = opts_t
     if n_rows == 0:
         return
@@ -103,7 +108,9 @@ def _rows(buf, n_rows, n_cols, col_offset, y, cw, omega_sum, lse, loss, g, h, op
         dummy if h is None else h,
         n_rows, n_cols, col_offset, v, ignore_index,
         eps, z_loss, 1.0 if softcap is None else softcap,
-        COMPUTE_LSE=compute_lse, WRITE_GRAD=write_grad,
+        dummy if stats is None else stats[0], dummy if stats is None else stats[1],
+        0 if stats is None else stats[0].shape[1],
+        COMPUTE_LSE=compute_lse, WRITE_GRAD=write_grad, FROM_TILES=stats is not None,
         HAS_CW=cw is not None, SMOOTH=eps > 0, HAS_Z=z_loss > 0,
         HAS_SOFTCAP=softcap is not None, HAS_H=h is not None,
         BLOCK_V=block, ROUND_BF16=_interpret() and buf.dtype == torch.bfloat16,
@@ -148,13 +155,29 @@ def _forward(x, w, bias, y, cw, omega_sum, opts_t, cfg, grad_mode, needs, accum_
           else (x.new_empty(0), x.new_empty(0)))  # distinct: op outputs may not alias
     db = (torch.zeros if n == 0 else torch.empty)(v, dtype=torch.float32, device=dev) \
         if need_db else x.new_empty(0)
-    buf = torch.empty(min(cfg.chunk, n), v, dtype=x.dtype, device=dev)
+    rows = min(cfg.chunk, n)
+    own_gemm = cfg.logits_gemm == LOGITS_GEMM["triton"] and n > 0
+    if own_gemm:  # rows padded for the tensor descriptors; per-tile softmax statistics
+        buf = torch.empty(rows, stats_gemm.padded_cols(v), dtype=x.dtype, device=dev)[:, :v]
+        n_tiles = stats_gemm.stat_tiles(v, _interpret())
+        stat_pair = (torch.empty(rows, n_tiles, dtype=torch.float32, device=dev),
+                     torch.empty(rows, n_tiles, dtype=torch.float32, device=dev))
+        sms = (torch.cuda.get_device_properties(dev).multi_processor_count if x.is_cuda else 3)
+    else:
+        buf = torch.empty(rows, v, dtype=x.dtype, device=dev)
     for s in range(0, n, cfg.chunk):
         e = min(s + cfg.chunk, n)
-        blk = _logits(x[s:e], w, bias, buf[: e - s])
+        stats = None
+        if own_gemm:
+            blk = buf[: e - s]
+            stats = (stat_pair[0][: e - s], stat_pair[1][: e - s])
+            stats_gemm.logits_with_stats(x[s:e], w, bias, blk, stats[0], stats[1], opts_t[3],
+                                          _interpret(), sms)
+        else:
+            blk = _logits(x[s:e], w, bias, buf[: e - s])
         _rows(blk, e - s, v, 0, y[s:e], cw, omega_sum, lse[s:e], token_loss[s:e],
               g, None, opts_t, v, cfg, compute_lse=True,
-              write_grad=need_dx or need_dw or need_db)
+              write_grad=need_dx or need_dw or need_db, stats=stats)
         if need_dx:
             torch.mm(blk, w, out=dx[s:e])
         _accumulate(dw, db, blk, x[s:e], first=s == 0)
@@ -224,15 +247,17 @@ def _fwd_op(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], y: t
             cw: Optional[torch.Tensor], reduction: int, ignore_index: int, label_smoothing: float,
             z_loss: float, softcap: float, grad_mode: int, need_dx: bool, need_dw: bool,
             need_db: bool, low_memory: bool, chunk: int, vocab_chunk: int, block_v: int,
-            num_warps: int, accum_fp32: bool
+            num_warps: int, accum_fp32: bool, gemm: int
             ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                        torch.Tensor, torch.Tensor]:
     """-> (loss, lse, Σω or 1, dX, dW part a, dW part b, db): the gradients (for an upstream
     1, with 1/Σω folded in unless fp16) only with ``grad_mode`` and only those needed; dW as
-    the accumulator pair of :func:`.narrow_cast.accumulator_pair` (part b empty unless split). ``low_memory`` is
-    for backward (the fast forward never sees it)."""
+    the accumulator pair of :func:`.narrow_cast.accumulator_pair` (part b empty unless split).
+    ``low_memory`` is for backward (the fast forward never sees it); ``gemm``: a resolved
+    ``LOGITS_GEMM`` code."""
     with common.on_device(x):
-        cfg = Config(chunk, vocab_chunk, block_v, num_warps)
+        cfg = Config(chunk, vocab_chunk, block_v, num_warps,
+                     _resolve_gemm(gemm, x, w, bias, label_smoothing))
         opts_t = _opts_tuple(ignore_index, label_smoothing, z_loss, softcap)
         denom = torch.ones((), dtype=torch.float32, device=x.device)
         if reduction == REDUCTIONS["mean"]:
@@ -249,6 +274,23 @@ def _fwd_op(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], y: t
         return loss, lse, denom, dx, dw[0], dw[1], db
 
 
+def _resolve_gemm(code, x, w, bias, label_smoothing):
+    """The forward's logits GEMM for these tensors (inside the op: their data pointers are
+    real here, not under tracing): "triton" where asked for, else where ``auto`` expects it
+    to be faster (Hopper, half precision, K >= MIN_AUTO_HIDDEN), else cuBLAS."""
+    if code == LOGITS_GEMM["cublas"]:
+        return code
+    why = (stats_gemm.unsupported_options(x.dtype, label_smoothing)
+           or stats_gemm.unsupported_layout(x, w, bias))
+    if code == LOGITS_GEMM["triton"]:
+        if why:
+            raise ValueError(f"logits_gemm='triton' cannot run here: {why}")
+        return code
+    fast_here = (not why and x.is_cuda and torch.cuda.get_device_capability(x.device)[0] == 9
+                 and x.shape[1] >= stats_gemm.MIN_AUTO_HIDDEN)
+    return LOGITS_GEMM["triton"] if fast_here else LOGITS_GEMM["cublas"]
+
+
 def _accum_dtype(dtype, n, chunk, accum_fp32):
     """The fused forward's dW accumulator: fp32 across chunks; a single chunk needs none (one
     GEMM, one rounding). fp16 always takes fp32, whatever ``grad_accum_dtype`` asks: these
@@ -262,7 +304,8 @@ def _accum_dtype(dtype, n, chunk, accum_fp32):
 
 @_fwd_op.register_fake
 def _(x, w, bias, y, cw, reduction, ignore_index, label_smoothing, z_loss, softcap, grad_mode,
-      need_dx, need_dw, need_db, low_memory, chunk, vocab_chunk, block_v, num_warps, accum_fp32):
+      need_dx, need_dw, need_db, low_memory, chunk, vocab_chunk, block_v, num_warps, accum_fp32,
+      gemm):
     n, hdim = x.shape
     v = w.shape[0]
     f32 = dict(dtype=torch.float32, device=x.device)
@@ -334,7 +377,7 @@ def _cast(acc, scale, dtype, out=None):
 def _setup_context(ctx, inputs, output):
     (x, w, bias, y, cw, reduction, ignore_index, label_smoothing, z_loss, softcap, grad_mode,
      _need_dx, _need_dw, _need_db, low_memory, chunk, vocab_chunk, block_v, num_warps,
-     accum_fp32) = inputs
+     accum_fp32, _gemm) = inputs
     loss, lse, denom, dx, dw_a, dw_b, db = output
     ctx.save_for_backward(x, w, bias, y, cw, lse, denom, dx, dw_a, dw_b, db)
     ctx.args = dict(reduction=reduction, ignore_index=ignore_index,
@@ -351,7 +394,7 @@ def _backward(ctx, g_loss, g_lse, _g_denom, _g_dx, _g_dwa, _g_dwb, _g_db):
     if torch.is_grad_enabled():
         raise RuntimeError(common.NO_DOUBLE_BACKWARD.format(op="linear_cross_entropy"))
     grads = _gradients(ctx, g_loss, g_lse)
-    return tuple(None if t is None else t.detach() for t in grads) + (None,) * 17
+    return tuple(None if t is None else t.detach() for t in grads) + (None,) * 18
 
 
 def _gradients(ctx, g_loss, g_lse):
@@ -412,7 +455,7 @@ torch.library.register_autograd("logitless::linear_cross_entropy_fwd", _backward
 def linear_cross_entropy(p: common.Prepared, opts: spec.LinearCrossEntropyOptions, *,
                          low_memory=False, chunk_size=None, vocab_chunk_size=None,
                          memory_budget=None, grad_accum_dtype=torch.float32, block_v=None,
-                         num_warps=None):
+                         num_warps=None, logits_gemm="auto"):
     """Returns ``(loss, lse)``; see the module docstring for the two operating points.
 
     Tuning: ``low_memory`` (bool), ``chunk_size`` (tokens per chunk), ``vocab_chunk_size``
@@ -421,7 +464,11 @@ def linear_cross_entropy(p: common.Prepared, opts: spec.LinearCrossEntropyOption
     (``torch.float32``, or the weight's dtype to save ``2·V·H`` bytes at some accuracy cost;
     fast mode only; fp16's fused forward accumulates in fp32 regardless, as its sums are not
     yet scaled by the upstream gradient and could overflow fp16), ``block_v`` (row-kernel
-    block, a power of 2), ``num_warps``.
+    block, a power of 2), ``num_warps``, ``logits_gemm`` (who computes the forward's logits:
+    ``"cublas"``; ``"triton"``, a GEMM of ours whose epilogue also leaves the softmax
+    statistics, saving the row kernel one pass over the logits (bf16/fp16, row-major
+    operands, no label smoothing); ``"auto"``, the default: ``"triton"`` on Hopper GPUs for
+    hidden sizes >= 4096 where the inputs allow, else ``"cublas"``).
 
     One backward per forward: the fast path hands its saved gradients over in place, so a
     second backward through the same graph (``retain_graph=True``) raises (backend="torch"
@@ -446,6 +493,11 @@ def linear_cross_entropy(p: common.Prepared, opts: spec.LinearCrossEntropyOption
     if num_warps is not None and (not common.is_int(num_warps) or
                                   num_warps not in (1, 2, 4, 8, 16, 32)):
         raise ValueError(f"num_warps must be a power of 2 in [1, 32], got {num_warps!r}")
+    if not isinstance(logits_gemm, str) or logits_gemm not in LOGITS_GEMM:
+        raise ValueError(f"logits_gemm must be one of {list(LOGITS_GEMM)}, got {logits_gemm!r}")
+    why = stats_gemm.unsupported_options(x.dtype, opts.label_smoothing)
+    if logits_gemm == "triton" and why:  # layouts are checked in the op (real data pointers)
+        raise ValueError(f"logits_gemm='triton' cannot run here: {why}")
     for name, value in (("chunk_size", chunk_size), ("vocab_chunk_size", vocab_chunk_size),
                         ("memory_budget", memory_budget)):
         if value is not None and (not common.is_int(value) or value < 1):
@@ -471,5 +523,5 @@ def linear_cross_entropy(p: common.Prepared, opts: spec.LinearCrossEntropyOption
         x, p.w, p.bias, y, p.class_weight, REDUCTIONS[opts.reduction], opts.ignore_index,
         float(opts.label_smoothing), float(opts.z_loss), float(opts.softcap or 0.0), grad_mode,
         need_dx, need_dw, need_db, low_memory, chunk, vocab_chunk, block_v or 0, num_warps or 0,
-        grad_accum_dtype == torch.float32)
+        grad_accum_dtype == torch.float32, LOGITS_GEMM[logits_gemm])
     return loss, lse

@@ -1,0 +1,129 @@
+"""The logits GEMM of a token chunk in Triton, with the softmax statistics in its epilogue.
+
+``z = x_c · Wᵀ (+ b)`` as a persistent tensor-descriptor (TMA) GEMM whose epilogue, besides
+storing the tile of logits, reduces it per row to the max and Σexp of the (rounded, soft-capped)
+tile: ``[rows, ceil(V / BN)]`` partial statistics. The row kernel then folds them into the
+log-sum-exp (:mod:`.cross_entropy_rows`, ``FROM_TILES``) instead of streaming the logits once
+for it: the chunk's softmax work becomes one read+write pass instead of two.
+
+Statistics are taken of the logits *as stored* (rounded to the input dtype), so the loss and
+the gradient see the same numbers as with cuBLAS and a two-pass row kernel. Measured on an H100
+(``benchmarks/gemm_probe.py``): at K = 4096 this GEMM with its epilogue runs as fast as cuBLAS
+without one; at K = 2304 the epilogue costs more than the pass it saves (too short a main loop
+to hide it), so the auto setting leaves small hidden sizes to cuBLAS.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from .cross_entropy_rows import _cap
+from .narrow_cast import round_bf16_bits
+
+# Tiles for Hopper (benchmarks/gemm_probe.py: 128x256x64, 3 stages, 8 warps, grouped by 16
+# row tiles, flattened persistent loop, best of the configurations probed). The interpreter
+# takes small tiles, so that tests cross several row, column and K tiles.
+GPU_TILES = dict(bm=128, bn=256, bk=64, group_m=16, stages=3, warps=8)
+INTERPRET_TILES = dict(bm=16, bn=32, bk=16, group_m=2, stages=1, warps=4)
+MIN_AUTO_HIDDEN = 4096  # auto: below this K, cuBLAS + the two-pass row kernel is faster
+
+
+@triton.jit
+def logits_stats_kernel(x_desc, w_desc, z_desc, bias_ptr, stat_m_ptr, stat_s_ptr, M, N, K,
+                        softcap, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                        GROUP_M: tl.constexpr, num_programs, INTERPRET: tl.constexpr):
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BM)
+    num_pid_n = tl.cdiv(N, BN)
+    k_tiles = tl.cdiv(K, BK)
+    num_tiles = num_pid_m * num_pid_n
+    for tile in tl.range(pid, num_tiles, num_programs, flatten=not INTERPRET):
+        # grouped order: GROUP_M row tiles share each column tile of W while it is in L2
+        group = tile // (GROUP_M * num_pid_n)
+        first_m = group * GROUP_M
+        gm = min(num_pid_m - first_m, GROUP_M)
+        pid_m = first_m + (tile % (GROUP_M * num_pid_n)) % gm
+        pid_n = (tile % (GROUP_M * num_pid_n)) // gm
+        om = pid_m * BM
+        on = pid_n * BN
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for ki in range(k_tiles):
+            a = x_desc.load([om, ki * BK])
+            b = w_desc.load([on, ki * BK])
+            if INTERPRET:  # the interpreter mis-computes half-precision dots: upcast
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b.T, acc)
+        cols = on + tl.arange(0, BN)
+        cmask = cols < N
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        if INTERPRET and z_desc.dtype == tl.bfloat16:
+            acc = round_bf16_bits(acc)  # the interpreter's cast truncates; the GPU rounds
+        zq = acc.to(z_desc.dtype)
+        z_desc.store([om, on], zq)
+        c = _cap(zq.to(tl.float32), softcap, HAS_SOFTCAP)
+        c = tl.where(cmask[None, :], c, float("-inf"))
+        m = tl.max(c, 1)
+        s = tl.sum(tl.exp(c - m[:, None]), 1)
+        rows = (om + tl.arange(0, BM)).to(tl.int64)
+        idx = rows * num_pid_n + pid_n
+        tl.store(stat_m_ptr + idx, m, mask=rows < M)
+        tl.store(stat_s_ptr + idx, s, mask=rows < M)
+
+
+def tiles(interpret: bool) -> dict:
+    return INTERPRET_TILES if interpret else GPU_TILES
+
+
+def padded_cols(v: int) -> int:
+    """Row length of a logits buffer the kernel writes: TMA wants 16-byte aligned row strides."""
+    return (v + 7) // 8 * 8
+
+
+def unsupported_options(dtype: torch.dtype, label_smoothing) -> str:
+    """Why the op's dtype / options rule this GEMM out ('' when they do not)."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f"it runs bfloat16/float16 inputs only (got {dtype}; fp32 would run as TF32)"
+    if label_smoothing > 0:
+        return "label smoothing needs a second pass over the logits (its sum of w_v*c_v)"
+    return ""
+
+
+def unsupported_layout(x: torch.Tensor, w: torch.Tensor, bias) -> str:
+    """Why these tensors' layouts rule this GEMM out ('' when they do not)."""
+    for name, t in (("input", x), ("linear_weight", w)):
+        if t.stride(-1) != 1 or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
+            return (f"{name} must be row-major with 16-byte aligned rows for the tensor "
+                    f"descriptors (strides {tuple(t.stride())})")
+    if bias is not None and bias.stride(0) != 1:
+        return "linear_bias must be contiguous"
+    return ""
+
+
+def logits_with_stats(x_c: torch.Tensor, w: torch.Tensor, bias, out: torch.Tensor,
+                      stat_m: torch.Tensor, stat_s: torch.Tensor, softcap, interpret: bool,
+                      num_sms: int) -> None:
+    """``out = x_c·wᵀ (+ bias)`` and per (row, column tile) max / Σexp of the (capped) logits
+    into ``stat_m`` / ``stat_s`` (``[rows, n_tiles]``, row-major, fp32)."""
+    m, k = x_c.shape
+    n = w.shape[0]
+    t = tiles(interpret)
+    bm, bn, bk = t["bm"], t["bn"], t["bk"]
+    n_tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    programs = max(1, min(num_sms, n_tiles))
+    logits_stats_kernel[(programs,)](
+        TensorDescriptor.from_tensor(x_c, [bm, bk]), TensorDescriptor.from_tensor(w, [bn, bk]),
+        TensorDescriptor.from_tensor(out, [bm, bn]), stat_m if bias is None else bias,
+        stat_m, stat_s, m, n, k, 1.0 if softcap is None else softcap,
+        HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, BM=bm, BN=bn, BK=bk,
+        GROUP_M=t["group_m"], num_programs=programs, INTERPRET=interpret,
+        num_stages=t["stages"], num_warps=t["warps"])
+
+
+def stat_tiles(v: int, interpret: bool) -> int:
+    """Column tiles per row of the statistics."""
+    return triton.cdiv(v, tiles(interpret)["bn"])
