@@ -651,7 +651,7 @@ def test_gpu_llama_like_shape_and_no_host_sync(accum):
 def test_gpu_fused_path_memory_is_what_the_docstring_says(accum):
     """Peak over what was held before a fwd+bwd (y kept, as a caller holding it would): the
     output y, dx, the weight-gradient accumulators (fp32, or the bf16 gradients themselves)
-    and 2.5 [shard, I] buffers, plus 5% for the allocator's rounding. Nothing else: no
+    and 2.5 [shard, I] buffers, plus 5% and 3 MiB for the allocator. Nothing else: no
     per-shard gradient temporaries, no shard buffer alive while the accumulators are cast."""
     torch.manual_seed(SEED)
     h, i, t, shards = 1024, 2816, 4096, 4
@@ -670,9 +670,6 @@ def test_gpu_fused_path_memory_is_what_the_docstring_says(accum):
     x.grad = None
     m.zero_grad(set_to_none=True)
     torch.cuda.synchronize()
-    # a block reused from the cache may be up to 1 MiB larger than asked for, and counts so:
-    # start from an empty cache, so that the peak does not depend on earlier tests
-    torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     y = step()
@@ -681,7 +678,11 @@ def test_gpu_fused_path_memory_is_what_the_docstring_says(accum):
     n_params = sum(p.numel() for p in m.parameters())
     acc = n_params * (4 if accum is not None else 2)
     scratch = 2.5 * (t // shards) * i * 2
-    assert peak <= 1.05 * (2 * y.numel() * 2 + acc + scratch), peak
+    # + 3 MiB: what the process's history leaves to chance (a cached block up to 1 MiB larger
+    # than asked for counts whole; library workspaces). Measured on an H100: up to 1.7 MB over
+    # 5%, depending on which tests ran before. Each per-shard temporary this test guards
+    # against would be 5.8 MB or more.
+    assert peak <= 1.05 * (2 * y.numel() * 2 + acc + scratch) + (3 << 20), peak
 
 
 @gpu

@@ -159,15 +159,14 @@ def test_logits_gemm_errors():
     w_t = w.t().contiguous().t()  # a transposed tied embedding: column-major
     with pytest.raises(ValueError, match="linear_weight must be row-major"):
         lt.linear_cross_entropy(x, w_t, y, backend="triton", logits_gemm="triton")
-    # "auto" never raises for these: it falls back to cuBLAS
     for xx, ww, yy in ((x33, w33, y33), (x, w_t, y), (x.float(), w.float(), y)):
-        lt.linear_cross_entropy(xx, ww, yy, backend="triton", label_smoothing=0.1)
+        lt.linear_cross_entropy(xx, ww, yy, backend="triton", label_smoothing=0.1)  # cuBLAS
 
 
 # ----------------------------------------------------------------------------- GPU only
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("chunk_size,logits_gemm", [(None, "auto"), (20000, "cublas"),
+@pytest.mark.parametrize("chunk_size,logits_gemm", [(None, "cublas"), (20000, "cublas"),
                                                     (20000, "triton")])
 def test_64bit_indexing_matches_torch_backend(chunk_size, logits_gemm):
     # N·V = 2.57e9 > 2^31; with chunk_size=N one logits buffer holds all of them, so the
@@ -212,18 +211,6 @@ def test_cuda_graph_training_step_own_logits_gemm(monkeypatch, low_memory):
         hidden, w, y, backend="triton", low_memory=low_memory, z_loss=1e-4,
         logits_gemm="triton"))
     assert calls
-
-
-@gpu
-@pytest.mark.gpu
-def test_auto_takes_own_logits_gemm_on_hopper_at_large_hidden(monkeypatch):
-    x, w, y = _data(64, 4096, 1000, dtype=torch.bfloat16, seed=12)
-    calls = _spy_own_gemm(monkeypatch)
-    _loss_and_grads(x, w, y, backend="triton")
-    assert bool(calls) == (torch.cuda.get_device_capability()[0] == 9)
-    calls.clear()
-    _loss_and_grads(x[:, :2048], w[:, :2048], y, backend="triton")  # small H: cuBLAS
-    assert calls == []
 
 
 @gpu

@@ -60,7 +60,7 @@ PROGRAMS_PER_SM = 4
 # grad_mode of the forward op
 NO_GRAD, FULL_GRAD, DX_ONLY = 0, 1, 2
 # logits_gemm of the forward op: who computes the forward's logits (see logits_gemm.py)
-LOGITS_GEMM = {"auto": 0, "cublas": 1, "triton": 2}
+LOGITS_GEMM = {"cublas": 1, "triton": 2}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +69,7 @@ class Config:
     vocab_chunk: int    # vocabulary rows per chunk (the low-memory dW sweep)
     block_v: int        # 0 = pick from the row length
     num_warps: int      # 0 = pick from the block
-    logits_gemm: int = 1  # LOGITS_GEMM code, resolved (auto already decided): the forward's GEMM
+    logits_gemm: int = 1  # LOGITS_GEMM code: who computes the forward's logits
 
 
 # Triton decides interpreter-or-GPU when kernels are decorated (import time); read it once too,
@@ -253,11 +253,10 @@ def _fwd_op(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], y: t
     """-> (loss, lse, Σω or 1, dX, dW part a, dW part b, db): the gradients (for an upstream
     1, with 1/Σω folded in unless fp16) only with ``grad_mode`` and only those needed; dW as
     the accumulator pair of :func:`.narrow_cast.accumulator_pair` (part b empty unless split).
-    ``low_memory`` is for backward (the fast forward never sees it); ``gemm``: a resolved
+    ``low_memory`` is for backward (the fast forward never sees it); ``gemm``: a
     ``LOGITS_GEMM`` code."""
     with common.on_device(x):
-        cfg = Config(chunk, vocab_chunk, block_v, num_warps,
-                     _resolve_gemm(gemm, x, w, bias, label_smoothing))
+        cfg = Config(chunk, vocab_chunk, block_v, num_warps, _check_gemm(gemm, x, w, bias))
         opts_t = _opts_tuple(ignore_index, label_smoothing, z_loss, softcap)
         denom = torch.ones((), dtype=torch.float32, device=x.device)
         if reduction == REDUCTIONS["mean"]:
@@ -274,21 +273,13 @@ def _fwd_op(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], y: t
         return loss, lse, denom, dx, dw[0], dw[1], db
 
 
-def _resolve_gemm(code, x, w, bias, label_smoothing):
-    """The forward's logits GEMM for these tensors (inside the op: their data pointers are
-    real here, not under tracing): "triton" where asked for, else where ``auto`` expects it
-    to be faster (Hopper, half precision, K >= MIN_AUTO_HIDDEN), else cuBLAS."""
-    if code == LOGITS_GEMM["cublas"]:
-        return code
-    why = (stats_gemm.unsupported_options(x.dtype, label_smoothing)
-           or stats_gemm.unsupported_layout(x, w, bias))
-    if code == LOGITS_GEMM["triton"]:
-        if why:
-            raise ValueError(f"logits_gemm='triton' cannot run here: {why}")
-        return code
-    fast_here = (not why and x.is_cuda and torch.cuda.get_device_capability(x.device)[0] == 9
-                 and x.shape[1] >= stats_gemm.MIN_AUTO_HIDDEN)
-    return LOGITS_GEMM["triton"] if fast_here else LOGITS_GEMM["cublas"]
+def _check_gemm(code, x, w, bias):
+    """``code``, once the tensors' layouts are checked for "triton" (inside the op, where
+    their data pointers are real, not under tracing; the options were checked up front)."""
+    why = code == LOGITS_GEMM["triton"] and stats_gemm.unsupported_layout(x, w, bias)
+    if why:
+        raise ValueError(f"logits_gemm='triton' cannot run here: {why}")
+    return code
 
 
 def _accum_dtype(dtype, n, chunk, accum_fp32):
@@ -455,7 +446,7 @@ torch.library.register_autograd("logitless::linear_cross_entropy_fwd", _backward
 def linear_cross_entropy(p: common.Prepared, opts: spec.LinearCrossEntropyOptions, *,
                          low_memory=False, chunk_size=None, vocab_chunk_size=None,
                          memory_budget=None, grad_accum_dtype=torch.float32, block_v=None,
-                         num_warps=None, logits_gemm="auto"):
+                         num_warps=None, logits_gemm="cublas"):
     """Returns ``(loss, lse)``; see the module docstring for the two operating points.
 
     Tuning: ``low_memory`` (bool), ``chunk_size`` (tokens per chunk), ``vocab_chunk_size``
@@ -465,10 +456,10 @@ def linear_cross_entropy(p: common.Prepared, opts: spec.LinearCrossEntropyOption
     fast mode only; fp16's fused forward accumulates in fp32 regardless, as its sums are not
     yet scaled by the upstream gradient and could overflow fp16), ``block_v`` (row-kernel
     block, a power of 2), ``num_warps``, ``logits_gemm`` (who computes the forward's logits:
-    ``"cublas"``; ``"triton"``, a GEMM of ours whose epilogue also leaves the softmax
-    statistics, saving the row kernel one pass over the logits (bf16/fp16, row-major
-    operands, no label smoothing); ``"auto"``, the default: ``"triton"`` on Hopper GPUs for
-    hidden sizes >= 4096 where the inputs allow, else ``"cublas"``).
+    ``"cublas"``, the default, or ``"triton"``: a GEMM of ours whose epilogue also leaves the
+    softmax statistics, saving the row kernel one of its two passes over the logits; for
+    bf16/fp16, row-major operands with 16-byte aligned rows, no label smoothing. On an H100
+    it measured within the run-to-run spread of cuBLAS: see DESIGN.md).
 
     One backward per forward: the fast path hands its saved gradients over in place, so a
     second backward through the same graph (``retain_graph=True``) raises (backend="torch"
@@ -495,8 +486,9 @@ def linear_cross_entropy(p: common.Prepared, opts: spec.LinearCrossEntropyOption
         raise ValueError(f"num_warps must be a power of 2 in [1, 32], got {num_warps!r}")
     if not isinstance(logits_gemm, str) or logits_gemm not in LOGITS_GEMM:
         raise ValueError(f"logits_gemm must be one of {list(LOGITS_GEMM)}, got {logits_gemm!r}")
-    why = stats_gemm.unsupported_options(x.dtype, opts.label_smoothing)
-    if logits_gemm == "triton" and why:  # layouts are checked in the op (real data pointers)
+    why = logits_gemm == "triton" and stats_gemm.unsupported_options(x.dtype,
+                                                                     opts.label_smoothing)
+    if why:  # layouts are checked in the op (real data pointers)
         raise ValueError(f"logits_gemm='triton' cannot run here: {why}")
     for name, value in (("chunk_size", chunk_size), ("vocab_chunk_size", vocab_chunk_size),
                         ("memory_budget", memory_budget)):

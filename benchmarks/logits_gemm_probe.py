@@ -1,0 +1,89 @@
+"""GPU probe: per-chunk stage times of the fast linear-CE forward with the logits from cuBLAS
+plus the two-pass row kernel, against the statistics-epilogue Triton GEMM (several tile
+settings) plus the one-pass row kernel (``logits_gemm``). JSON lines to --out; not a user
+benchmark (DESIGN.md records what it found)."""
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks import common  # noqa: E402
+from logitless.triton_kernels import linear_cross_entropy as tl_lce  # noqa: E402
+from logitless.triton_kernels import logits_gemm as sg  # noqa: E402
+
+TILES = [
+    dict(bm=128, bn=256, bk=64, group_m=16, stages=3, warps=8),
+    dict(bm=128, bn=256, bk=64, group_m=8, stages=3, warps=8),
+    dict(bm=128, bn=256, bk=64, group_m=32, stages=3, warps=8),
+    dict(bm=128, bn=128, bk=64, group_m=16, stages=4, warps=8),
+    dict(bm=128, bn=128, bk=64, group_m=16, stages=5, warps=4),
+    dict(bm=256, bn=128, bk=64, group_m=16, stages=3, warps=8),
+]
+
+
+def ms(fn, reps):
+    return common.time_fn(fn, device="cuda", reps=reps, warmup=2).median_ms
+
+
+def probe(c_tok, h, v, reps, out):
+    dev = "cuda"
+    x = torch.randn(c_tok, h, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(v, h, device=dev, dtype=torch.bfloat16) * h ** -0.5
+    y = torch.randint(0, v, (c_tok,), device=dev)
+    buf = torch.empty(c_tok, sg.padded_cols(v), device=dev, dtype=torch.bfloat16)[:, :v]
+    f32 = dict(device=dev, dtype=torch.float32)
+    lse, loss, g = torch.empty(c_tok, **f32), torch.empty(c_tok, **f32), torch.ones(1, **f32)
+    cfg = tl_lce.Config(c_tok, v, 0, 0)
+    opts = (-100, 0.0, 0.0, None)
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+
+    def rows(stats):
+        tl_lce._rows(buf, c_tok, v, 0, y, None, None, lse, loss, g, None, opts, v, cfg,
+                     compute_lse=True, write_grad=True, stats=stats)
+
+    rec = dict(shape=f"{c_tok}x{h}x{v}")
+    rec["cublas_logits"] = ms(lambda: torch.mm(x, w.t(), out=buf), reps)
+    torch.mm(x, w.t(), out=buf)
+    rec["rows_two_pass"] = ms(lambda: (torch.mm(x, w.t(), out=buf), rows(None)), reps) \
+        - rec["cublas_logits"]
+    print(json.dumps(rec), flush=True)
+    out.write(json.dumps(rec) + "\n")
+    saved = dict(sg.GPU_TILES)
+    for t in TILES:
+        sg.GPU_TILES.clear()
+        sg.GPU_TILES.update(t)
+        n_tiles = sg.stat_tiles(v, False)
+        st = (torch.empty(c_tok, n_tiles, **f32), torch.empty(c_tok, n_tiles, **f32))
+        r = dict(shape=rec["shape"], **t)
+        try:
+            gemm = lambda: sg.logits_with_stats(x, w, None, buf, st[0], st[1], None, False, sms)
+            r["own_logits_stats"] = ms(gemm, reps)
+            r["rows_one_pass"] = ms(lambda: (gemm(), rows(st)), reps) - r["own_logits_stats"]
+            r["total_vs_cublas"] = (r["own_logits_stats"] + r["rows_one_pass"]
+                                    - rec["cublas_logits"] - rec["rows_two_pass"])
+        except Exception as e:  # a configuration the compiler rejects is a result too
+            r["error"] = f"{type(e).__name__}: {str(e)[:160]}"
+        print(json.dumps(r), flush=True)
+        out.write(json.dumps(r) + "\n")
+    sg.GPU_TILES.clear()
+    sg.GPU_TILES.update(saved)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="/tmp/logits_gemm_probe.jsonl")
+    ap.add_argument("--shapes", default="3584,4096,128256;1792,2304,256000")
+    ap.add_argument("--reps", type=int, default=20)
+    a = ap.parse_args()
+    with open(a.out, "a") as out:
+        for s in a.shapes.split(";"):
+            probe(*map(int, s.split(",")), a.reps, out)
+
+
+if __name__ == "__main__":
+    main()
