@@ -17,12 +17,11 @@ from logitless.triton_kernels import linear_cross_entropy as tl_lce  # noqa: E40
 from logitless.triton_kernels import logits_gemm as sg  # noqa: E402
 
 TILES = [
+    dict(bm=128, bn=256, bk=64, group_m=8, stages=3, warps=8, ws=True),
+    dict(bm=128, bn=128, bk=64, group_m=8, stages=4, warps=4, ws=True),
+    dict(bm=128, bn=256, bk=64, group_m=8, stages=4, warps=8, ws=True),
     dict(bm=128, bn=256, bk=64, group_m=16, stages=3, warps=8),
     dict(bm=128, bn=256, bk=64, group_m=8, stages=3, warps=8),
-    dict(bm=128, bn=256, bk=64, group_m=32, stages=3, warps=8),
-    dict(bm=128, bn=128, bk=64, group_m=16, stages=4, warps=8),
-    dict(bm=128, bn=128, bk=64, group_m=16, stages=5, warps=4),
-    dict(bm=256, bn=128, bk=64, group_m=16, stages=3, warps=8),
 ]
 
 

@@ -33,13 +33,14 @@ INTERPRET_TILES = dict(bm=16, bn=32, bk=16, group_m=2, stages=1, warps=4)
 def logits_stats_kernel(x_desc, w_desc, z_desc, bias_ptr, stat_m_ptr, stat_s_ptr, M, N, K,
                         softcap, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                        GROUP_M: tl.constexpr, num_programs, INTERPRET: tl.constexpr):
+                        GROUP_M: tl.constexpr, num_programs, INTERPRET: tl.constexpr,
+                        WS: tl.constexpr = False):
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BM)
     num_pid_n = tl.cdiv(N, BN)
     k_tiles = tl.cdiv(K, BK)
     num_tiles = num_pid_m * num_pid_n
-    for tile in tl.range(pid, num_tiles, num_programs, flatten=not INTERPRET):
+    for tile in tl.range(pid, num_tiles, num_programs, flatten=not INTERPRET, warp_specialize=WS):
         # grouped order: GROUP_M row tiles share each column tile of W while it is in L2
         group = tile // (GROUP_M * num_pid_n)
         first_m = group * GROUP_M
@@ -120,7 +121,7 @@ def logits_with_stats(x_c: torch.Tensor, w: torch.Tensor, bias, out: torch.Tenso
         stat_m, stat_s, m, n, k, 1.0 if softcap is None else softcap,
         HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, BM=bm, BN=bn, BK=bk,
         GROUP_M=t["group_m"], num_programs=programs, INTERPRET=interpret,
-        num_stages=t["stages"], num_warps=t["warps"])
+        WS=t.get("ws", False), num_stages=t["stages"], num_warps=t["warps"])
 
 
 def stat_tiles(v: int, interpret: bool) -> int:
