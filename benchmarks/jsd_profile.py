@@ -16,7 +16,6 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import logitless.torch as lt  # noqa: E402
-import logitless.triton_kernels.linear_jsd as triton_jsd  # noqa: E402
 from benchmarks import common  # noqa: E402
 
 SWEEP = [  # backend="triton" tuning keywords
@@ -54,8 +53,7 @@ def main():
     ap.add_argument("--h", type=int, default=4096)
     ap.add_argument("--v", type=int, default=128256)
     ap.add_argument("--sweep", default=None,
-                    help="JSON list of tuning-keyword dicts (default: the built-in SWEEP); the "
-                         "key _keep_qlam sets linear_jsd.KEEP_QLAM for that entry (A/B)")
+                    help="JSON list of tuning-keyword dicts (default: the built-in SWEEP)")
     a = ap.parse_args()
     sweep = json.loads(a.sweep) if a.sweep else SWEEP
     xs, ws, xt, wt, y = inputs(a.n, a.h, a.v)
@@ -74,8 +72,6 @@ def main():
     ref = None
     for kw in sweep:
         def step(kw=kw):
-            kw = dict(kw)
-            triton_jsd.KEEP_QLAM = kw.pop("_keep_qlam", True)
             loss = lt.linear_jsd(xs, ws, xt, wt, y, backend="triton", **kw)
             return torch.autograd.grad(loss, (xs, ws))
         step()
@@ -96,7 +92,6 @@ def main():
               f"dX/dW rel diff to the first {diff[0]:.1e}/{diff[1]:.1e}", flush=True)
 
     def step():
-        triton_jsd.KEEP_QLAM = True
         loss = lt.linear_jsd(xs, ws, xt, wt, y, backend="triton")
         return torch.autograd.grad(loss, (xs, ws))
     step()

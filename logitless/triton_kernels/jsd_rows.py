@@ -201,10 +201,8 @@ def _jsd_terms(a, b, l_a, c, beta):
 
 
 @triton.jit
-def _seg_jsd_sums(s_row, t_row, col0, col1, inv_t, l_a, c, beta, KEEP_QLAM: tl.constexpr,
-                  BLOCK: tl.constexpr):
-    """Pass 2 (0 < β < 1) over [col0, col1): −Σ Q·Λ (→ K) and Σ β·P·(δ − Λ) − (1−β)·Q·Λ (→ J).
-    ``KEEP_QLAM``: Q·Λ overwrites the (fp32) teacher logits, read back by pass 3."""
+def _seg_jsd_sums(s_row, t_row, col0, col1, inv_t, l_a, c, beta, BLOCK: tl.constexpr):
+    """Pass 2 (0 < β < 1) over [col0, col1): −Σ Q·Λ (→ K) and Σ β·P·(δ − Λ) − (1−β)·Q·Λ (→ J)."""
     offs = tl.arange(0, BLOCK)
     k = tl.sum(tl.zeros([BLOCK], dtype=tl.float32), 0)
     j = k
@@ -216,42 +214,31 @@ def _seg_jsd_sums(s_row, t_row, col0, col1, inv_t, l_a, c, beta, KEEP_QLAM: tl.c
         qlam = q * lam
         k -= tl.sum(tl.where(cmask, qlam, 0.0), 0)
         j += tl.sum(tl.where(cmask, beta * p * (delta - lam) - (1.0 - beta) * qlam, 0.0), 0)
-        if KEEP_QLAM:
-            tl.store(t_row + cols, qlam, mask=cmask)
     return k, j
 
 
 @triton.jit
 def _seg_grad(s_row, t_row, dz_row, col0, col1, y_local, inv_t, l_a, c, l_z, kk, beta,
               coef, hard_coef, poison, KIND: tl.constexpr, HARD: tl.constexpr,
-              T_ONE: tl.constexpr, ROUND_BF16: tl.constexpr, KEEP_QLAM: tl.constexpr,
-              BLOCK: tl.constexpr):
+              T_ONE: tl.constexpr, ROUND_BF16: tl.constexpr, BLOCK: tl.constexpr):
     """Pass 3 over [col0, col1): dz = coef·∂J/∂a + hard_coef·(S − [v = y]) (+ poison), with
-    coef = g·m/T, hard_coef = g·m·w_h, kk the row's KL (reverse KL) or K (JSD). With
-    ``KEEP_QLAM`` (JSD) the teacher buffer holds pass 2's Q·Λ: only Q is recomputed."""
+    coef = g·m/T, hard_coef = g·m·w_h, kk the row's KL (reverse KL) or K (JSD)."""
     offs = tl.arange(0, BLOCK)
     for start in range(col0, col1, BLOCK):
         cols = start + offs
         cmask = cols < col1
-        if KEEP_QLAM:
-            zs = tl.load(s_row + cols, mask=cmask, other=0.0).to(tl.float32)
-            qlam = tl.load(t_row + cols, mask=cmask, other=0.0)
-            q = tl.exp(zs * inv_t - l_a)
-            d = -(1.0 - beta) * (qlam + q * kk)
-        elif KIND == 0:
-            a, b, zs = _load_block(s_row, t_row, cols, cmask, inv_t)
+        a, b, zs = _load_block(s_row, t_row, cols, cmask, inv_t)
+        if KIND == 0:
             lq = a - l_a
             delta = (b - a) - c
             q = tl.exp(lq)
             # Q − P, as −Q·expm1(δ) where P ≈ Q (no cancellation)
             d = tl.where(tl.abs(delta) < SMALL, -q * _expm1(delta), q - tl.exp(lq + delta))
         elif KIND == 1:
-            a, b, zs = _load_block(s_row, t_row, cols, cmask, inv_t)
             lq = a - l_a
             q = tl.exp(lq)
             d = -q * (((b - a) - c) + kk)
         else:
-            a, b, zs = _load_block(s_row, t_row, cols, cmask, inv_t)
             q, p, delta, lam = _jsd_terms(a, b, l_a, c, beta)
             d = -(1.0 - beta) * q * (lam + kk)
         d = coef * d
@@ -303,7 +290,7 @@ def _row_segment(row, seg, s_ptr, s_stride, t_ptr, t_stride, dz_ptr, dz_stride, 
                  T_ONE: tl.constexpr, WRITE_LOSS: tl.constexpr, WRITE_GRAD: tl.constexpr,
                  PHASE: tl.constexpr, SEGS: tl.constexpr, SEGS_P2: tl.constexpr,
                  SEG: tl.constexpr, BLOCK: tl.constexpr, ROUND_BF16: tl.constexpr,
-                 MAX_SPIN: tl.constexpr, KEEP_QLAM: tl.constexpr):
+                 MAX_SPIN: tl.constexpr):
     row64 = tl.cast(row, tl.int64)
     s_row = s_ptr + row64 * s_stride
     t_row = t_ptr + row64 * t_stride
@@ -369,7 +356,7 @@ def _row_segment(row, seg, s_ptr, s_stride, t_ptr, t_stride, dz_ptr, dz_stride, 
             if KIND == 2:
                 if PHASE != 3:
                     k_seg, j_seg = _seg_jsd_sums(s_row, t_row, col0, col1, inv_t, l_a, c, beta,
-                                                 KEEP_QLAM, BLOCK)
+                                                 BLOCK)
                     if SEGS > 1:
                         tl.store(part + seg * _NF + F_K, k_seg)
                         tl.store(part + seg * _NF + F_J, j_seg)
@@ -401,7 +388,7 @@ def _row_segment(row, seg, s_ptr, s_stride, t_ptr, t_stride, dz_ptr, dz_stride, 
                     g = tl.load(g_ptr + row64 * g_stride).to(tl.float32)
                     _seg_grad(s_row, t_row, dz_row, col0, col1, y_local, inv_t, l_a, c, l_z,
                               kk, beta, g * inv_t, g * hard_w, nan, KIND, HARD, T_ONE,
-                              ROUND_BF16, KEEP_QLAM, BLOCK)
+                              ROUND_BF16, BLOCK)
     else:
         if PHASE == 0 or PHASE == 3:
             if WRITE_LOSS:
@@ -420,7 +407,6 @@ def jsd_rows_kernel(
     WRITE_LOSS: tl.constexpr, WRITE_GRAD: tl.constexpr, PHASE: tl.constexpr,
     SEGS: tl.constexpr, SEGS_P2: tl.constexpr, SEG: tl.constexpr, BLOCK: tl.constexpr,
     ROUND_BF16: tl.constexpr = False, MAX_SPIN: tl.constexpr = 1 << 20,
-    KEEP_QLAM: tl.constexpr = False,
 ):
     """Per-token loss (``loss_ptr``, fp32) and/or the student logit gradient (``dz_ptr``) for
     rows [0, n_rows) of the student / teacher logits buffers. ``inv_t`` = 1/T, ``g`` the
@@ -436,7 +422,7 @@ def jsd_rows_kernel(
                              dz_ptr, dz_stride, y_ptr, g_ptr, g_stride, loss_ptr, part_ptr,
                              sync_ptr, V, ignore_index, inv_t, beta, hard_w, KIND, HAS_Y,
                              HARD, T_ONE, WRITE_LOSS, WRITE_GRAD, PHASE, SEGS, SEGS_P2, SEG,
-                             BLOCK, ROUND_BF16, MAX_SPIN, KEEP_QLAM)
+                             BLOCK, ROUND_BF16, MAX_SPIN)
                 ticket = tl.atomic_add(sync_ptr, 1, sem="relaxed")
         else:
             for row in range(tl.program_id(0), n_rows, tl.num_programs(0)):
@@ -444,14 +430,14 @@ def jsd_rows_kernel(
                              y_ptr, g_ptr, g_stride, loss_ptr, part_ptr, sync_ptr, V,
                              ignore_index, inv_t, beta, hard_w, KIND, HAS_Y, HARD, T_ONE,
                              WRITE_LOSS, WRITE_GRAD, PHASE, SEGS, SEGS_P2, SEG, BLOCK,
-                             ROUND_BF16, MAX_SPIN, KEEP_QLAM)
+                             ROUND_BF16, MAX_SPIN)
     else:
         pid = tl.program_id(0)
         _row_segment(pid // SEGS, pid % SEGS, s_ptr, s_stride, t_ptr, t_stride, dz_ptr,
                      dz_stride, y_ptr, g_ptr, g_stride, loss_ptr, part_ptr, sync_ptr, V,
                      ignore_index, inv_t, beta, hard_w, KIND, HAS_Y, HARD, T_ONE,
                      WRITE_LOSS, WRITE_GRAD, PHASE, SEGS, SEGS_P2, SEG, BLOCK, ROUND_BF16,
-                     MAX_SPIN, KEEP_QLAM)
+                     MAX_SPIN)
 
 
 # ----------------------------------------------------------------------------- diagnostics
@@ -495,7 +481,6 @@ def compile_report(arch: int = 90, variants=None) -> str:
         dict(), dict(KIND=KIND_FORWARD_KL), dict(KIND=KIND_REVERSE_KL, HARD=True),
         dict(HARD=True, T_ONE=False), dict(SEGS=1, SEGS_P2=2, SEG=131072),
         dict(PHASE=1), dict(PHASE=2), dict(PHASE=3, HAS_Y=False), dict(WRITE_GRAD=False),
-        dict(PHASE=2, KEEP_QLAM=True), dict(PHASE=3, KEEP_QLAM=True),
         dict(num_warps=16, BLOCK=4096, SEG=16384, SEGS=8, SEGS_P2=8),
     ]
     ptxas = _cuda_tool("ptxas", arch)

@@ -82,11 +82,6 @@ class Config:
     row_sync: int         # 1 fused with per-row barriers, 0 or -1 (default) one launch per pass
 
 
-# JSD gradient pass: reuse pass 2's Q·Λ (stored over the fp32 teacher logits, which nothing
-# reads afterwards) instead of recomputing δ, expm1 and log1p per element.
-KEEP_QLAM = True
-
-
 # ----------------------------------------------------------------------------- launching
 def _row_kernel(zs, zt, dz, y, g, loss, opts_t, v, cfg: Config, write_loss, write_grad):
     """Row kernel over ``zs[:rows]`` / ``zt[:rows]`` (see jsd_rows)."""
@@ -117,8 +112,7 @@ def _row_kernel(zs, zt, dz, y, g, loss, opts_t, v, cfg: Config, write_loss, writ
                 WRITE_LOSS=write_loss, WRITE_GRAD=write_grad, SEGS=segs,
                 SEGS_P2=max(2, next_power_of_2(segs)), SEG=cfg.segment, BLOCK=cfg.block,
                 ROUND_BF16=_interpret() and dz is not None and dz.dtype == torch.bfloat16,
-                KEEP_QLAM=KEEP_QLAM and write_grad and kind == jsd_rows.KIND_JSD
-                and zt.dtype == torch.float32, num_warps=cfg.num_warps)
+                num_warps=cfg.num_warps)
     if fused:
         grid = rows if _interpret() else min(cfg.grid, rows * segs)
         jsd_rows.jsd_rows_kernel[(max(1, grid),)](*args, PHASE=0, **meta)
