@@ -1,0 +1,62 @@
+"""GPU probe: one fwd+bwd step eager against the same step replayed from a CUDA graph, for
+linear CE (Triton, fast and low-memory) and linear JSD (Triton) at the TARGETS shapes. A
+replay has no host-side launch cost, so a gap between the two is GPU time lost to the host
+(launch-bound stretches). Prints one JSON line per case."""
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import logitless.torch as lt  # noqa: E402
+from benchmarks import common  # noqa: E402
+from benchmarks.jsd_profile import inputs as jsd_inputs  # noqa: E402
+from benchmarks.triton_probe import inputs as lce_inputs  # noqa: E402
+
+
+def ms(fn, reps=10):
+    return common.time_fn(fn, device="cuda", reps=reps, warmup=2).median_ms
+
+
+def compare(name, step, params):
+    def eager():
+        for p in params:
+            p.grad = None
+        step()
+    eager()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            eager()
+    torch.cuda.current_stream().wait_stream(s)
+    for p in params:
+        p.grad = None
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        step()
+    rows = []
+    for _ in range(2):  # interleaved: the clock drifts over a run
+        rows.append((ms(eager), ms(g.replay)))
+    print(json.dumps(dict(case=name, eager_ms=[r[0] for r in rows],
+                          replay_ms=[r[1] for r in rows])), flush=True)
+    del g
+    torch.cuda.empty_cache()
+
+
+def main():
+    x, w, y = lce_inputs(16384, 4096, 128256)
+    for kw in ({}, {"low_memory": True}):
+        compare(f"lce {kw}", lambda kw=kw: lt.linear_cross_entropy(
+            x, w, y, backend="triton", **kw).backward(), (x, w))
+    del x, w, y
+    xs, ws, xt, wt, y = jsd_inputs(8192, 4096, 128256)
+    compare("jsd", lambda: lt.linear_jsd(xs, ws, xt, wt, y, backend="triton").backward(),
+            (xs, ws))
+
+
+if __name__ == "__main__":
+    main()
