@@ -37,6 +37,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from . import _jax_common as common
@@ -215,12 +216,23 @@ def vocab_parallel_linear_cross_entropy(p: common.Prepared, opts: spec.LinearCro
 def global_token_count(labels, *, ignore_index: int = -100, weight=None, axis_name=None):
     """Σ of the non-ignored labels (or of their class weights ``weight[labels]``) as float32,
     ``psum``-ed over ``axis_name`` (a data-parallel mesh axis; ``None``: this array only).
-    The data-parallel mean is ``linear_cross_entropy(..., reduction="sum") / count``."""
+    The data-parallel mean is ``linear_cross_entropy(..., reduction="sum") / count``.
+
+    With ``weight``, a label outside ``[0, len(weight))`` that is not ``ignore_index`` is an
+    error: a ``ValueError`` for concrete labels, a NaN count under tracing (as the loss does),
+    never a silently clamped class."""
     labels = jnp.asarray(labels)
     mask = labels != ignore_index
     if weight is None:
         count = jnp.sum(mask, dtype=jnp.float32)
     else:
-        count = jnp.sum(jnp.where(mask, jnp.asarray(weight, jnp.float32)[jnp.where(mask, labels, 0)],
-                                  0.0))
+        weight = jnp.asarray(weight, jnp.float32)
+        if weight.ndim != 1:
+            raise ValueError(f"weight (class weights) must be 1-D, got shape {weight.shape}")
+        v = weight.shape[0]
+        if not common._is_traced(labels):
+            spec.check_targets(np.asarray(labels), v, ignore_index)
+        bad = mask & ((labels < 0) | (labels >= v))
+        count = jnp.sum(jnp.where(mask & ~bad, weight[jnp.where(mask & ~bad, labels, 0)], 0.0))
+        count = jnp.where(jnp.any(bad), jnp.nan, count)
     return count if axis_name is None else lax.psum(count, axis_name)

@@ -464,3 +464,21 @@ def test_pallas_lowers_to_triton_with_every_option():
                           block_v=256, grid_size=7)
     assert hlo.count("xla.gpu.triton") >= 4  # forward and gradient kernels, full and tail chunks
     assert "xla.gpu.triton" in _lower_for_cuda(300, 64, 1000, chunk_size=128, fp32_logits=True)
+
+
+# --------------------------------------------------------------------- global_token_count
+def test_global_token_count_with_class_weights_never_clamps_a_bad_label():
+    """weight[labels] would clamp an out-of-range label to the last class in JAX: concrete
+    labels raise instead, traced ones give a NaN count (as the loss does)."""
+    w = jnp.asarray([0.5, 2.0, 1.0, 4.0])
+    good = jnp.asarray([0, 3, -100, 1, 3])
+    assert float(lj.global_token_count(good, weight=w)) == 0.5 + 4.0 + 2.0 + 4.0
+    assert float(lj.global_token_count(good)) == 4.0
+    for bad in (4, -2):
+        labels = good.at[1].set(bad)
+        with pytest.raises(ValueError, match=r"target out of range: .*\[0, 4\)"):
+            lj.global_token_count(labels, weight=w)
+        assert np.isnan(float(jax.jit(lambda y: lj.global_token_count(y, weight=w))(labels)))
+    assert float(jax.jit(lambda y: lj.global_token_count(y, weight=w))(good)) == 10.5
+    with pytest.raises(ValueError, match="must be 1-D"):
+        lj.global_token_count(good, weight=w[None])
