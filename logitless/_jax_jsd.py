@@ -95,7 +95,7 @@ def prepare(xs, ws, xt, wt, y, opts: spec.LinearJSDOptions, weight_layout="vh") 
 # c = L_b − L_a comes from log1p(E_Q[expm1(b − a)]) and the per-element terms from
 # δ = b − a − c = log P − log Q and Λ = log1p(β·expm1(δ)), so that a KL or JSD of nearly equal
 # distributions (second order in their difference) is not swamped by rounding of O(10) values.
-FAR, GAP, SMALL = spec.FAR, spec.GAP, spec.SMALL  # the thresholds (see the spec)
+FAR, GAP, SMALL, HIGH_BETA = spec.FAR, spec.GAP, spec.SMALL, spec.HIGH_BETA  # see the spec
 
 
 def expm1(x):
@@ -187,14 +187,25 @@ def _jsd_terms(a, b, l_a, c, beta):
 
 def jsd_sums_update(carry, a, b, l_a, c, cmask, *, beta):
     """Pass 2 (0 < β < 1) over a column block: K = −Σ Q·Λ = KL(Q‖M) and
-    J = Σ β·P·(δ − Λ) − (1−β)·Q·Λ."""
+    J = Σ β·P·log(P/M) − (1−β)·Q·Λ."""
     k, j = carry
     q, p, delta, lam = _jsd_terms(a, b, l_a, c, beta)
     qlam = q * lam
     live = True if cmask is None else cmask[None, :]
     k = k - jnp.sum(jnp.where(live, qlam, 0.0), axis=1)
-    j = j + jnp.sum(jnp.where(live, beta * p * (delta - lam) - (1.0 - beta) * qlam, 0.0), axis=1)
+    j = j + jnp.sum(jnp.where(live, beta * p * _log_p_over_m(delta, lam, beta) - (1.0 - beta) * qlam,
+                              0.0), axis=1)
     return k, j
+
+
+def _log_p_over_m(delta, lam, beta):
+    """log P − log M: δ − Λ, which cancels as β → 1; for β > HIGH_BETA (a static choice)
+    −log1p((1−β)·expm1(−δ)), or −logaddexp(log β, log(1−β) − δ) where −δ > FAR."""
+    if beta <= HIGH_BETA:
+        return delta - lam
+    nd = -delta
+    far = jnp.logaddexp(math.log(beta), math.log1p(-beta) + nd)
+    return -jnp.where(nd > FAR, far, log1p((1.0 - beta) * expm1(jnp.minimum(nd, FAR))))
 
 
 def grad_block(a, b, zs, is_target, l_a, c, l_z, kk, coef, hard_coef, *, kind, beta,

@@ -46,10 +46,9 @@ def chunk_terms(zs, zt, y, opts: spec.LinearJSDOptions, want_grad: bool):
         if want_grad:
             da = q * (lam - loss[:, None])
     else:
-        logm = torch.logaddexp(logp + math.log(beta), logq + math.log1p(-beta))
-        ell = logq - logm
+        ell, lpm = _log_ratios(logp - logq, beta)
         kl_qm = (q * ell).sum(1)
-        loss = beta * (logp.exp() * (logp - logm)).sum(1) + (1 - beta) * kl_qm
+        loss = beta * (logp.exp() * lpm).sum(1) + (1 - beta) * kl_qm
         if want_grad:
             da = (1 - beta) * q * (ell - kl_qm[:, None])
     dz = None if da is None else da.div_(t)
@@ -62,6 +61,23 @@ def chunk_terms(zs, zt, y, opts: spec.LinearJSDOptions, want_grad: bool):
             dce.scatter_add_(1, y_safe[:, None], -torch.ones_like(dce[:, :1]))
             dz.add_(dce, alpha=opts.hard_loss_weight)
     return loss, dz
+
+
+def _log_ratios(delta, beta):
+    """(log Q − log M, log P − log M) from δ = log P − log Q, 0 < β < 1, without the
+    cancellation of differences of log-probabilities (the spec's precision note): as β → 0,
+    log Q − log M → 0 while (1−β)·Σ Q·(·) carries the loss; as β → 1, log P − log M → 0."""
+    lb, l1b = math.log(beta), math.log1p(-beta)
+    # log M/Q = log(β·e^δ + 1 − β) and log M/P = log(β + (1−β)·e^−δ), through log1p/expm1 of
+    # arguments that cannot overflow, logaddexp where they could (|δ| > FAR: no cancellation)
+    m_q = torch.where(delta > spec.FAR, torch.logaddexp(delta + lb, torch.full_like(delta, l1b)),
+                      torch.log1p(beta * torch.expm1(delta.clamp(max=spec.FAR))))
+    if beta > spec.HIGH_BETA:
+        m_p = torch.where(-delta > spec.FAR,
+                          torch.logaddexp(torch.full_like(delta, lb), l1b - delta),
+                          torch.log1p((1 - beta) * torch.expm1((-delta).clamp(max=spec.FAR))))
+        return -m_q, -m_p
+    return -m_q, delta - m_q
 
 
 def _mask(y, n, opts, like):

@@ -53,7 +53,12 @@ gradient of token i's loss — ``g`` for "sum", ``g/Σm`` for "mean" (0 when Σm
 Σ_v (β P_v + (1−β) Q_v) log M_v; differentiating in Q_v gives (1−β)(log Q_v + 1 − log M_v − 1).)
 Ignored tokens have m = 0: zero loss, zero gradient.
 
-Precision note for implementations: J is a difference of nearly equal quantities when student
+Precision note for implementations: every per-element log ratio must be formed without
+cancellation, since J (and for β near 0 or 1 the whole loss) can be far smaller than the
+logits: log Q − log M = −log1p(β·expm1(δ)) with δ = log P − log Q, and for β > ``HIGH_BETA``
+log P − log M = −log1p((1−β)·expm1(−δ)); a difference of log-probabilities or of logsumexps
+loses everything as β → 0 or 1 (the loss scales with β or 1−β). J is a difference of nearly
+equal quantities when student
 and teacher agree, and its gradient has no exact dominant term (unlike cross-entropy's
 −onehot), so logits rounded to bf16 by the GEMM (|z|·2⁻⁹ absolute) move the gradient by
 ~1e-2 relative. The reference GEMMs therefore produce fp32 logits (see the backends).
@@ -77,6 +82,9 @@ FAR = 30.0    # b − a (or δ) beyond which the heads are far apart: no expm1 o
 GAP = 1.0     # |L_b − L_a| from which the normalizer gap is the plain difference (the log1p
               # form cancels when E_Q[expm1(b − a)] = e^c − 1 is near −1)
 SMALL = 0.1   # |argument| below which expm1 / log1p use their Taylor polynomials
+HIGH_BETA = 0.5  # β above which the P-term's log P − log M = δ − Λ cancels (→ 0 as β → 1):
+                 # kernels take −log1p((1−β)·expm1(−δ)) there (logaddexp(log β, log(1−β) − δ)
+                 # where −δ > FAR), accurate to a few ulps relative whatever β
 
 __all__ = ["LinearJSDOptions", "Problem", "check_shapes", "reference", "token_mask"]
 

@@ -56,6 +56,7 @@ KIND_FORWARD_KL, KIND_REVERSE_KL, KIND_JSD = 0, 1, 2
 FAR = tl.constexpr(spec.FAR)
 SMALL = tl.constexpr(spec.SMALL)
 GAP = tl.constexpr(spec.GAP)
+HIGH_BETA = tl.constexpr(spec.HIGH_BETA)
 
 
 @triton.jit
@@ -201,8 +202,25 @@ def _jsd_terms(a, b, l_a, c, beta):
 
 
 @triton.jit
-def _seg_jsd_sums(s_row, t_row, col0, col1, inv_t, l_a, c, beta, BLOCK: tl.constexpr):
-    """Pass 2 (0 < β < 1) over [col0, col1): −Σ Q·Λ (→ K) and Σ β·P·(δ − Λ) − (1−β)·Q·Λ (→ J)."""
+def _log_p_over_m(delta, lam, beta, omb):
+    """log P − log M: δ − Λ, which cancels as β → 1 (it tends to 0 with 1 − β = ``omb``); for
+    β > HIGH_BETA −log1p((1−β)·expm1(−δ)), or −logaddexp(log β, log(1−β) − δ) where −δ > FAR
+    (no cancellation there). A branch on a scalar: one path per launch."""
+    r = delta - lam
+    if beta > HIGH_BETA:
+        nd = -delta
+        lb = _log1p(-omb)
+        lo = tl.log(omb) + nd
+        hi = tl.maximum(lb, lo)
+        far = hi + _log1p(tl.exp(tl.minimum(lb, lo) - hi))
+        r = -tl.where(nd > FAR, far, _log1p(omb * _expm1(tl.minimum(nd, FAR))))
+    return r
+
+
+@triton.jit
+def _seg_jsd_sums(s_row, t_row, col0, col1, inv_t, l_a, c, beta, omb, BLOCK: tl.constexpr):
+    """Pass 2 (0 < β < 1) over [col0, col1): −Σ Q·Λ (→ K) and Σ β·P·log(P/M) − (1−β)·Q·Λ
+    (→ J); ``omb`` = 1 − β, computed on the host (in fp32, 1 − β would lose it as β → 1)."""
     offs = tl.arange(0, BLOCK)
     k = tl.sum(tl.zeros([BLOCK], dtype=tl.float32), 0)
     j = k
@@ -213,12 +231,13 @@ def _seg_jsd_sums(s_row, t_row, col0, col1, inv_t, l_a, c, beta, BLOCK: tl.const
         q, p, delta, lam = _jsd_terms(a, b, l_a, c, beta)
         qlam = q * lam
         k -= tl.sum(tl.where(cmask, qlam, 0.0), 0)
-        j += tl.sum(tl.where(cmask, beta * p * (delta - lam) - (1.0 - beta) * qlam, 0.0), 0)
+        j += tl.sum(tl.where(cmask, beta * p * _log_p_over_m(delta, lam, beta, omb) - omb * qlam,
+                             0.0), 0)
     return k, j
 
 
 @triton.jit
-def _seg_grad(s_row, t_row, dz_row, col0, col1, y_local, inv_t, l_a, c, l_z, kk, beta,
+def _seg_grad(s_row, t_row, dz_row, col0, col1, y_local, inv_t, l_a, c, l_z, kk, beta, omb,
               coef, hard_coef, poison, KIND: tl.constexpr, HARD: tl.constexpr,
               T_ONE: tl.constexpr, ROUND_BF16: tl.constexpr, BLOCK: tl.constexpr):
     """Pass 3 over [col0, col1): dz = coef·∂J/∂a + hard_coef·(S − [v = y]) (+ poison), with
@@ -240,7 +259,7 @@ def _seg_grad(s_row, t_row, dz_row, col0, col1, y_local, inv_t, l_a, c, l_z, kk,
             d = -q * (((b - a) - c) + kk)
         else:
             q, p, delta, lam = _jsd_terms(a, b, l_a, c, beta)
-            d = -(1.0 - beta) * q * (lam + kk)
+            d = -omb * q * (lam + kk)
         d = coef * d
         if HARD:
             if T_ONE:
@@ -285,7 +304,7 @@ def _wait_row(cnt_ptr, abort_ptr, target, MAX_SPIN: tl.constexpr):
 
 @triton.jit
 def _row_segment(row, seg, s_ptr, s_stride, t_ptr, t_stride, dz_ptr, dz_stride, y_ptr, g_ptr,
-                 g_stride, loss_ptr, part_ptr, sync_ptr, V, ignore_index, inv_t, beta,
+                 g_stride, loss_ptr, part_ptr, sync_ptr, V, ignore_index, inv_t, beta, omb,
                  hard_w, KIND: tl.constexpr, HAS_Y: tl.constexpr, HARD: tl.constexpr,
                  T_ONE: tl.constexpr, WRITE_LOSS: tl.constexpr, WRITE_GRAD: tl.constexpr,
                  PHASE: tl.constexpr, SEGS: tl.constexpr, SEGS_P2: tl.constexpr,
@@ -356,7 +375,7 @@ def _row_segment(row, seg, s_ptr, s_stride, t_ptr, t_stride, dz_ptr, dz_stride, 
             if KIND == 2:
                 if PHASE != 3:
                     k_seg, j_seg = _seg_jsd_sums(s_row, t_row, col0, col1, inv_t, l_a, c, beta,
-                                                 BLOCK)
+                                                 omb, BLOCK)
                     if SEGS > 1:
                         tl.store(part + seg * _NF + F_K, k_seg)
                         tl.store(part + seg * _NF + F_J, j_seg)
@@ -387,7 +406,7 @@ def _row_segment(row, seg, s_ptr, s_stride, t_ptr, t_stride, dz_ptr, dz_stride, 
                 if WRITE_GRAD:
                     g = tl.load(g_ptr + row64 * g_stride).to(tl.float32)
                     _seg_grad(s_row, t_row, dz_row, col0, col1, y_local, inv_t, l_a, c, l_z,
-                              kk, beta, g * inv_t, g * hard_w, nan, KIND, HARD, T_ONE,
+                              kk, beta, omb, g * inv_t, g * hard_w, nan, KIND, HARD, T_ONE,
                               ROUND_BF16, BLOCK)
     else:
         if PHASE == 0 or PHASE == 3:
@@ -402,7 +421,7 @@ def _row_segment(row, seg, s_ptr, s_stride, t_ptr, t_stride, dz_ptr, dz_stride, 
 def jsd_rows_kernel(
     s_ptr, s_stride, t_ptr, t_stride, dz_ptr, dz_stride,
     y_ptr, g_ptr, g_stride, loss_ptr, part_ptr, sync_ptr,
-    n_rows, V, ignore_index, inv_t, beta, hard_w,
+    n_rows, V, ignore_index, inv_t, beta, omb, hard_w,
     KIND: tl.constexpr, HAS_Y: tl.constexpr, HARD: tl.constexpr, T_ONE: tl.constexpr,
     WRITE_LOSS: tl.constexpr, WRITE_GRAD: tl.constexpr, PHASE: tl.constexpr,
     SEGS: tl.constexpr, SEGS_P2: tl.constexpr, SEG: tl.constexpr, BLOCK: tl.constexpr,
@@ -420,7 +439,7 @@ def jsd_rows_kernel(
             while ticket < total:
                 _row_segment(ticket // SEGS, ticket % SEGS, s_ptr, s_stride, t_ptr, t_stride,
                              dz_ptr, dz_stride, y_ptr, g_ptr, g_stride, loss_ptr, part_ptr,
-                             sync_ptr, V, ignore_index, inv_t, beta, hard_w, KIND, HAS_Y,
+                             sync_ptr, V, ignore_index, inv_t, beta, omb, hard_w, KIND, HAS_Y,
                              HARD, T_ONE, WRITE_LOSS, WRITE_GRAD, PHASE, SEGS, SEGS_P2, SEG,
                              BLOCK, ROUND_BF16, MAX_SPIN)
                 ticket = tl.atomic_add(sync_ptr, 1, sem="relaxed")
@@ -428,14 +447,14 @@ def jsd_rows_kernel(
             for row in range(tl.program_id(0), n_rows, tl.num_programs(0)):
                 _row_segment(row, 0, s_ptr, s_stride, t_ptr, t_stride, dz_ptr, dz_stride,
                              y_ptr, g_ptr, g_stride, loss_ptr, part_ptr, sync_ptr, V,
-                             ignore_index, inv_t, beta, hard_w, KIND, HAS_Y, HARD, T_ONE,
+                             ignore_index, inv_t, beta, omb, hard_w, KIND, HAS_Y, HARD, T_ONE,
                              WRITE_LOSS, WRITE_GRAD, PHASE, SEGS, SEGS_P2, SEG, BLOCK,
                              ROUND_BF16, MAX_SPIN)
     else:
         pid = tl.program_id(0)
         _row_segment(pid // SEGS, pid % SEGS, s_ptr, s_stride, t_ptr, t_stride, dz_ptr,
                      dz_stride, y_ptr, g_ptr, g_stride, loss_ptr, part_ptr, sync_ptr, V,
-                     ignore_index, inv_t, beta, hard_w, KIND, HAS_Y, HARD, T_ONE,
+                     ignore_index, inv_t, beta, omb, hard_w, KIND, HAS_Y, HARD, T_ONE,
                      WRITE_LOSS, WRITE_GRAD, PHASE, SEGS, SEGS_P2, SEG, BLOCK, ROUND_BF16,
                      MAX_SPIN)
 
@@ -487,7 +506,7 @@ def compile_report(arch: int = 90, variants=None) -> str:
     sig = dict(s_ptr="*fp32", s_stride="i32", t_ptr="*fp32", t_stride="i32", dz_ptr="*bf16",
                dz_stride="i32", y_ptr="*i64", g_ptr="*fp32", g_stride="i32", loss_ptr="*fp32",
                part_ptr="*fp32", sync_ptr="*i32", n_rows="i32", V="i32", ignore_index="i32",
-               inv_t="fp32", beta="fp32", hard_w="fp32")
+               inv_t="fp32", beta="fp32", omb="fp32", hard_w="fp32")
     # what the launcher's specialization sees at runtime: 16-aligned buffers and row strides
     # (the buffers' rows are padded), V a multiple of 16 (as 128256)
     names = list(sig)
