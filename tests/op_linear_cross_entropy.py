@@ -121,6 +121,9 @@ def cases_linear_cross_entropy():
         Case(n=130, h=48, v=509, dtype="bfloat16", chunk_size=48,
              **{**everything, "label_smoothing": 0.0}),
         Case(n=45, h=32, v=250, dtype="float16", reduction="sum", bias=True, z_loss=1e-3),
+        Case(n=1, h=16, v=61, dtype="float16", reduction="none", bias=True, z_loss=1e-2,
+             softcap=5.0, lse_grad=True),
+        Case(n=45, h=32, v=250, dtype="bfloat16", ignore="all", bias=True, lse_grad=True),
     ]
     for red in ("mean", "sum", "none"):  # every token ignored: loss 0, zero grads, no NaN
         out.append(Case(**base, reduction=red, ignore="all", **{**everything, "lse_grad": False}))

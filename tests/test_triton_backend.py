@@ -119,7 +119,8 @@ def _spy_own_gemm(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_own_logits_gemm_runs_and_equals_the_cublas_path(monkeypatch, dtype):
-    # several row / column / K tiles, V not a multiple of 8 (padded rows), 3 token chunks
+    # V not a multiple of 8 (padded rows), 3 token chunks; several row / column / K tiles in
+    # the interpreter (16x32x16 tiles; on a GPU 128x256x64: 1 x 2 x 1)
     n, h, v = 100, 64, 301
     x, w, y = _data(n, h, v, dtype=dtype, seed=11)
     b = torch.randn(v, device=DEV).to(dtype)
@@ -142,6 +143,27 @@ def test_own_logits_gemm_runs_and_equals_the_cublas_path(monkeypatch, dtype):
                                rtol=1e-5, atol=0)
 
 
+@pytest.mark.parametrize("masked", [slice(60, None), slice(0, 40)])
+@pytest.mark.parametrize("kw", [{}, dict(logits_gemm="triton"), dict(block_v=16)],
+                         ids=["default", "own-gemm", "block16"])
+def test_vocabulary_masked_by_minus_inf_bias(kw, masked):
+    """A -inf bias over whole row blocks / GEMM column tiles (a padded or forbidden part of
+    the vocabulary): finite loss and gradients equal to backend="torch" (the online Σexp
+    once gave exp(-inf - (-inf)) = NaN there)."""
+    x, w, _ = _data(6, 16, 100, dtype=torch.bfloat16, seed=13)
+    b = torch.zeros(100, device=DEV, dtype=torch.bfloat16)
+    b[masked] = float("-inf")
+    y = torch.arange(6, device=DEV) + (0 if masked.start else 60)  # targets never masked
+    bb = b.clone().requires_grad_()
+    got = _loss_and_grads(x, w, y, backend="triton", linear_bias=bb, chunk_size=4, **kw)
+    db = bb.grad
+    bb = b.clone().requires_grad_()
+    want = _loss_and_grads(x, w, y, backend="torch", linear_bias=bb)
+    for a, r in zip(got + (db,), want + (bb.grad,)):
+        assert torch.isfinite(a.float()).all()
+        torch.testing.assert_close(a.float(), r.float(), rtol=2e-2, atol=1e-4)
+
+
 def test_logits_gemm_errors():
     x, w, y = _data(8, 64, 40, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="logits_gemm must be one of"):
@@ -156,6 +178,11 @@ def test_logits_gemm_errors():
     x33, w33, y33 = _data(8, 33, 40, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="input must be row-major with 16-byte aligned rows"):
         lt.linear_cross_entropy(x33, w33, y33, backend="triton", logits_gemm="triton")
+    x_off = torch.zeros(8, 72, device=DEV, dtype=torch.bfloat16)[:, 4:68]  # 8 bytes in
+    x_off.copy_(x)
+    with pytest.raises(ValueError, match="input must start at a 16-byte aligned address"):
+        lt.linear_cross_entropy(x_off, w, y, backend="triton", logits_gemm="triton")
+    lt.linear_cross_entropy(x[:0], w, y[:0], backend="triton", logits_gemm="triton")  # no GEMM
     w_t = w.t().contiguous().t()  # a transposed tied embedding: column-major
     with pytest.raises(ValueError, match="linear_weight must be row-major"):
         lt.linear_cross_entropy(x, w_t, y, backend="triton", logits_gemm="triton")

@@ -1,6 +1,7 @@
 """The fused softmax/cross-entropy work on a block of logits, as one Triton kernel.
 
-The GEMMs around it run through cuBLAS; this kernel is everything between them. For each row
+The GEMMs around it run through cuBLAS (or, for the forward's logits, :mod:`.logits_gemm`);
+this kernel is everything between them. For each row
 of a ``[rows, cols]`` logits buffer (a token chunk with all V columns, or all tokens with a
 slice of V starting at ``col_offset``) it can
 
@@ -32,6 +33,14 @@ def _cap(z, softcap, HAS_SOFTCAP: tl.constexpr):
     if HAS_SOFTCAP:
         z = softcap * _tanh(z / softcap)
     return z
+
+
+@triton.jit
+def _finite_ref(m):
+    """The reference point of an online Σexp: the running max, or 0 while it is still −inf
+    (every logit so far −inf, e.g. a block of a vocabulary masked by a −inf bias), where
+    exp(−inf − (−inf)) would be NaN."""
+    return tl.where(m == -float("inf"), 0.0, m)
 
 
 @triton.jit
@@ -81,7 +90,8 @@ def cross_entropy_rows_kernel(
                     tm = tl.load(stat_m_ptr + row64 * n_tiles + t, mask=tmask, other=-float("inf"))
                     ts = tl.load(stat_s_ptr + row64 * n_tiles + t, mask=tmask, other=0.0)
                     m_new = tl.maximum(m, tl.max(tm, 0))
-                    s = s * tl.exp(m - m_new) + tl.sum(ts * tl.exp(tm - m_new), 0)
+                    m_ref = _finite_ref(m_new)
+                    s = s * tl.exp(m - m_ref) + tl.sum(ts * tl.exp(tm - m_ref), 0)
                     m = m_new
             else:
                 for start in range(0, n_cols, BLOCK_V):
@@ -97,7 +107,8 @@ def cross_entropy_rows_kernel(
                             wc += tl.sum(tl.where(cmask, c, 0.0), 0)
                     c = tl.where(cmask, c, -float("inf"))
                     m_new = tl.maximum(m, tl.max(c, 0))
-                    s = s * tl.exp(m - m_new) + tl.sum(tl.exp(c - m_new), 0)
+                    m_ref = _finite_ref(m_new)
+                    s = s * tl.exp(m - m_ref) + tl.sum(tl.exp(c - m_ref), 0)
                     m = m_new
             lse = m + tl.log(s)
             here = (y_local >= 0) & (y_local < n_cols) & valid

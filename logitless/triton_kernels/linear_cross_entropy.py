@@ -3,6 +3,9 @@
 The three GEMMs of the op (logits, dX, dW) run through cuBLAS on token chunks; everything in
 between — log-sum-exp, the loss, the logit gradient — is one Triton kernel
 (:mod:`.cross_entropy_rows`) that rewrites each chunk of logits into its gradient in place.
+``logits_gemm="triton"`` (opt-in) computes the forward's logits with a Triton GEMM instead,
+whose epilogue leaves the softmax statistics (:mod:`.logits_gemm`): the row kernel then
+reads each chunk once instead of twice.
 Two operating points, one keyword:
 
 * ``low_memory=False`` (default, *fast*): for ``mean``/``sum`` the forward also produces the
@@ -69,7 +72,7 @@ class Config:
     vocab_chunk: int    # vocabulary rows per chunk (the low-memory dW sweep)
     block_v: int        # 0 = pick from the row length
     num_warps: int      # 0 = pick from the block
-    logits_gemm: int = 1  # LOGITS_GEMM code: who computes the forward's logits
+    logits_gemm: int = LOGITS_GEMM["cublas"]  # who computes the forward's logits
 
 
 # Triton decides interpreter-or-GPU when kernels are decorated (import time); read it once too,
@@ -162,6 +165,7 @@ def _forward(x, w, bias, y, cw, omega_sum, opts_t, cfg, grad_mode, needs, accum_
         n_tiles = stats_gemm.stat_tiles(v, _interpret())
         stat_pair = (torch.empty(rows, n_tiles, dtype=torch.float32, device=dev),
                      torch.empty(rows, n_tiles, dtype=torch.float32, device=dev))
+        # persistent grid: one program per SM (interpreter: a few, run one after another)
         sms = (torch.cuda.get_device_properties(dev).multi_processor_count if x.is_cuda else 3)
     else:
         buf = torch.empty(rows, v, dtype=x.dtype, device=dev)
@@ -275,8 +279,10 @@ def _fwd_op(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], y: t
 
 def _check_gemm(code, x, w, bias):
     """``code``, once the tensors' layouts are checked for "triton" (inside the op, where
-    their data pointers are real, not under tracing; the options were checked up front)."""
-    why = code == LOGITS_GEMM["triton"] and stats_gemm.unsupported_layout(x, w, bias)
+    their data pointers are real, not under tracing; the options were checked up front).
+    No tokens: no GEMM runs, nothing to check."""
+    why = (code == LOGITS_GEMM["triton"] and x.shape[0] > 0
+           and stats_gemm.unsupported_layout(x, w, bias))
     if why:
         raise ValueError(f"logits_gemm='triton' cannot run here: {why}")
     return code

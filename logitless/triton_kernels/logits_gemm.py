@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .cross_entropy_rows import _cap
+from .cross_entropy_rows import _cap, _finite_ref
 from .narrow_cast import round_bf16_bits
 
 # Tiles for Hopper (benchmarks/gemm_probe.py: 128x256x64, 3 stages, 8 warps, grouped by 16
@@ -68,7 +68,8 @@ def logits_stats_kernel(x_desc, w_desc, z_desc, bias_ptr, stat_m_ptr, stat_s_ptr
         c = _cap(zq.to(tl.float32), softcap, HAS_SOFTCAP)
         c = tl.where(cmask[None, :], c, float("-inf"))
         m = tl.max(c, 1)
-        s = tl.sum(tl.exp(c - m[:, None]), 1)
+        # a tile of −inf logits (a vocabulary masked by a −inf bias): (−inf, 0), never NaN
+        s = tl.sum(tl.exp(c - _finite_ref(m)[:, None]), 1)
         rows = (om + tl.arange(0, BM)).to(tl.int64)
         idx = rows * num_pid_n + pid_n
         tl.store(stat_m_ptr + idx, m, mask=rows < M)
@@ -94,11 +95,18 @@ def unsupported_options(dtype: torch.dtype, label_smoothing) -> str:
 
 
 def unsupported_layout(x: torch.Tensor, w: torch.Tensor, bias) -> str:
-    """Why these tensors' layouts rule this GEMM out ('' when they do not)."""
+    """Why these tensors (layouts, device) rule this GEMM out ('' when they do not)."""
+    if x.is_cuda and torch.cuda.get_device_capability(x.device)[0] not in (9, 10):
+        return ("its tiles need a Hopper-class GPU's shared memory (compute capability 9.x or "
+                f"10.x; this one is {torch.cuda.get_device_capability(x.device)})")
     for name, t in (("input", x), ("linear_weight", w)):
-        if t.stride(-1) != 1 or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
+        if t.stride(-1) != 1 or (t.stride(0) * t.element_size()) % 16:
             return (f"{name} must be row-major with 16-byte aligned rows for the tensor "
                     f"descriptors (strides {tuple(t.stride())})")
+        if t.data_ptr() % 16:
+            return (f"{name} must start at a 16-byte aligned address for the tensor "
+                    f"descriptors (it starts {t.data_ptr() % 16} bytes past one: a view at an "
+                    "odd column offset?)")
     if bias is not None and bias.stride(0) != 1:
         return "linear_bias must be contiguous"
     return ""
