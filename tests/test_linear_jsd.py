@@ -666,8 +666,9 @@ def test_gpu_barrier_timeout_poisons_instead_of_hanging():
     part = torch.empty(rows, 2, jsd_rows.NUM_FIELDS, device="cuda")
     sync = torch.zeros(2 + rows, dtype=torch.int32, device="cuda")
     jsd_rows.jsd_rows_kernel[(1,)](
-        zs, v, zt, v, zs, 0, zs, zs, 0, loss, part, sync, rows, v, -100, 1.0, 0.5, 0.0,
-        KIND=2, HAS_Y=False, HARD=False, T_ONE=True, WRITE_LOSS=True, WRITE_GRAD=False, PHASE=0, SEGS=2, SEGS_P2=2, SEG=seg, BLOCK=32, MAX_SPIN=1000)
+        zs, v, zt, v, zs, 0, zs, zs, 0, loss, part, sync, rows, v, -100, 1.0, 0.5, 0.5, 0.0,
+        KIND=2, HAS_Y=False, HARD=False, T_ONE=True, WRITE_LOSS=True, WRITE_GRAD=False,
+        PHASE=0, SEGS=2, SEGS_P2=2, SEG=seg, BLOCK=32, MAX_SPIN=1000)
     torch.cuda.synchronize()
     assert torch.isnan(loss).all() and sync[1].item() == 1
 
