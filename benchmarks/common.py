@@ -167,6 +167,24 @@ def time_fn(fn: Callable[[], Any], *, device: str, reps: int, warmup: int = 1) -
     return Timing(statistics.median(times), min(times), max(times), times, method)
 
 
+def capture_cuda_graph(step: Callable[[], Any], reset: Callable[[], Any]):
+    """A CUDA graph of ``step()`` (e.g. one fwd+bwd), captured after two warm-up calls on a
+    side stream, as CUDA graphs require; ``reset()`` (e.g. dropping ``.grad``) runs before
+    the capture. Replay it with ``graph.replay()``."""
+    import torch
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(s)
+    reset()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph
+
+
 def time_gemms(pairs: Sequence[tuple], *, device: str, reps: int, warmup: int = 1):
     """Time ``torch.mm(a, b)`` for every pair, run back to back as one call.
 

@@ -18,6 +18,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
 
 from benchmarks import common  # noqa: E402
 from logitless._torch_common import accumulate_mm_  # noqa: E402
+from logitless.triton_kernels.logits_gemm import grouped_tile  # noqa: E402
 
 
 @triton.jit
@@ -34,11 +35,7 @@ def _gemm(a_desc, b_desc, c_desc, stat_m, stat_s, M, N, K,
     k_tiles = tl.cdiv(K, BK)
     num_tiles = num_pid_m * num_pid_n
     for tile in tl.range(pid, num_tiles, NUM_SMS, flatten=FLATTEN, warp_specialize=WS):
-        group = tile // (GROUP_M * num_pid_n)
-        first_m = group * GROUP_M
-        gm = min(num_pid_m - first_m, GROUP_M)
-        pid_m = first_m + (tile % (GROUP_M * num_pid_n)) % gm
-        pid_n = (tile % (GROUP_M * num_pid_n)) // gm
+        pid_m, pid_n = grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
         om = pid_m * BM
         on = pid_n * BN
         acc = tl.zeros((BM, BN), dtype=tl.float32)

@@ -22,22 +22,15 @@ def ms(fn, reps=10):
 
 
 def compare(name, step, params):
-    def eager():
+    def no_grads():
         for p in params:
             p.grad = None
+
+    def eager():
+        no_grads()
         step()
     eager()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            eager()
-    torch.cuda.current_stream().wait_stream(s)
-    for p in params:
-        p.grad = None
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        step()
+    g = common.capture_cuda_graph(step, no_grads)
     rows = []
     for _ in range(2):  # interleaved: the clock drifts over a run
         rows.append((ms(eager), ms(g.replay)))
@@ -47,15 +40,23 @@ def compare(name, step, params):
     torch.cuda.empty_cache()
 
 
-def main():
+def lce_cases():
     x, w, y = lce_inputs(16384, 4096, 128256)
     for kw in ({}, {"low_memory": True}):
         compare(f"lce {kw}", lambda kw=kw: lt.linear_cross_entropy(
             x, w, y, backend="triton", **kw).backward(), (x, w))
-    del x, w, y
+
+
+def jsd_case():
     xs, ws, xt, wt, y = jsd_inputs(8192, 4096, 128256)
     compare("jsd", lambda: lt.linear_jsd(xs, ws, xt, wt, y, backend="triton").backward(),
             (xs, ws))
+
+
+def main():
+    lce_cases()  # its tensors are freed on return
+    torch.cuda.empty_cache()
+    jsd_case()
 
 
 if __name__ == "__main__":

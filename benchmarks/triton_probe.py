@@ -177,17 +177,11 @@ if __name__ == "__main__":
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=10, max_name_column_width=50))
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=50))
             # pure GPU time: the same step replayed from a CUDA graph (also proves capturability)
-            x.grad = w.grad = None
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                for _ in range(2):
-                    one()
-            torch.cuda.current_stream().wait_stream(s)
-            x.grad = w.grad = None
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                lt.linear_cross_entropy(x, w, y, backend="triton", **kw).backward()
+            def no_grads():
+                x.grad = w.grad = None
+            g = common.capture_cuda_graph(
+                lambda: lt.linear_cross_entropy(x, w, y, backend="triton", **kw).backward(),
+                no_grads)
             print(f"cuda-graph replay: {bench(g.replay):.2f} ms; eager: {bench(one):.2f} ms")
             del x, w, y
             torch.cuda.empty_cache()

@@ -30,6 +30,16 @@ INTERPRET_TILES = dict(bm=16, bn=32, bk=16, group_m=2, stages=1, warps=4)
 
 
 @triton.jit
+def grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """(row tile, column tile) of a persistent GEMM's ``tile``-th output tile, in grouped
+    order: GROUP_M row tiles share each column tile of B while it is in L2."""
+    group = tile // (GROUP_M * num_pid_n)
+    first_m = group * GROUP_M
+    gm = min(num_pid_m - first_m, GROUP_M)
+    return first_m + (tile % (GROUP_M * num_pid_n)) % gm, (tile % (GROUP_M * num_pid_n)) // gm
+
+
+@triton.jit
 def logits_stats_kernel(x_desc, w_desc, z_desc, bias_ptr, stat_m_ptr, stat_s_ptr, M, N, K,
                         softcap, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
@@ -41,12 +51,7 @@ def logits_stats_kernel(x_desc, w_desc, z_desc, bias_ptr, stat_m_ptr, stat_s_ptr
     k_tiles = tl.cdiv(K, BK)
     num_tiles = num_pid_m * num_pid_n
     for tile in tl.range(pid, num_tiles, num_programs, flatten=not INTERPRET, warp_specialize=WS):
-        # grouped order: GROUP_M row tiles share each column tile of W while it is in L2
-        group = tile // (GROUP_M * num_pid_n)
-        first_m = group * GROUP_M
-        gm = min(num_pid_m - first_m, GROUP_M)
-        pid_m = first_m + (tile % (GROUP_M * num_pid_n)) % gm
-        pid_n = (tile % (GROUP_M * num_pid_n)) // gm
+        pid_m, pid_n = grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
         om = pid_m * BM
         on = pid_n * BN
         acc = tl.zeros((BM, BN), dtype=tl.float32)
