@@ -193,8 +193,8 @@ def jsd_sums_update(carry, a, b, l_a, c, cmask, *, beta):
     qlam = q * lam
     live = True if cmask is None else cmask[None, :]
     k = k - jnp.sum(jnp.where(live, qlam, 0.0), axis=1)
-    j = j + jnp.sum(jnp.where(live, beta * p * _log_p_over_m(delta, lam, beta) - (1.0 - beta) * qlam,
-                              0.0), axis=1)
+    lpm = _log_p_over_m(delta, lam, beta)
+    j = j + jnp.sum(jnp.where(live, beta * p * lpm - (1.0 - beta) * qlam, 0.0), axis=1)
     return k, j
 
 

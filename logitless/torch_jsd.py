@@ -68,13 +68,14 @@ def _log_ratios(delta, beta):
     cancellation of differences of log-probabilities (the spec's precision note): as β → 0,
     log Q − log M → 0 while (1−β)·Σ Q·(·) carries the loss; as β → 1, log P − log M → 0."""
     lb, l1b = math.log(beta), math.log1p(-beta)
+    # 0-d device scalars (a fill, not a host-to-device copy) for logaddexp's tensor operands
+    lb_t, l1b_t = delta.new_full((), lb), delta.new_full((), l1b)
     # log M/Q = log(β·e^δ + 1 − β) and log M/P = log(β + (1−β)·e^−δ), through log1p/expm1 of
     # arguments that cannot overflow, logaddexp where they could (|δ| > FAR: no cancellation)
-    m_q = torch.where(delta > spec.FAR, torch.logaddexp(delta + lb, torch.full_like(delta, l1b)),
+    m_q = torch.where(delta > spec.FAR, torch.logaddexp(delta + lb, l1b_t),
                       torch.log1p(beta * torch.expm1(delta.clamp(max=spec.FAR))))
     if beta > spec.HIGH_BETA:
-        m_p = torch.where(-delta > spec.FAR,
-                          torch.logaddexp(torch.full_like(delta, lb), l1b - delta),
+        m_p = torch.where(-delta > spec.FAR, torch.logaddexp(lb_t, l1b - delta),
                           torch.log1p((1 - beta) * torch.expm1((-delta).clamp(max=spec.FAR))))
         return -m_q, -m_p
     return -m_q, delta - m_q

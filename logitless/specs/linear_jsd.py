@@ -53,15 +53,17 @@ gradient of token i's loss — ``g`` for "sum", ``g/Σm`` for "mean" (0 when Σm
 Σ_v (β P_v + (1−β) Q_v) log M_v; differentiating in Q_v gives (1−β)(log Q_v + 1 − log M_v − 1).)
 Ignored tokens have m = 0: zero loss, zero gradient.
 
-Precision note for implementations: every per-element log ratio must be formed without
-cancellation, since J (and for β near 0 or 1 the whole loss) can be far smaller than the
-logits: log Q − log M = −log1p(β·expm1(δ)) with δ = log P − log Q, and for β > ``HIGH_BETA``
-log P − log M = −log1p((1−β)·expm1(−δ)); a difference of log-probabilities or of logsumexps
-loses everything as β → 0 or 1 (the loss scales with β or 1−β). J is a difference of nearly
-equal quantities when student
-and teacher agree, and its gradient has no exact dominant term (unlike cross-entropy's
-−onehot), so logits rounded to bf16 by the GEMM (|z|·2⁻⁹ absolute) move the gradient by
-~1e-2 relative. The reference GEMMs therefore produce fp32 logits (see the backends).
+Precision notes for implementations:
+
+* Every per-element log ratio must be formed without cancellation, since J (and, for β near
+  0 or 1, the whole loss) can be far smaller than the logits: log Q − log M =
+  −log1p(β·expm1(δ)) with δ = log P − log Q, and for β > ``HIGH_BETA`` log P − log M =
+  −log1p((1−β)·expm1(−δ)). A difference of log-probabilities or of logsumexps loses
+  everything as β → 0 or 1 (the loss scales with β or 1 − β).
+* J is a difference of nearly equal quantities when student and teacher agree, and its
+  gradient has no exact dominant term (unlike cross-entropy's −onehot), so logits rounded to
+  bf16 by the GEMM (|z|·2⁻⁹ absolute) move the gradient by ~1e-2 relative. The reference
+  GEMMs therefore produce fp32 logits (see the backends).
 """
 from __future__ import annotations
 

@@ -101,7 +101,8 @@ def cross_entropy_rows_kernel(
                     c = _cap(z, softcap, HAS_SOFTCAP)  # finite everywhere (masked lanes: z = 0)
                     if SMOOTH:
                         if HAS_CW:
-                            wv = tl.load(cw_ptr + col_offset + cols, mask=cmask, other=0.0).to(tl.float32)
+                            wv = tl.load(cw_ptr + col_offset + cols, mask=cmask,
+                                         other=0.0).to(tl.float32)
                             wc += tl.sum(wv * c, 0)
                         else:
                             wc += tl.sum(tl.where(cmask, c, 0.0), 0)
