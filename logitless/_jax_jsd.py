@@ -182,6 +182,11 @@ def _jsd_terms(a, b, l_a, c, beta):
     p = jnp.exp(lq + delta)
     lam = jnp.where(delta > FAR, math.log(beta) + delta,
                     log1p(beta * expm1(jnp.minimum(delta, FAR))))
+    if beta > HIGH_BETA:
+        # log(β·e^δ + 1 − β) for δ < −1, where 1 − β carries it: a logaddexp with log(1 − β)
+        # taken in float64 (in fp32, β·expm1(δ) would make it 1 − fp32(β))
+        lam = jnp.where(delta < -1.0, jnp.logaddexp(math.log(beta) + delta, math.log1p(-beta)),
+                        lam)
     return q, p, delta, lam
 
 

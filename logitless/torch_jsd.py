@@ -19,7 +19,7 @@ from .specs.tiling import plan_token_chunks
 
 TUNING = ("chunk_size", "memory_budget")
 # Live [chunk, V] float32 temporaries of one chunk (two logits blocks, log-probabilities,
-# probabilities, log M, the gradient): the plan budgets this many per token and vocab entry.
+# probabilities, log ratios, the gradient): the plan budgets this many per token and vocab entry.
 _TEMPORARIES = 8
 
 
@@ -75,6 +75,8 @@ def _log_ratios(delta, beta):
     m_q = torch.where(delta > spec.FAR, torch.logaddexp(delta + lb, l1b_t),
                       torch.log1p(beta * torch.expm1(delta.clamp(max=spec.FAR))))
     if beta > spec.HIGH_BETA:
+        # for δ < −1, 1 − β carries log M/Q: from float64, not 1 − fp32(β) inside β·expm1(δ)
+        m_q = torch.where(delta < -1.0, torch.logaddexp(delta + lb, l1b_t), m_q)
         m_p = torch.where(-delta > spec.FAR, torch.logaddexp(lb_t, l1b - delta),
                           torch.log1p((1 - beta) * torch.expm1((-delta).clamp(max=spec.FAR))))
         return -m_q, -m_p

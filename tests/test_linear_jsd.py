@@ -346,17 +346,26 @@ def test_matches_spec(backend, case):
     check_backend(OP, backend, case)
 
 
-@pytest.mark.parametrize("beta, temperature", [(1e-6, 1.0), (0.999, 2.0), (1 - 1e-6, 1.0)])
+@pytest.mark.parametrize("beta, temperature, shift", [
+    (1e-6, 1.0, 0.0), (0.999, 2.0, 0.0), (1 - 1e-6, 1.0, 0.0), (1 - 1e-6, 1.0, 40.0),
+    (1 - 1e-7, 2.0, 40.0)])
 @pytest.mark.parametrize("backend", under_test(OP.name))
-def test_fp32_stays_accurate_as_beta_nears_0_or_1(backend, beta, temperature):
+def test_fp32_stays_accurate_as_beta_nears_0_or_1(backend, beta, temperature, shift):
     """The loss scales with β (or 1 − β) there while the log-probabilities stay O(10): any
     per-element log ratio formed as a difference loses the loss (it did: 7e-2 relative on
-    backend="torch" at β = 1e-6, 7e-3 to 8e-2 on every backend at β = 1 − 1e-6). An absolute
-    bound, not the naive path's error: the naive formulation cancels the same way."""
+    backend="torch" at β = 1e-6, 7e-3 to 8e-2 on every backend at β = 1 − 1e-6), and so does
+    1 − β taken from an fp32 β (1e-2 at β = 1 − 1e-7 with far-apart heads). ``shift`` moves
+    some teacher logits by ±shift (far-apart heads: |δ| up to ~40). An absolute bound, not the
+    naive path's error: the naive formulation cancels the same way."""
     from harness import backends as registered, rel_err
     case = Case(n=37, h_s=33, h_t=29, v=97, dtype="float32", reduction="sum", beta=beta,
                 temperature=temperature)
     inp = OP.make_inputs(case, 0)
+    if shift:  # a constant teacher feature whose weights move every 5th / 7th logit
+        inp.xt[:, -1] = 1.0
+        inp.wt[:, -1] = 0.0
+        inp.wt[::5, -1] = shift
+        inp.wt[2::7, -1] = -shift
     want = OP.reference(case, inp)
     got = registered(OP.name)[backend].run(case, inp)
     for key in ("loss", "dx", "dw"):

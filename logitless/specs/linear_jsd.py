@@ -59,7 +59,9 @@ Precision notes for implementations:
   0 or 1, the whole loss) can be far smaller than the logits: log Q − log M =
   −log1p(β·expm1(δ)) with δ = log P − log Q, and for β > ``HIGH_BETA`` log P − log M =
   −log1p((1−β)·expm1(−δ)). A difference of log-probabilities or of logsumexps loses
-  everything as β → 0 or 1 (the loss scales with β or 1 − β).
+  everything as β → 0 or 1 (the loss scales with β or 1 − β). And 1 − β must come from the
+  caller's β in float64, never as 1 − fp32(β): for β > ``HIGH_BETA`` and δ < −1, where
+  1 − β carries log M/Q, that is logaddexp(log β + δ, log(1 − β)).
 * J is a difference of nearly equal quantities when student and teacher agree, and its
   gradient has no exact dominant term (unlike cross-entropy's −onehot), so logits rounded to
   bf16 by the GEMM (|z|·2⁻⁹ absolute) move the gradient by ~1e-2 relative. The reference

@@ -190,7 +190,7 @@ def _combine_stats(part, segs_idx, smask, KIND: tl.constexpr, HARD: tl.constexpr
 
 
 @triton.jit
-def _jsd_terms(a, b, l_a, c, beta):
+def _jsd_terms(a, b, l_a, c, beta, omb):
     """Per element (0 < β < 1): Q, P, δ = log P − log Q and Λ = log Q − log M negated."""
     lq = a - l_a
     delta = (b - a) - c
@@ -198,6 +198,13 @@ def _jsd_terms(a, b, l_a, c, beta):
     p = tl.exp(lq + delta)
     lam = tl.where(delta > FAR, tl.log(beta) + delta,
                    _log1p(beta * _expm1(tl.minimum(delta, FAR))))
+    if beta > HIGH_BETA:
+        # log(β·e^δ + 1 − β) for δ < −1, where 1 − β carries it: as a logaddexp of log(1 − β)
+        # from the host's 1 − β (in fp32, β·expm1(δ) would make it 1 − fp32(β))
+        u = _log1p(-omb) + delta
+        v = tl.log(omb)
+        hi = tl.maximum(u, v)
+        lam = tl.where(delta < -1.0, hi + _log1p(tl.exp(tl.minimum(u, v) - hi)), lam)
     return q, p, delta, lam
 
 
@@ -228,7 +235,7 @@ def _seg_jsd_sums(s_row, t_row, col0, col1, inv_t, l_a, c, beta, omb, BLOCK: tl.
         cols = start + offs
         cmask = cols < col1
         a, b, zs = _load_block(s_row, t_row, cols, cmask, inv_t)
-        q, p, delta, lam = _jsd_terms(a, b, l_a, c, beta)
+        q, p, delta, lam = _jsd_terms(a, b, l_a, c, beta, omb)
         qlam = q * lam
         k -= tl.sum(tl.where(cmask, qlam, 0.0), 0)
         j += tl.sum(tl.where(cmask, beta * p * _log_p_over_m(delta, lam, beta, omb) - omb * qlam,
@@ -258,7 +265,7 @@ def _seg_grad(s_row, t_row, dz_row, col0, col1, y_local, inv_t, l_a, c, l_z, kk,
             q = tl.exp(lq)
             d = -q * (((b - a) - c) + kk)
         else:
-            q, p, delta, lam = _jsd_terms(a, b, l_a, c, beta)
+            q, p, delta, lam = _jsd_terms(a, b, l_a, c, beta, omb)
             d = -omb * q * (lam + kk)
         d = coef * d
         if HARD:
