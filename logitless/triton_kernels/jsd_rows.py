@@ -56,7 +56,6 @@ KIND_FORWARD_KL, KIND_REVERSE_KL, KIND_JSD = 0, 1, 2
 FAR = tl.constexpr(spec.FAR)
 SMALL = tl.constexpr(spec.SMALL)
 GAP = tl.constexpr(spec.GAP)
-HIGH_BETA = tl.constexpr(spec.HIGH_BETA)
 
 
 @triton.jit
@@ -190,7 +189,7 @@ def _combine_stats(part, segs_idx, smask, KIND: tl.constexpr, HARD: tl.constexpr
 
 
 @triton.jit
-def _jsd_terms(a, b, l_a, c, beta, omb):
+def _jsd_terms(a, b, l_a, c, beta, omb, HIGH: tl.constexpr):
     """Per element (0 < β < 1): Q, P, δ = log P − log Q and Λ = log Q − log M negated."""
     lq = a - l_a
     delta = (b - a) - c
@@ -198,7 +197,7 @@ def _jsd_terms(a, b, l_a, c, beta, omb):
     p = tl.exp(lq + delta)
     lam = tl.where(delta > FAR, tl.log(beta) + delta,
                    _log1p(beta * _expm1(tl.minimum(delta, FAR))))
-    if beta > HIGH_BETA:
+    if HIGH:  # β > spec.HIGH_BETA
         # log(β·e^δ + 1 − β) for δ < −1, where 1 − β carries it: as a logaddexp of log(1 − β)
         # from the host's 1 − β (in fp32, β·expm1(δ) would make it 1 − fp32(β))
         u = _log1p(-omb) + delta
@@ -209,12 +208,13 @@ def _jsd_terms(a, b, l_a, c, beta, omb):
 
 
 @triton.jit
-def _log_p_over_m(delta, lam, beta, omb):
+def _log_p_over_m(delta, lam, beta, omb, HIGH: tl.constexpr):
     """log P − log M: δ − Λ, which cancels as β → 1 (it tends to 0 with 1 − β = ``omb``); for
     β > HIGH_BETA −log1p((1−β)·expm1(−δ)), or −logaddexp(log β, log(1−β) − δ) where −δ > FAR
-    (no cancellation there). A branch on a scalar: one path per launch."""
+    (no cancellation there). ``HIGH`` (β > HIGH_BETA) is a compile-time switch, so that the
+    kernels for β <= HIGH_BETA carry none of this code (nor its registers)."""
     r = delta - lam
-    if beta > HIGH_BETA:
+    if HIGH:
         nd = -delta
         lb = _log1p(-omb)
         lo = tl.log(omb) + nd
@@ -225,7 +225,8 @@ def _log_p_over_m(delta, lam, beta, omb):
 
 
 @triton.jit
-def _seg_jsd_sums(s_row, t_row, col0, col1, inv_t, l_a, c, beta, omb, BLOCK: tl.constexpr):
+def _seg_jsd_sums(s_row, t_row, col0, col1, inv_t, l_a, c, beta, omb, HIGH: tl.constexpr,
+                  BLOCK: tl.constexpr):
     """Pass 2 (0 < β < 1) over [col0, col1): −Σ Q·Λ (→ K) and Σ β·P·log(P/M) − (1−β)·Q·Λ
     (→ J); ``omb`` = 1 − β, computed on the host (in fp32, 1 − β would lose it as β → 1)."""
     offs = tl.arange(0, BLOCK)
@@ -235,18 +236,19 @@ def _seg_jsd_sums(s_row, t_row, col0, col1, inv_t, l_a, c, beta, omb, BLOCK: tl.
         cols = start + offs
         cmask = cols < col1
         a, b, zs = _load_block(s_row, t_row, cols, cmask, inv_t)
-        q, p, delta, lam = _jsd_terms(a, b, l_a, c, beta, omb)
+        q, p, delta, lam = _jsd_terms(a, b, l_a, c, beta, omb, HIGH)
         qlam = q * lam
         k -= tl.sum(tl.where(cmask, qlam, 0.0), 0)
-        j += tl.sum(tl.where(cmask, beta * p * _log_p_over_m(delta, lam, beta, omb) - omb * qlam,
-                             0.0), 0)
+        lpm = _log_p_over_m(delta, lam, beta, omb, HIGH)
+        j += tl.sum(tl.where(cmask, beta * p * lpm - omb * qlam, 0.0), 0)
     return k, j
 
 
 @triton.jit
 def _seg_grad(s_row, t_row, dz_row, col0, col1, y_local, inv_t, l_a, c, l_z, kk, beta, omb,
               coef, hard_coef, poison, KIND: tl.constexpr, HARD: tl.constexpr,
-              T_ONE: tl.constexpr, ROUND_BF16: tl.constexpr, BLOCK: tl.constexpr):
+              T_ONE: tl.constexpr, ROUND_BF16: tl.constexpr, HIGH: tl.constexpr,
+              BLOCK: tl.constexpr):
     """Pass 3 over [col0, col1): dz = coef·∂J/∂a + hard_coef·(S − [v = y]) (+ poison), with
     coef = g·m/T, hard_coef = g·m·w_h, kk the row's KL (reverse KL) or K (JSD)."""
     offs = tl.arange(0, BLOCK)
@@ -265,7 +267,7 @@ def _seg_grad(s_row, t_row, dz_row, col0, col1, y_local, inv_t, l_a, c, l_z, kk,
             q = tl.exp(lq)
             d = -q * (((b - a) - c) + kk)
         else:
-            q, p, delta, lam = _jsd_terms(a, b, l_a, c, beta, omb)
+            q, p, delta, lam = _jsd_terms(a, b, l_a, c, beta, omb, HIGH)
             d = -omb * q * (lam + kk)
         d = coef * d
         if HARD:
@@ -316,7 +318,7 @@ def _row_segment(row, seg, s_ptr, s_stride, t_ptr, t_stride, dz_ptr, dz_stride, 
                  T_ONE: tl.constexpr, WRITE_LOSS: tl.constexpr, WRITE_GRAD: tl.constexpr,
                  PHASE: tl.constexpr, SEGS: tl.constexpr, SEGS_P2: tl.constexpr,
                  SEG: tl.constexpr, BLOCK: tl.constexpr, ROUND_BF16: tl.constexpr,
-                 MAX_SPIN: tl.constexpr):
+                 MAX_SPIN: tl.constexpr, HIGH: tl.constexpr):
     row64 = tl.cast(row, tl.int64)
     s_row = s_ptr + row64 * s_stride
     t_row = t_ptr + row64 * t_stride
@@ -382,7 +384,7 @@ def _row_segment(row, seg, s_ptr, s_stride, t_ptr, t_stride, dz_ptr, dz_stride, 
             if KIND == 2:
                 if PHASE != 3:
                     k_seg, j_seg = _seg_jsd_sums(s_row, t_row, col0, col1, inv_t, l_a, c, beta,
-                                                 omb, BLOCK)
+                                                 omb, HIGH, BLOCK)
                     if SEGS > 1:
                         tl.store(part + seg * _NF + F_K, k_seg)
                         tl.store(part + seg * _NF + F_J, j_seg)
@@ -414,7 +416,7 @@ def _row_segment(row, seg, s_ptr, s_stride, t_ptr, t_stride, dz_ptr, dz_stride, 
                     g = tl.load(g_ptr + row64 * g_stride).to(tl.float32)
                     _seg_grad(s_row, t_row, dz_row, col0, col1, y_local, inv_t, l_a, c, l_z,
                               kk, beta, omb, g * inv_t, g * hard_w, nan, KIND, HARD, T_ONE,
-                              ROUND_BF16, BLOCK)
+                              ROUND_BF16, HIGH, BLOCK)
     else:
         if PHASE == 0 or PHASE == 3:
             if WRITE_LOSS:
@@ -433,6 +435,7 @@ def jsd_rows_kernel(
     WRITE_LOSS: tl.constexpr, WRITE_GRAD: tl.constexpr, PHASE: tl.constexpr,
     SEGS: tl.constexpr, SEGS_P2: tl.constexpr, SEG: tl.constexpr, BLOCK: tl.constexpr,
     ROUND_BF16: tl.constexpr = False, MAX_SPIN: tl.constexpr = 1 << 20,
+    HIGH: tl.constexpr = False,
 ):
     """Per-token loss (``loss_ptr``, fp32) and/or the student logit gradient (``dz_ptr``) for
     rows [0, n_rows) of the student / teacher logits buffers. ``inv_t`` = 1/T, ``g`` the
@@ -448,7 +451,7 @@ def jsd_rows_kernel(
                              dz_ptr, dz_stride, y_ptr, g_ptr, g_stride, loss_ptr, part_ptr,
                              sync_ptr, V, ignore_index, inv_t, beta, omb, hard_w, KIND, HAS_Y,
                              HARD, T_ONE, WRITE_LOSS, WRITE_GRAD, PHASE, SEGS, SEGS_P2, SEG,
-                             BLOCK, ROUND_BF16, MAX_SPIN)
+                             BLOCK, ROUND_BF16, MAX_SPIN, HIGH)
                 ticket = tl.atomic_add(sync_ptr, 1, sem="relaxed")
         else:
             for row in range(tl.program_id(0), n_rows, tl.num_programs(0)):
@@ -456,14 +459,14 @@ def jsd_rows_kernel(
                              y_ptr, g_ptr, g_stride, loss_ptr, part_ptr, sync_ptr, V,
                              ignore_index, inv_t, beta, omb, hard_w, KIND, HAS_Y, HARD, T_ONE,
                              WRITE_LOSS, WRITE_GRAD, PHASE, SEGS, SEGS_P2, SEG, BLOCK,
-                             ROUND_BF16, MAX_SPIN)
+                             ROUND_BF16, MAX_SPIN, HIGH)
     else:
         pid = tl.program_id(0)
         _row_segment(pid // SEGS, pid % SEGS, s_ptr, s_stride, t_ptr, t_stride, dz_ptr,
                      dz_stride, y_ptr, g_ptr, g_stride, loss_ptr, part_ptr, sync_ptr, V,
                      ignore_index, inv_t, beta, omb, hard_w, KIND, HAS_Y, HARD, T_ONE,
                      WRITE_LOSS, WRITE_GRAD, PHASE, SEGS, SEGS_P2, SEG, BLOCK, ROUND_BF16,
-                     MAX_SPIN)
+                     MAX_SPIN, HIGH)
 
 
 # ----------------------------------------------------------------------------- diagnostics
@@ -502,11 +505,12 @@ def compile_report(arch: int = 90, variants=None) -> str:
 
     base = dict(KIND=KIND_JSD, HAS_Y=True, HARD=False, T_ONE=True, WRITE_LOSS=True,
                 WRITE_GRAD=True, PHASE=0, SEGS=16, SEGS_P2=16, SEG=8192, BLOCK=2048,
-                ROUND_BF16=False, MAX_SPIN=1 << 20)
+                ROUND_BF16=False, MAX_SPIN=1 << 20, HIGH=False)
     variants = variants or [
         dict(), dict(KIND=KIND_FORWARD_KL), dict(KIND=KIND_REVERSE_KL, HARD=True),
         dict(HARD=True, T_ONE=False), dict(SEGS=1, SEGS_P2=2, SEG=131072),
         dict(PHASE=1), dict(PHASE=2), dict(PHASE=3, HAS_Y=False), dict(WRITE_GRAD=False),
+        dict(HIGH=True), dict(PHASE=2, HIGH=True), dict(PHASE=3, HIGH=True),
         dict(num_warps=16, BLOCK=4096, SEG=16384, SEGS=8, SEGS_P2=8),
     ]
     ptxas = _cuda_tool("ptxas", arch)
