@@ -91,16 +91,21 @@ register(Backend("triton", torch_backend_runner("triton"), naive="naive-torch",
                  requires=("torch", "triton")))
 
 
+def own_gemm_takes(case):
+    """The cases the statistics-epilogue GEMM can take: half precision, no label smoothing,
+    rows of a multiple of 8 elements (TMA alignment). The parity suite runs it on every case,
+    so elsewhere it takes cuBLAS, the default."""
+    return case.dtype != "float32" and not case.label_smoothing and case.h % 8 == 0
+
+
 def own_gemm_runner(case, inp):
-    """backend="triton" with the forward's logits from the statistics-epilogue GEMM
-    (logits_gemm="triton") wherever the case allows it: half precision, no label smoothing,
-    rows of a multiple of 8 elements (TMA alignment); elsewhere cuBLAS, the default."""
-    ok = case.dtype != "float32" and not case.label_smoothing and case.h % 8 == 0
-    return torch_backend_runner("triton", logits_gemm="triton" if ok else "cublas")(case, inp)
+    """backend="triton" with the forward's logits from logits_gemm="triton" where it applies."""
+    gemm = "triton" if own_gemm_takes(case) else "cublas"
+    return torch_backend_runner("triton", logits_gemm=gemm)(case, inp)
 
 
 register(Backend("triton-own-gemm", own_gemm_runner, naive="naive-torch",
-                 requires=("torch", "triton")))
+                 requires=("torch", "triton"), takes=own_gemm_takes))
 # low-memory operating point; small vocabulary chunks exercise the multi-chunk dW sweep
 register(Backend("triton-low-memory",
                  torch_backend_runner("triton", low_memory=True, vocab_chunk_size=64),

@@ -30,7 +30,7 @@ import importlib.util
 import os
 import warnings
 import zlib
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import ml_dtypes
 import numpy as np
@@ -70,6 +70,9 @@ class Backend:
     dtypes: Tuple[str, ...] = ("float32", "bfloat16", "float16")
     requires: Tuple[str, ...] = ()  # importable modules needed
     op: str = "linear_cross_entropy"
+    # the cases this backend adds coverage for (None: all); a variant of another backend
+    # that differs only where a case allows (e.g. triton-own-gemm) need not repeat the rest
+    takes: Optional[Callable[[Any], bool]] = None
 
 
 REGISTRY: Dict[str, Dict[str, Backend]] = {}
@@ -83,6 +86,13 @@ def register(backend: Backend) -> Backend:
 def backends(op: str) -> Dict[str, Backend]:
     """The backends registered for ``op`` (a live dict: later registrations show up)."""
     return REGISTRY.setdefault(op, {})
+
+
+def cases_under_test(op: "Op") -> List[Tuple[str, Any]]:
+    """(backend, case) pairs of the suite: every backend of ``op`` under test with every
+    curated case it takes."""
+    return [(name, case) for name in under_test(op.name) for case in op.cases()
+            if backends(op.name)[name].takes is None or backends(op.name)[name].takes(case)]
 
 
 def under_test(op: str) -> List[str]:

@@ -2,13 +2,11 @@
 import pytest
 
 import backends  # noqa: F401  (registers the backends)
-from harness import check_backend, under_test
+from harness import cases_under_test, check_backend
 from op_linear_cross_entropy import OP
 
-CASES = OP.cases()
 
-
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
-@pytest.mark.parametrize("backend", under_test(OP.name))
+@pytest.mark.parametrize("backend, case", cases_under_test(OP),
+                         ids=lambda p: p if isinstance(p, str) else p.id)
 def test_matches_spec(backend, case):
     check_backend(OP, backend, case)
