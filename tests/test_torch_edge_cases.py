@@ -278,7 +278,9 @@ def test_negative_class_weight_sum_divides_like_f_cross_entropy(backend):
     does: a negative Σω used to leave the loss undivided, flipping its sign."""
     x, w, _, y = _lce_data(6, 8, 5, seed=12)
     y = torch.tensor([0, 0, 1, 2, -100, 0], device=DEV)
-    cw = torch.tensor([-1.0, 0.5, 0.5, 1.0, 1.0], device=DEV)  # Σω over the targets: -1.5
+    # every target's weight negative (Σω = -4): the mean is then positive for any data, and
+    # the undivided sum it used to return negative (mixed signs made it seed-dependent)
+    cw = torch.tensor([-1.0, -0.5, -0.5, 1.0, 1.0], device=DEV)
     want = _grads(lambda x, w: F.cross_entropy(x @ w.t(), y, weight=cw), x, w)
     got = _grads(lambda x, w: lt.linear_cross_entropy(x, w, y, weight=cw, backend=backend), x, w)
     assert want[0] > 0
