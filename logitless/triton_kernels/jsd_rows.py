@@ -208,7 +208,7 @@ def _jsd_terms(a, b, l_a, c, beta, omb, HIGH: tl.constexpr):
 
 
 @triton.jit
-def _log_p_over_m(delta, lam, beta, omb, HIGH: tl.constexpr):
+def _log_p_over_m(delta, lam, omb, HIGH: tl.constexpr):
     """log P − log M: δ − Λ, which cancels as β → 1 (it tends to 0 with 1 − β = ``omb``); for
     β > HIGH_BETA −log1p((1−β)·expm1(−δ)), or −logaddexp(log β, log(1−β) − δ) where −δ > FAR
     (no cancellation there). ``HIGH`` (β > HIGH_BETA) is a compile-time switch, so that the
@@ -239,7 +239,7 @@ def _seg_jsd_sums(s_row, t_row, col0, col1, inv_t, l_a, c, beta, omb, HIGH: tl.c
         q, p, delta, lam = _jsd_terms(a, b, l_a, c, beta, omb, HIGH)
         qlam = q * lam
         k -= tl.sum(tl.where(cmask, qlam, 0.0), 0)
-        lpm = _log_p_over_m(delta, lam, beta, omb, HIGH)
+        lpm = _log_p_over_m(delta, lam, omb, HIGH)
         j += tl.sum(tl.where(cmask, beta * p * lpm - omb * qlam, 0.0), 0)
     return k, j
 
