@@ -291,7 +291,8 @@ def _to_jax(t):
     return to_jax(t.detach())
 
 
-def bench_xla_floor(shape: Shape, jx, *, reps, warmup, seed):
+def xla_floor_step(shape: Shape, jx, seed):
+    """The floor's four GEMMs through XLA as one compiled call: ``step()`` runs them."""
     import jax
     import jax.numpy as jnp
     xs, ws, xt, wt = jx["xs"], jx["ws"], jx["xt"], jx["wt"]
@@ -299,10 +300,15 @@ def bench_xla_floor(shape: Shape, jx, *, reps, warmup, seed):
         .astype(jnp.bfloat16)
     gemms = jax.jit(lambda xs, ws, xt, wt, g: (xs @ ws.T, xt @ wt.T, g @ ws, g.T @ xs)) \
         .lower(xs, ws, xt, wt, g).compile()
+    return lambda: gemms(xs, ws, xt, wt, g)
+
+
+def bench_xla_floor(shape: Shape, jx, *, reps, warmup, seed):
+    step = xla_floor_step(shape, jx, seed)
     try:
-        t = common.time_jax(lambda: gemms(xs, ws, xt, wt, g), reps=reps, warmup=warmup)
+        t = common.time_jax(step, reps=reps, warmup=warmup)
     finally:
-        del g, gemms
+        del step
         gc.collect()
     return {"status": "ok", "ms": t.median_ms, "tflops": common.tflops(shape.gemm_flops, t.median_ms),
             "timing": t.as_dict(), "through": "XLA"}

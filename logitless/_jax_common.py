@@ -252,20 +252,26 @@ class _Static:
     needs: Tuple[bool, bool, bool] = (True, True, True)  # see Prepared.needs
 
 
-def _walk_chunks(st: _Static, n: int, body, carry):
-    """``carry = body(start, size, carry)`` over the plan: the first chunk on its own (so that
-    ``body`` may create accumulators by assignment there), a loop over the other full chunks,
-    then the ragged tail."""
-    size = st.plan.chunk
+def walk(n: int, size: int, body, carry, start0: int = 0):
+    """``carry = body(start, length, carry)`` over [start0, start0 + n) in pieces of ``size``:
+    the first piece on its own (so ``body`` may create accumulators by assignment there), a
+    ``lax.fori_loop`` over the other full pieces, then the ragged tail (all lengths static).
+    (Unrolling the loop was measured on an H100, linear JSD at 8192 tokens: slower, 74 vs
+    72.5 ms, and XLA then kept 11 GB of temporaries instead of 4.6.)"""
     full, tail = divmod(n, size)
     if n == 0:
         return carry
-    carry = body(0, size if full else tail, carry)
+    carry = body(start0, size if full else tail, carry)
     if full > 1:
-        carry = lax.fori_loop(1, full, lambda i, c: body(i * size, size, c), carry)
+        carry = lax.fori_loop(1, full, lambda i, c: body(start0 + i * size, size, c), carry)
     if full and tail:
-        carry = body(full * size, tail, carry)
+        carry = body(start0 + full * size, tail, carry)
     return carry
+
+
+def _walk_chunks(st: _Static, n: int, body, carry):
+    """``carry = body(start, size, carry)`` over the plan's chunks (see :func:`walk`)."""
+    return walk(n, st.plan.chunk, body, carry)
 
 
 def _tokens(a, start, size, axis=0):

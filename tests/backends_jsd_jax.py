@@ -112,10 +112,11 @@ def naive_jax_jsd(case, inp):
 
 
 def pallas_test_tuning():
-    """Small blocks on CPU so the interpreted kernel walks several column blocks with a
-    ragged last one and a persistent grid of 3 programs; on a GPU the defaults are tested."""
+    """Small tiles on CPU so the interpreted kernels split rows into segments of two column
+    blocks, with a ragged (or wholly masked) last block; on a GPU the defaults are tested."""
     import jax
-    return {} if jax.default_backend() == "gpu" else dict(block_rows=4, block_v=32, grid_size=3)
+    return {} if jax.default_backend() == "gpu" else \
+        dict(block_rows=4, block_v=32, segment_size=64)
 
 
 def pallas_runner(case, inp):

@@ -18,7 +18,7 @@ from helpers import assert_close_rel, jaxpr_eqns  # noqa: E402
 
 BACKENDS = ["xla", "pallas"]
 TOL = 2e-5  # float32 inputs against the float64 spec
-PALLAS_SMALL = dict(block_rows=2, block_v=16, grid_size=3)
+PALLAS_SMALL = dict(block_rows=2, block_v=16, segment_size=32)  # V = 41: 32 + 9 columns
 
 
 def _tuning(backend, **kw):
@@ -64,6 +64,35 @@ def test_jit_value_and_grad_and_teacher_cotangents(backend):
     assert loss.dtype == jnp.float32 and dx.dtype == xs.dtype and dw.shape == ws.shape
     np.testing.assert_allclose(np.asarray(jax.grad(f)(xs, ws, xt, wt)), np.asarray(dx),
                                rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_budget_plan_pads_to_equal_chunks(backend, reduction, monkeypatch):
+    """A plan from the memory budget: equal chunks, the tokens padded to a whole number of
+    them (no ragged last chunk); the padding must not reach the loss or the gradients."""
+    from logitless import _jax_jsd
+    n, v = 37, 100
+    xs, ws, xt, wt, y = _problem(n=n, v=v, salt=7)
+    # float32 inputs: 12 bytes per logit for pallas (gradient + two logits), 40 for xla (its
+    # eight working arrays): budgets that make 24-token chunks, then 2 × 24 = 48 (11 padded)
+    budget = 24 * v * (12 if backend == "pallas" else 40)
+    padded = []
+    pad = _jax_jsd._pad
+    monkeypatch.setattr(_jax_jsd, "_pad", lambda a, m, value=0: (
+        padded.append((None if a is None else a.shape[0], m)), pad(a, m, value))[1])
+    opts = dict(beta=0.3, temperature=2.0, hard_loss_weight=0.5, reduction=reduction)
+    g = np.random.default_rng(SEED).standard_normal(n) if reduction == "none" else None
+    f = lambda xs, ws: lj.linear_jsd(xs, ws, xt, wt, y, backend=backend, memory_budget=budget,
+                                     **opts, **_tuning(backend))
+    loss, vjp = jax.vjp(f, xs, ws)
+    dx, dw = vjp(jnp.ones_like(loss) if g is None else jnp.asarray(g, loss.dtype))
+    assert (n, 48) in padded, padded
+    ref = _ref(xs, ws, xt, wt, y, g, **opts)
+    _close(loss, ref["loss"])
+    _close(dx, ref["dx"])
+    _close(dw, ref["dw"])
+    assert loss.shape == (() if g is None else (n,)) and dx.shape == xs.shape
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -150,6 +179,8 @@ BAD = [
     (dict(backend="xla", block_v=64), TypeError, "unknown tuning keyword(s) ['block_v']"),
     (dict(backend="pallas", block_v=48), ValueError, "block_v must be a power of two"),
     (dict(backend="pallas", fp32_logits=1), TypeError, "fp32_logits must be a bool"),
+    (dict(backend="pallas", segment_size=3000), ValueError, "segment_size must be a power of two"),
+    (dict(backend="pallas", grid_size=4), TypeError, "unknown tuning keyword(s) ['grid_size']"),
 ]
 
 
@@ -203,7 +234,10 @@ def _lower_for_cuda(n, hs, ht, v, **kw):
                                   dict(beta=0.3, hard_loss_weight=0.2, fp32_logits=False)],
                          ids=str)
 def test_pallas_lowers_to_triton_at_the_acceptance_shape(opts):
-    """N=8192, H=4096, V=128256 (H_t = 5120 for the teacher), bf16, GPU defaults and a
-    persistent grid: the kernels lower through Pallas' Triton backend without a GPU."""
-    hlo = _lower_for_cuda(8192, 4096, 5120, 128256, grid_size=132, **opts)
+    """N=8192, H=4096, V=128256 (H_t = 5120 for the teacher), bf16, GPU defaults: the
+    kernels (one per pass) lower through Pallas' Triton backend without a GPU."""
+    hlo = _lower_for_cuda(8192, 4096, 5120, 128256, **opts)
     assert "xla.gpu.triton" in hlo
+    passes = ["stats", "sums", "grad"] if 0 < opts["beta"] < 1 else ["stats", "grad"]
+    for name in passes:
+        assert f"logitless_linear_jsd_{name}" in hlo, name

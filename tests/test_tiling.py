@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from harness import SEED
-from logitless.specs.tiling import (DEFAULT_BUDGET_BYTES, ChunkPlan, ceil_div, next_power_of_2,
-                                    plan_token_chunks)
+from logitless.specs.tiling import (DEFAULT_BUDGET_BYTES, ChunkPlan, balanced, ceil_div,
+                                    next_power_of_2, plan_token_chunks)
 
 
 def assert_partition(plan: ChunkPlan):
@@ -128,6 +128,23 @@ def test_bad_arguments_raise(kwargs, name):
     n, v = args.pop("n"), args.pop("v")
     with pytest.raises(ValueError, match=name):
         plan_token_chunks(n, v, **args)
+
+
+@pytest.mark.parametrize("n, chunk, want", [
+    (8192, 1792, 1640),  # 5 chunks either way: 4 × 1792 + 1024 -> 5 × 1640 (8200, 8 padded)
+    (8192, 1024, 1024),  # already equal
+    (16384, 3584, 3280),
+    (37, 24, 24),        # 2 × 19 -> rounded up to 24
+    (100, 200, 200),     # one chunk: as is
+    (0, 16, 16),
+    (37, 20, 20),        # the equal size (24) would exceed the chunk: as is
+])
+def test_balanced_keeps_the_count_and_evens_the_sizes(n, chunk, want):
+    plan = ChunkPlan(n=n, chunk=chunk)
+    out = balanced(plan)
+    assert out.chunk == want and out.num_chunks == plan.num_chunks
+    assert out.chunk <= plan.chunk and out.chunk % 8 == 0 or out == plan
+    assert out.num_chunks * out.chunk - n < 8 * out.num_chunks or out == plan
 
 
 def test_ceil_div():

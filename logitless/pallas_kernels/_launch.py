@@ -48,7 +48,7 @@ def resolve(defaults: Dict[str, Any], *, block_rows, block_v, num_warps, num_sta
         raise TypeError(f"fp32_logits must be a bool, got {fp32_logits!r}")
     if grid_size is not None:
         common.check_tuning("grid_size", grid_size)
-    elif not interpret:
+    elif not interpret and "programs_per_sm" in defaults:  # a persistent kernel
         grid_size = default_grid_size(defaults)
     return dict(
         block_rows=common.check_tuning("block_rows", pick(defaults, block_rows, "block_rows"),
@@ -84,10 +84,10 @@ def check_interpret_x64(head, write_grad: bool) -> None:
             "jax_enable_x64 on (a Pallas interpreter limitation); use backend='xla' there")
 
 
-def call(head, kernel, inputs, out_shape, *, grid_size: int, aliases, name: str):
-    """``pallas_call`` of ``kernel`` on a 1-D grid with the head's Triton settings."""
+def call(head, kernel, inputs, out_shape, *, grid: tuple, aliases, name: str):
+    """``pallas_call`` of ``kernel`` on ``grid`` with the head's Triton settings."""
     return pl.pallas_call(
-        kernel, out_shape=tuple(out_shape), grid=(grid_size,),
+        kernel, out_shape=out_shape, grid=grid,
         input_output_aliases=aliases,
         interpret=head.interpret,
         compiler_params=plgpu.CompilerParams(num_warps=head.num_warps,

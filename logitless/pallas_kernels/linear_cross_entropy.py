@@ -160,7 +160,7 @@ class PallasHead(common.Head):
             _rows_kernel, v=v, block_rows=block_rows, block_v=block_v, grid_size=grid_size,
             softcap=self.softcap, smoothing=self.smoothing, has_bias=bias is not None,
             has_cw=has_cw, write_grad=write_grad)
-        return launch.call(self, kernel, inputs, out_shape, grid_size=grid_size,
+        return launch.call(self, kernel, inputs, tuple(out_shape), grid=(grid_size,),
                            aliases={0: 2} if in_place else {},
                            name="logitless_linear_cross_entropy_rows")
 

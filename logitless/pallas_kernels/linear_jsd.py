@@ -1,18 +1,20 @@
-"""``backend="pallas"`` for linear JSD: one Pallas kernel per token chunk between XLA GEMMs.
+"""``backend="pallas"`` for linear JSD: Pallas kernels per token chunk between XLA GEMMs.
 
-Per chunk of tokens (the plan of :mod:`logitless.specs.tiling`):
+Per chunk of tokens (the plan of :mod:`logitless.specs.tiling`, equal chunks, padded to a
+whole number of them):
 
 1. the student and teacher logits GEMMs through XLA, written as float32 straight from the
    half-precision GEMM (``fp32_logits=True``, the default: JSD's gradient needs unrounded
    logits, see the spec);
-2. one Pallas kernel over the chunk's rows, three sweeps over a row's vocabulary: the online
-   normalizers of both heads (and, for β ∈ {0, 1}, the KL itself), then (0 < β < 1)
-   K = KL(Q‖M) and the loss, then the student logit gradient (written backwards, starting on
-   the columns the previous sweep read last) in the input dtype;
+2. one Pallas launch per pass, each program on one row block and one column segment
+   (``segment_size`` columns): pass 1 the segment's online normalizers of both heads (and,
+   for β ∈ {0, 1}, the KL sums), merged per row in XLA into the gap c = L_b − L_a; pass 2
+   (0 < β < 1) the segment's sums of K = KL(Q‖M) and of the loss; pass 3 the student logit
+   gradient in the input dtype;
 3. dX_c = dz_c·W_s and dW += dz_cᵀ·x_s,c through XLA, dW accumulating in float32.
 
 The chunk loop and the ``jax.custom_vjp`` are the shared driver of :mod:`logitless._jax_jsd`,
-whose row-block math the kernel runs on each column block. Every load is masked: ragged row
+whose row-block math the kernels run on each column block. Every load is masked: ragged row
 and vocabulary ends never read out of bounds; masked logits read as 0 and are excluded from
 the reductions. GPU: Pallas' Triton backend; elsewhere interpret mode (where, as for linear
 cross-entropy, a gradient with ``jax_enable_x64`` on raises ``NotImplementedError``: a Pallas
@@ -22,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -31,87 +32,118 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from .. import _jax_common as common
 from .. import _jax_jsd as jc
 from ..specs import linear_jsd as spec
-from ..specs.tiling import ceil_div
+from ..specs.tiling import ceil_div, next_power_of_2
 from . import _launch as launch
 
 TUNING = ("chunk_size", "logits_chunk_size", "memory_budget", "block_rows", "block_v",
-          "num_warps", "num_stages", "grid_size", "fp32_logits", "interpret")
+          "num_warps", "num_stages", "segment_size", "fp32_logits", "interpret")
 
-# GPU defaults, by analogy with the linear-CE kernel's H100 tuning (long column blocks, one
-# 16-warp program per SM); to be re-tuned with benchmarks/linear_jsd.py. The budget covers the
-# chunk's two float32 logits buffers and its gradient buffer.
-GPU_DEFAULTS = dict(memory_budget=896 << 20, block_rows=1, block_v=8192, num_warps=16,
-                    num_stages=2, programs_per_sm=1)
-# With float32 logits of half-precision inputs the logits GEMMs and the kernel run on
-# sub-chunks of chunk / LOGITS_SHARE tokens (the gradient buffer keeps the whole chunk, so
-# that dW's float32 accumulator is read and written once per chunk): as the Triton backend.
-LOGITS_SHARE = 4
+# GPU defaults (H100, N = 8192, H = 4096, V = 128256; benchmarks/jax_jsd_profile.py and
+# results/…-jax-jsd-tuning.jsonl). The budget covers a chunk's gradient buffer and its two
+# float32 logits buffers, 10 bytes per logit: 2048-token chunks there. The logits GEMMs run
+# on whole chunks, which they need to be fast (below ~1024 rows they slow down; sub-chunks
+# also cost a copy into the chunk's gradient buffer), and every chunk is a pass of XLA's
+# float32 dW accumulation (~0.5 ms at 1024 tokens). Measured, ms: 1792-token chunks with
+# 384-token logits sub-chunks (the previous default) 72.5-73.7 and 4.6 GB of XLA temporaries;
+# 1024 / 1024 68.5 and 3.0 GB; 2048 / 1024 67.1-67.9; 2048 / 2048 63.2-65.3 and 3.8 GB, all
+# with the previous kernel (one persistent 16-warp program per SM walking whole rows, three
+# sweeps each), which one launch per pass over 8192-column segments beats by ~2 ms (61.7-61.8
+# against 63.8-63.9 in one run; 2048-column blocks, 4 warps; other shapes within 1 ms).
+GPU_DEFAULTS = dict(memory_budget=2560 << 20, block_rows=1, block_v=2048, num_warps=4,
+                    num_stages=2, segment_size=8192)
+# Tokens per chunk over tokens per logits GEMM by default (1: no sub-chunks; the Triton backend
+# uses 4, as torch's float32 accumulation costs a pass over dW per chunk).
+LOGITS_SHARE = 1
 
 
-def _rows_kernel(zs_ref, zt_ref, *refs, v, block_rows, block_v, grid_size, kind, beta,
-                 temperature, hard_w, has_y, t_one, write_grad):
-    """Program p handles row blocks p, p + grid_size, ... of ``block_rows`` rows each.
-    refs: [y (C,) int32, -1 = no target column], [coef (C,) f32 = g·m], loss (C,) f32,
-    [dz (C, V)]."""
-    refs = list(refs)
-    y_ref = refs.pop(0) if has_y else None
-    coef_ref = refs.pop(0) if write_grad else None
-    loss_ref = refs[0]
-    dz_ref = refs[1] if write_grad else None
+# One launch per pass. Program (r, s) takes row block r and column segment s (``seg_blocks`` blocks of ``block_v``).
+# Pass 1 writes each segment's pass-1 carry, XLA merges them (``jc.stats_merge``); pass 2
+# (0 < β < 1) writes each segment's K and J sums; pass 3 writes dz. Every segment starts on a
+# live column (there are ⌈V / segment⌉ of them), so its running maxima are finite after its
+# first block and a masked block after it adds nothing.
+_ROWVALS = 5  # l_a, c, l_z, kk, coef per row for pass 3
+
+
+def _segment(zs_ref, zt_ref, y_ref, *, v, block_rows, block_v, seg_blocks):
+    """(rows, rmask, block) of this program: block(t) loads the segment's t-th column block."""
     n_rows = zs_ref.shape[0]
-    n_vblocks = ceil_div(v, block_v)
-    hard = hard_w > 0
-    kw = dict(kind=kind, hard=hard, t_one=t_one)
-    inv_t = 1.0 / temperature
+    r0 = pl.program_id(0) * block_rows
+    c0 = pl.program_id(1) * (seg_blocks * block_v)
+    rmask = (r0 + launch.iota(block_rows)) < n_rows
+    rows = pl.ds(r0, block_rows)
+    y = plgpu.load(y_ref.at[rows], mask=rmask, other=-1) if y_ref is not None else None
 
-    def row_block(r0):
-        rmask = (r0 + launch.iota(block_rows)) < n_rows
-        rows = pl.ds(r0, block_rows)
-        y = plgpu.load(y_ref.at[rows], mask=rmask, other=-1) if has_y else None
+    def block(t):
+        cols = c0 + t * block_v + launch.iota(block_v)
+        cmask = cols < v
+        span = pl.ds(c0 + t * block_v, block_v)
+        m2 = rmask[:, None] & cmask[None, :]
+        zs = plgpu.load(zs_ref.at[rows, span], mask=m2, other=0.0).astype(jnp.float32)
+        zt = plgpu.load(zt_ref.at[rows, span], mask=m2, other=0.0).astype(jnp.float32)
+        is_target = (cols[None, :] == y[:, None]) if y is not None else \
+            jnp.zeros((block_rows, block_v), bool)
+        return zs, zt, cmask, is_target, span, m2
 
-        def block(j):
-            cols = j * block_v + launch.iota(block_v)
-            cmask = cols < v
-            span = pl.ds(j * block_v, block_v)
-            m2 = rmask[:, None] & cmask[None, :]
-            zs = plgpu.load(zs_ref.at[rows, span], mask=m2, other=0.0).astype(jnp.float32)
-            zt = plgpu.load(zt_ref.at[rows, span], mask=m2, other=0.0).astype(jnp.float32)
-            is_target = (cols[None, :] == y[:, None]) if has_y else \
-                jnp.zeros((block_rows, block_v), bool)
-            return zs, zt, cmask, is_target, span
+    return rows, rmask, block
 
-        def sweep1(j, carry):
-            zs, zt, cmask, is_target, _ = block(j)
-            return jc.stats_update(carry, zs * inv_t, zt * inv_t, zs, cmask, is_target, **kw)
 
-        stats = lax.fori_loop(launch.I0, np.int32(n_vblocks), sweep1, jc.stats_init(block_rows))
-        l_a, c, l_z, z_y, kl = jc.stats_finish(stats, **kw)
-        if kind == "jsd":
-            def sweep2(j, carry):
-                zs, zt, cmask, _, _ = block(j)
-                return jc.jsd_sums_update(carry, zs * inv_t, zt * inv_t, l_a, c, cmask,
-                                          beta=beta)
+def _load_row_values(ref, k, rows, rmask):
+    """Row k of a (values, rows) array, for this row block."""
+    return plgpu.load(ref.at[pl.ds(k, 1), rows], mask=rmask[None, :], other=0.0)[0]
 
-            zero = jnp.zeros((block_rows,), jnp.float32)
-            kk, jj = lax.fori_loop(launch.I0, np.int32(n_vblocks), sweep2, (zero, zero))
-        else:
-            kk = jj = kl
-        plgpu.store(loss_ref.at[rows], jc.row_loss(jj, l_z, z_y, hard_w, hard), mask=rmask)
 
-        if write_grad:
-            coef = plgpu.load(coef_ref.at[rows], mask=rmask, other=0.0)
+def _store_parts(out_ref, values, rows, rmask):
+    """Row vectors ``values`` into rows ``segment·len(values) + k`` of ``out_ref``."""
+    base = pl.program_id(1) * len(values)
+    for k, val in enumerate(values):
+        plgpu.store(out_ref.at[pl.ds(base + k, 1), rows], val[None, :], mask=rmask[None, :])
 
-            def sweep3(j):
-                zs, zt, cmask, is_target, span = block(j)
-                dz = jc.grad_block(zs * inv_t, zt * inv_t, zs, is_target, l_a, c, l_z, kk,
-                                   coef, coef * hard_w, beta=beta, temperature=temperature, **kw)
-                return dz, cmask, span
 
-            launch.store_grad_backwards(dz_ref, rows, rmask, n_vblocks, sweep3)
+def _stats_kernel(zs_ref, zt_ref, *refs, has_y, inv_t, seg_blocks, kw, **tile):
+    y_ref = refs[0] if has_y else None
+    rows, rmask, block = _segment(zs_ref, zt_ref, y_ref, seg_blocks=seg_blocks, **tile)
 
-    launch.walk_row_blocks(row_block, n_rows, block_rows, grid_size)
+    def body(t, carry):
+        zs, zt, cmask, is_target, _, _ = block(t)
+        return jc.stats_update(carry, zs * inv_t, zt * inv_t, zs, cmask, is_target, **kw)
+
+    stats = lax.fori_loop(launch.I0, np.int32(seg_blocks), body,
+                          jc.stats_init(tile["block_rows"]))
+    _store_parts(refs[-1], stats, rows, rmask)
+
+
+def _sums_kernel(zs_ref, zt_ref, row_ref, out_ref, *, inv_t, seg_blocks, beta, **tile):
+    rows, rmask, block = _segment(zs_ref, zt_ref, None, seg_blocks=seg_blocks, **tile)
+    l_a, c = (_load_row_values(row_ref, k, rows, rmask) for k in range(2))
+
+    def body(t, carry):
+        zs, zt, cmask, _, _, _ = block(t)
+        return jc.jsd_sums_update(carry, zs * inv_t, zt * inv_t, l_a, c, cmask, beta=beta)
+
+    zero = jnp.zeros((tile["block_rows"],), jnp.float32)
+    _store_parts(out_ref, lax.fori_loop(launch.I0, np.int32(seg_blocks), body, (zero, zero)),
+                 rows, rmask)
+
+
+def _grad_kernel(zs_ref, zt_ref, *refs, has_y, inv_t, seg_blocks, beta, temperature, hard_w,
+                 kw, **tile):
+    y_ref = refs[0] if has_y else None
+    row_ref, dz_ref = refs[-2], refs[-1]
+    rows, rmask, block = _segment(zs_ref, zt_ref, y_ref, seg_blocks=seg_blocks, **tile)
+    l_a, c, l_z, kk, coef = (_load_row_values(row_ref, k, rows, rmask)
+                             for k in range(_ROWVALS))
+
+    def body(t, carry):
+        zs, zt, _, is_target, span, m2 = block(t)
+        dz = jc.grad_block(zs * inv_t, zt * inv_t, zs, is_target, l_a, c, l_z, kk, coef,
+                           coef * hard_w, beta=beta, temperature=temperature, **kw)
+        plgpu.store(dz_ref.at[rows, span], dz.astype(dz_ref.dtype), mask=m2)
+        return carry
+
+    lax.fori_loop(launch.I0, np.int32(seg_blocks), body, 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,7 +156,7 @@ class PallasHead(jc.Head):
     block_v: int
     num_warps: int
     num_stages: int
-    grid_size: Optional[int]  # None: one program per row block
+    segment_size: int
     interpret: bool
     fp32_logits: bool = True
 
@@ -133,22 +165,50 @@ class PallasHead(jc.Head):
         return jnp.float32 if self.fp32_logits else None
 
     def _call(self, zs, zt, y, coef, grad_dtype):
+        """Three launches (two for the KL kinds or the loss alone), grid (row blocks,
+        segments); the per-row merges between them run in XLA."""
         n_rows, v = zs.shape
-        block_rows, block_v, grid_size = launch.tile(self, n_rows, v)
+        block_rows = min(self.block_rows, next_power_of_2(n_rows))
+        block_v = min(self.block_v, next_power_of_2(v))
+        seg_blocks = min(max(1, self.segment_size // block_v), ceil_div(v, block_v))
+        n_seg = ceil_div(v, seg_blocks * block_v)
+        grid = (ceil_div(n_rows, block_rows), n_seg)
         write_grad = grad_dtype is not None
         launch.check_interpret_x64(self, write_grad)
-        inputs = [zs, zt] + ([y] if y is not None else []) + ([coef] if write_grad else [])
-        out_shape = [jax.ShapeDtypeStruct((n_rows,), jnp.float32)]
-        if write_grad:
-            out_shape.append(jax.ShapeDtypeStruct(zs.shape, grad_dtype))
-        in_place = write_grad and jnp.dtype(grad_dtype) == zs.dtype  # dz overwrites zs
-        kernel = functools.partial(
-            _rows_kernel, v=v, block_rows=block_rows, block_v=block_v, grid_size=grid_size,
-            kind=self.kind, beta=self.beta, temperature=self.temperature, hard_w=self.hard_w,
-            has_y=y is not None, t_one=self.temperature == 1.0, write_grad=write_grad)
-        out = launch.call(self, kernel, inputs, out_shape, grid_size=grid_size,
-                          aliases={0: 1} if in_place else {}, name="logitless_linear_jsd_rows")
-        return out if write_grad else out[0]
+        hard, t_one = self.hard_w > 0, self.temperature == 1.0
+        kw = dict(kind=self.kind, hard=hard, t_one=t_one)
+        tile = dict(v=v, block_rows=block_rows, block_v=block_v, seg_blocks=seg_blocks,
+                    inv_t=1.0 / self.temperature)
+        parts = lambda k: jax.ShapeDtypeStruct((n_seg * k, n_rows), jnp.float32)
+        ys = [y] if y is not None else []
+
+        def run(kernel, inputs, out, name, aliases=None):
+            return launch.call(self, kernel, inputs, out, grid=grid, aliases=aliases or {},
+                               name=name)
+
+        n_stats = len(jc.stats_init(1))
+        stats = run(functools.partial(_stats_kernel, has_y=y is not None, kw=kw, **tile),
+                    [zs, zt] + ys, parts(n_stats), "logitless_linear_jsd_stats")
+        stats = jc.stats_merge(tuple(stats.reshape(n_seg, n_stats, n_rows).transpose(1, 0, 2)),
+                               **kw)
+        l_a, c, l_z, z_y, kl = jc.stats_finish(stats, **kw)
+        if self.kind == "jsd":
+            sums = run(functools.partial(_sums_kernel, beta=self.beta, **tile),
+                       [zs, zt, jnp.stack([l_a, c])], parts(2), "logitless_linear_jsd_sums")
+            kk, jj = jnp.sum(sums.reshape(n_seg, 2, n_rows), axis=0)
+        else:
+            kk = jj = kl
+        loss = jc.row_loss(jj, l_z, z_y, self.hard_w, hard)
+        if not write_grad:
+            return loss
+        in_place = jnp.dtype(grad_dtype) == zs.dtype  # dz overwrites zs
+        dz = run(functools.partial(_grad_kernel, has_y=y is not None, beta=self.beta,
+                                   temperature=self.temperature, hard_w=self.hard_w, kw=kw,
+                                   **tile),
+                 [zs, zt] + ys + [jnp.stack([l_a, c, l_z, kk, coef])],
+                 jax.ShapeDtypeStruct(zs.shape, grad_dtype), "logitless_linear_jsd_grad",
+                 aliases={0: 0} if in_place else None)
+        return loss, dz
 
     def loss(self, zs, zt, y):
         return self._call(zs, zt, y, None, None)
@@ -159,7 +219,7 @@ class PallasHead(jc.Head):
 
 def linear_jsd(p: jc.Prepared, opts: spec.LinearJSDOptions, *, chunk_size=None,
                logits_chunk_size=None, memory_budget=None, block_rows=None, block_v=None,
-               num_warps=None, num_stages=None, grid_size=None, fp32_logits=True,
+               num_warps=None, num_stages=None, segment_size=None, fp32_logits=True,
                interpret=None):
     """The loss reduced per ``opts.reduction`` (flat for "none").
 
@@ -167,18 +227,20 @@ def linear_jsd(p: jc.Prepared, opts: spec.LinearJSDOptions, *, chunk_size=None,
     logits GEMM and kernel call), ``memory_budget`` (bytes of the chunk's gradient and logits
     buffers; sets both sizes when not given), ``block_rows`` × ``block_v`` (the kernel's tile,
     powers of two), ``num_warps``,
-    ``num_stages`` (Triton), ``grid_size`` (persistent programs; default SMs ×
-    ``GPU_DEFAULTS["programs_per_sm"]`` on a GPU, one per row block when interpreted),
-    ``fp32_logits`` (False: logits in the input dtype, less memory and traffic, ~1e-2 less
+    ``num_stages`` (Triton), ``segment_size`` (columns per program, a power of two; a
+    multiple of ``block_v`` in effect), ``fp32_logits`` (False: logits in the input dtype, less memory and traffic, ~1e-2 less
     accurate gradients in bf16), ``interpret`` (default: True unless JAX's default backend is
     a GPU).
     """
     settings = launch.resolve(GPU_DEFAULTS, block_rows=block_rows, block_v=block_v,
-                              num_warps=num_warps, num_stages=num_stages, grid_size=grid_size,
+                              num_warps=num_warps, num_stages=num_stages, grid_size=None,
                               fp32_logits=fp32_logits, interpret=interpret)
-    head = PallasHead(
-        kind=opts.kind, beta=opts.beta, temperature=opts.temperature,
-        hard_w=opts.hard_loss_weight, **settings)
+    del settings["grid_size"]  # the grid is (row blocks, segments)
+    segment_size = common.check_tuning(
+        "segment_size", launch.pick(GPU_DEFAULTS, segment_size, "segment_size"),
+        power_of_2=True, hi=1 << 20)
+    head = PallasHead(kind=opts.kind, beta=opts.beta, temperature=opts.temperature,
+                      hard_w=opts.hard_loss_weight, segment_size=segment_size, **settings)
     plan, sub = jc.plan_chunks(p, fp32_logits, LOGITS_SHARE,
                                launch.pick(GPU_DEFAULTS, memory_budget, "memory_budget"),
                                chunk_size, logits_chunk_size)

@@ -58,6 +58,16 @@ def plan_token_chunks(n: int, v: int, *, bytes_per_element: int,
     return ChunkPlan(n=n, chunk=max(1, min(chunk, max(n, 1))))
 
 
+def balanced(plan: ChunkPlan, multiple: int = 8) -> ChunkPlan:
+    """The same number of chunks, of nearly equal sizes: the smallest multiple of ``multiple``
+    that covers n in ``plan.num_chunks`` chunks (n = 8192 in chunks of 1792: 5 × 1640 instead
+    of 4 × 1792 + 1024), so that padding n to whole chunks adds under ``multiple`` tokens per
+    chunk. Never larger than ``plan.chunk`` (the plan is returned as is where it would be)."""
+    k = plan.num_chunks
+    chunk = ceil_div(ceil_div(plan.n, k), multiple) * multiple
+    return plan if k <= 1 or chunk > plan.chunk else ChunkPlan(n=plan.n, chunk=chunk)
+
+
 def _is_integer(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
