@@ -96,8 +96,9 @@ def main():
     ap.add_argument("--sweep", default=None,
                     help='JSON list of [backend or candidate name, {tuning keywords}] '
                     '(default: the built-in SWEEP)')
-    ap.add_argument("--profile", default="pallas", help="comma list of backends, candidates or 'floor' to time two ways and whose "
-                    "kernels to tabulate ('' = none)")
+    ap.add_argument("--profile", default="pallas",
+                    help="comma list of backends, candidates or 'floor' to time two ways and "
+                    "whose kernels to tabulate ('' = none)")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--out", default=None, help="append one JSON line per setting")
     ap.add_argument("--device", default="cuda", help="where the inputs are made (cpu: a dry run)")

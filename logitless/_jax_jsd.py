@@ -4,8 +4,9 @@
 
 A backend supplies a *head*: what to do with one chunk's student and teacher logits (the
 per-token loss, and optionally the student logit gradient). The math is written for blocks of
-rows and columns: the XLA head applies it to whole rows at once, the Pallas kernel to column
-blocks of a row in turn (online max / sums). See :mod:`logitless.specs.linear_jsd`.
+rows and columns: the XLA head applies it to whole rows at once, the Pallas kernels to the
+column blocks of a row segment in turn (online max / sums), whose per-segment results
+``stats_merge`` (pass 1) and a sum (pass 2) combine. See :mod:`logitless.specs.linear_jsd`.
 """
 from __future__ import annotations
 
@@ -452,7 +453,9 @@ def plan_chunks(p: Prepared, fp32_logits: bool, share: int, budget, chunk_size,
     """(plan, sub_chunk): chunks of C tokens for the gradient buffer [C, V] (input dtype) and
     the dX / dW GEMMs, sub-chunks of c tokens for the two logits buffers [c, V] (``share`` =
     C / c when fp32 logits of half-precision inputs, 1 otherwise), both from one budget;
-    ``temporaries``: [c, V] float32 working arrays a head keeps besides the logits."""
+    ``temporaries``: [c, V] float32 working arrays a head keeps besides the logits. Chunks
+    from the budget are made equal (``balanced``), so that the drivers can pad the tokens to
+    a whole number of them (``_padded``)."""
     in_bytes = p.xs.dtype.itemsize
     logit_bytes = 4 if fp32_logits else in_bytes
     share = share if logit_bytes > in_bytes else 1

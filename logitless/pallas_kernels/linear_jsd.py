@@ -43,10 +43,11 @@ TUNING = ("chunk_size", "logits_chunk_size", "memory_budget", "block_rows", "blo
 
 # GPU defaults (H100, N = 8192, H = 4096, V = 128256; benchmarks/jax_jsd_profile.py and
 # results/…-jax-jsd-tuning.jsonl). The budget covers a chunk's gradient buffer and its two
-# float32 logits buffers, 10 bytes per logit: 2048-token chunks there. The logits GEMMs run
-# on whole chunks, which they need to be fast (below ~1024 rows they slow down; sub-chunks
-# also cost a copy into the chunk's gradient buffer), and every chunk is a pass of XLA's
-# float32 dW accumulation (~0.5 ms at 1024 tokens). Measured, ms: 1792-token chunks with
+# float32 logits buffers, 10 bytes per logit for bf16 inputs: 2048-token chunks there. The
+# logits GEMMs run on whole chunks, which they need to be fast (below ~1024 rows they slow
+# down; sub-chunks also cost a copy into the chunk's gradient buffer), and every chunk is a
+# pass of XLA's float32 dW accumulation (~0.5 ms at 1024 tokens). Measured, ms: 1792-token
+# chunks with
 # 384-token logits sub-chunks (the previous default) 72.5-73.7 and 4.6 GB of XLA temporaries;
 # 1024 / 1024 68.5 and 3.0 GB; 2048 / 1024 67.1-67.9; 2048 / 2048 63.2-65.3 and 3.8 GB, all
 # with the previous kernel (one persistent 16-warp program per SM walking whole rows, three
@@ -59,11 +60,11 @@ GPU_DEFAULTS = dict(memory_budget=2560 << 20, block_rows=1, block_v=2048, num_wa
 LOGITS_SHARE = 1
 
 
-# One launch per pass. Program (r, s) takes row block r and column segment s (``seg_blocks`` blocks of ``block_v``).
-# Pass 1 writes each segment's pass-1 carry, XLA merges them (``jc.stats_merge``); pass 2
-# (0 < β < 1) writes each segment's K and J sums; pass 3 writes dz. Every segment starts on a
-# live column (there are ⌈V / segment⌉ of them), so its running maxima are finite after its
-# first block and a masked block after it adds nothing.
+# One launch per pass. Program (r, s) takes row block r and column segment s (``seg_blocks``
+# blocks of ``block_v``). Pass 1 writes each segment's pass-1 carry, XLA merges them
+# (``jc.stats_merge``); pass 2 (0 < β < 1) writes each segment's K and J sums; pass 3 writes
+# dz. Every segment starts on a live column (there are ⌈V / segment⌉ of them), so its running
+# maxima are finite after its first block and a masked block after it adds nothing.
 _ROWVALS = 5  # l_a, c, l_z, kk, coef per row for pass 3
 
 
@@ -225,12 +226,11 @@ def linear_jsd(p: jc.Prepared, opts: spec.LinearJSDOptions, *, chunk_size=None,
 
     Tuning: ``chunk_size`` (tokens per dX / dW chunk), ``logits_chunk_size`` (tokens per
     logits GEMM and kernel call), ``memory_budget`` (bytes of the chunk's gradient and logits
-    buffers; sets both sizes when not given), ``block_rows`` × ``block_v`` (the kernel's tile,
-    powers of two), ``num_warps``,
-    ``num_stages`` (Triton), ``segment_size`` (columns per program, a power of two; a
-    multiple of ``block_v`` in effect), ``fp32_logits`` (False: logits in the input dtype, less memory and traffic, ~1e-2 less
-    accurate gradients in bf16), ``interpret`` (default: True unless JAX's default backend is
-    a GPU).
+    buffers; sets both sizes when not given), ``block_rows`` × ``block_v`` (the kernels' tile,
+    powers of two), ``num_warps``, ``num_stages`` (Triton), ``segment_size`` (columns per
+    program, a power of two; at least ``block_v`` in effect), ``fp32_logits`` (False: logits
+    in the input dtype, less memory and traffic, ~1e-2 less accurate gradients in bf16),
+    ``interpret`` (default: True unless JAX's default backend is a GPU).
     """
     settings = launch.resolve(GPU_DEFAULTS, block_rows=block_rows, block_v=block_v,
                               num_warps=num_warps, num_stages=num_stages, grid_size=None,
