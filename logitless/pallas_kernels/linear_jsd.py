@@ -42,17 +42,16 @@ TUNING = ("chunk_size", "logits_chunk_size", "memory_budget", "block_rows", "blo
           "num_warps", "num_stages", "segment_size", "fp32_logits", "interpret")
 
 # GPU defaults (H100, N = 8192, H = 4096, V = 128256; benchmarks/jax_jsd_profile.py and
-# results/…-jax-jsd-tuning.jsonl). The budget covers a chunk's gradient buffer and its two
-# float32 logits buffers, 10 bytes per logit for bf16 inputs: 2048-token chunks there. The
-# logits GEMMs run on whole chunks, which they need to be fast (below ~1024 rows they slow
-# down; sub-chunks also cost a copy into the chunk's gradient buffer), and every chunk is a
-# pass of XLA's float32 dW accumulation (~0.5 ms at 1024 tokens). Measured, ms: 1792-token
-# chunks with
-# 384-token logits sub-chunks (the previous default) 72.5-73.7 and 4.6 GB of XLA temporaries;
-# 1024 / 1024 68.5 and 3.0 GB; 2048 / 1024 67.1-67.9; 2048 / 2048 63.2-65.3 and 3.8 GB, all
-# with the previous kernel (one persistent 16-warp program per SM walking whole rows, three
-# sweeps each), which one launch per pass over 8192-column segments beats by ~2 ms (61.7-61.8
-# against 63.8-63.9 in one run; 2048-column blocks, 4 warps; other shapes within 1 ms).
+# results/…-jax-jsd-tuning.jsonl). The budget covers a chunk's gradient buffer and its two float32
+# logits buffers, 10 bytes per logit for bf16 inputs: 2048-token chunks there. The logits GEMMs
+# run on whole chunks, which they need to be fast (below ~1024 rows they slow down; sub-chunks
+# also cost a copy into the chunk's gradient buffer), and every chunk is a pass of XLA's float32
+# dW accumulation (~0.5 ms at 1024 tokens). Measured, ms: 1792-token chunks with 384-token logits
+# sub-chunks (the previous default) 72.5-73.7 and 4.6 GB of XLA temporaries; 1024 / 1024 68.5 and
+# 3.0 GB; 2048 / 1024 67.1-67.9; 2048 / 2048 63.2-65.3 and 3.8 GB, all with the previous kernel
+# (one persistent 16-warp program per SM walking whole rows, three sweeps each), which one launch
+# per pass over 8192-column segments beats by ~2 ms (61.7-61.8 against 63.8-63.9 in one run;
+# 2048-column blocks, 4 warps; other shapes within 1 ms).
 GPU_DEFAULTS = dict(memory_budget=2560 << 20, block_rows=1, block_v=2048, num_warps=4,
                     num_stages=2, segment_size=8192)
 # Tokens per chunk over tokens per logits GEMM by default (1: no sub-chunks; the Triton backend
