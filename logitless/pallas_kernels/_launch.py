@@ -36,20 +36,15 @@ def default_grid_size(defaults: Dict[str, Any]) -> Optional[int]:
 
 
 def resolve(defaults: Dict[str, Any], *, block_rows, block_v, num_warps, num_stages,
-            grid_size, fp32_logits, interpret) -> Dict[str, Any]:
+            fp32_logits, interpret) -> Dict[str, Any]:
     """The kernel's launch settings (the head's fields of those names), checked, with the GPU
-    ``defaults`` for those not given; ``interpret`` defaults to True off a GPU, and so does a
-    grid of one program per row block (``grid_size`` None)."""
+    ``defaults`` for those not given; ``interpret`` defaults to True off a GPU."""
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     elif not isinstance(interpret, bool):
         raise TypeError(f"interpret must be a bool or None, got {interpret!r}")
     if not isinstance(fp32_logits, bool):
         raise TypeError(f"fp32_logits must be a bool, got {fp32_logits!r}")
-    if grid_size is not None:
-        common.check_tuning("grid_size", grid_size)
-    elif not interpret and "programs_per_sm" in defaults:  # a persistent kernel
-        grid_size = default_grid_size(defaults)
     return dict(
         block_rows=common.check_tuning("block_rows", pick(defaults, block_rows, "block_rows"),
                                        power_of_2=True, hi=1024),
@@ -59,14 +54,27 @@ def resolve(defaults: Dict[str, Any], *, block_rows, block_v, num_warps, num_sta
                                       power_of_2=True, hi=32),
         num_stages=common.check_tuning("num_stages", pick(defaults, num_stages, "num_stages"),
                                        hi=8),
-        grid_size=grid_size, interpret=interpret, fp32_logits=fp32_logits)
+        interpret=interpret, fp32_logits=fp32_logits)
+
+
+def resolve_grid(defaults: Dict[str, Any], grid_size, interpret: bool) -> Optional[int]:
+    """A persistent kernel's program count: ``grid_size`` checked, else SMs ×
+    ``defaults["programs_per_sm"]`` on a GPU, else None (one program per row block)."""
+    if grid_size is not None:
+        return common.check_tuning("grid_size", grid_size)
+    return None if interpret else default_grid_size(defaults)
+
+
+def block_shape(head, n_rows: int, v: int):
+    """``(block_rows, block_v)`` of one call on ``[n_rows, v]`` logits: the head's tile shrunk
+    to the buffer."""
+    return min(head.block_rows, next_power_of_2(n_rows)), min(head.block_v, next_power_of_2(v))
 
 
 def tile(head, n_rows: int, v: int):
-    """``(block_rows, block_v, grid_size)`` of one call on ``[n_rows, v]`` logits: the head's
-    tile shrunk to the buffer, at most one program per row block."""
-    block_rows = min(head.block_rows, next_power_of_2(n_rows))
-    block_v = min(head.block_v, next_power_of_2(v))
+    """``(block_rows, block_v, grid_size)`` of one call of a persistent kernel: the head's tile
+    shrunk to the buffer, at most one program per row block."""
+    block_rows, block_v = block_shape(head, n_rows, v)
     n_row_blocks = ceil_div(n_rows, block_rows)
     grid_size = n_row_blocks if head.grid_size is None else min(head.grid_size, n_row_blocks)
     return block_rows, block_v, grid_size

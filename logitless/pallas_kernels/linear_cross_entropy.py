@@ -187,10 +187,11 @@ def linear_cross_entropy(p: common.Prepared, opts: spec.LinearCrossEntropyOption
     ``interpret`` (default: True unless JAX's default backend is a GPU).
     """
     settings = launch.resolve(GPU_DEFAULTS, block_rows=block_rows, block_v=block_v,
-                              num_warps=num_warps, num_stages=num_stages, grid_size=grid_size,
+                              num_warps=num_warps, num_stages=num_stages,
                               fp32_logits=fp32_logits, interpret=interpret)
     head = PallasHead(
-        softcap=opts.softcap, smoothing=opts.uses_smoothing, **settings)
+        softcap=opts.softcap, smoothing=opts.uses_smoothing, **settings,
+        grid_size=launch.resolve_grid(GPU_DEFAULTS, grid_size, settings["interpret"]))
     bytes_per = p.x.dtype.itemsize + (4 if fp32_logits and p.x.dtype.itemsize < 4 else 0)
     plan = plan_token_chunks(p.problem.n, p.problem.v, bytes_per_element=bytes_per,
                              budget_bytes=launch.pick(GPU_DEFAULTS, memory_budget,

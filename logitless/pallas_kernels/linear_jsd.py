@@ -35,7 +35,7 @@ from jax.experimental.pallas import triton as plgpu
 from .. import _jax_common as common
 from .. import _jax_jsd as jc
 from ..specs import linear_jsd as spec
-from ..specs.tiling import ceil_div, next_power_of_2
+from ..specs.tiling import ceil_div
 from . import _launch as launch
 
 TUNING = ("chunk_size", "logits_chunk_size", "memory_budget", "block_rows", "block_v",
@@ -168,8 +168,7 @@ class PallasHead(jc.Head):
         """Three launches (two for the KL kinds or the loss alone), grid (row blocks,
         segments); the per-row merges between them run in XLA."""
         n_rows, v = zs.shape
-        block_rows = min(self.block_rows, next_power_of_2(n_rows))
-        block_v = min(self.block_v, next_power_of_2(v))
+        block_rows, block_v = launch.block_shape(self, n_rows, v)
         seg_blocks = min(max(1, self.segment_size // block_v), ceil_div(v, block_v))
         n_seg = ceil_div(v, seg_blocks * block_v)
         grid = (ceil_div(n_rows, block_rows), n_seg)
@@ -232,9 +231,8 @@ def linear_jsd(p: jc.Prepared, opts: spec.LinearJSDOptions, *, chunk_size=None,
     ``interpret`` (default: True unless JAX's default backend is a GPU).
     """
     settings = launch.resolve(GPU_DEFAULTS, block_rows=block_rows, block_v=block_v,
-                              num_warps=num_warps, num_stages=num_stages, grid_size=None,
+                              num_warps=num_warps, num_stages=num_stages,
                               fp32_logits=fp32_logits, interpret=interpret)
-    del settings["grid_size"]  # the grid is (row blocks, segments)
     segment_size = common.check_tuning(
         "segment_size", launch.pick(GPU_DEFAULTS, segment_size, "segment_size"),
         power_of_2=True, hi=1 << 20)
