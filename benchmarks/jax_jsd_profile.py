@@ -70,6 +70,11 @@ def kernel_table(step, *, rows=25, gaps=12):
                 table=table[:rows], gaps=holes[:gaps])
 
 
+def candidate(name: str):
+    """A candidate of benchmarks/linear_jsd.py by its name or its logitless backend."""
+    return bench.CANDIDATES.get(name) or bench.CANDIDATES[f"jax-logitless-{name}"]
+
+
 def pipelined_ms(step, *, calls=10, rounds=3):
     """Per-call time with ``calls`` calls dispatched back to back before one wait (as a
     training loop runs: the host dispatches ahead), the median over ``rounds``."""
@@ -116,9 +121,8 @@ def main():
     floor_p = pipelined_ms(floor_step)
     print(f"XLA four-GEMM floor: {floor:.2f} ms, pipelined {floor_p:.2f} ms", flush=True)
     out = open(a.out, "a") if a.out else None
-    first = None
     for backend, kw in sweep:
-        cand = bench.CANDIDATES.get(backend) or bench.CANDIDATES[f"jax-logitless-{backend}"]
+        cand = candidate(backend)
         rec = bench.bench_jax(f"{backend}{kw}", cand, kw, jx, None, opts, reps=a.reps, warmup=2)
         if rec.get("status") != "ok":
             print(f"{backend} {kw}: {rec.get('error')}", flush=True)
@@ -126,7 +130,6 @@ def main():
         line = dict(backend=backend, kwargs=kw, ms=rec["ms"], x_floor=rec["ms"] / floor,
                     floor_ms=floor, temp_gb=rec.get("temp_bytes", 0) / 1e9,
                     compile_s=rec.get("compile_s"))
-        first = first or line
         print(f"{backend} {kw}: {rec['ms']:.2f} ms ({rec['ms'] / floor:.3f}x), "
               f"temp {line['temp_gb']:.2f} GB, compiled in {line['compile_s']:.1f} s", flush=True)
         if out:
@@ -137,7 +140,7 @@ def main():
         if backend == "floor":
             step = floor_step
         else:
-            cand = bench.CANDIDATES.get(backend) or bench.CANDIDATES[f"jax-logitless-{backend}"]
+            cand = candidate(backend)
             f = jax.jit(jax.value_and_grad(cand.make(opts), argnums=(0, 1)))
             step = lambda f=f: f(*args)
         sync = common.time_jax(step, reps=a.reps, warmup=2).median_ms
