@@ -174,7 +174,9 @@ if __name__ == "__main__":
                 one()
                 torch.cuda.synchronize()
             print(f"== profile {n},{h},{v} {kw}")
-            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=10, max_name_column_width=50))
+            print(prof.key_averages(group_by_input_shape=True).table(
+                sort_by="cuda_time_total", row_limit=30, max_name_column_width=50,
+                max_shapes_column_width=60))
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=50))
             # pure GPU time: the same step replayed from a CUDA graph (also proves capturability)
             def no_grads():

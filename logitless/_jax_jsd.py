@@ -197,8 +197,9 @@ def _jsd_terms(a, b, l_a, c, beta):
     delta = (b - a) - c[:, None]
     q = jnp.exp(lq)
     p = jnp.exp(lq + delta)
-    lam = jnp.where(delta > FAR, math.log(beta) + delta,
-                    log1p(beta * expm1(jnp.minimum(delta, FAR))))
+    far = FAR if beta > HIGH_BETA else spec.far_delta(beta)
+    lam = jnp.where(delta > far, math.log(beta) + delta,
+                    log1p(beta * expm1(jnp.minimum(delta, far))))
     if beta > HIGH_BETA:
         # log(β·e^δ + 1 − β) for δ < −1, where 1 − β carries it: a logaddexp with log(1 − β)
         # taken in float64 (in fp32, β·expm1(δ) would make it 1 − fp32(β))
@@ -221,10 +222,11 @@ def jsd_sums_update(carry, a, b, l_a, c, cmask, *, beta):
 
 
 def _log_p_over_m(delta, lam, beta):
-    """log P − log M: δ − Λ, which cancels as β → 1; for β > HIGH_BETA (a static choice)
+    """log P − log M: δ − Λ, which cancels beyond ``spec.far_delta`` (Λ = log β + δ there),
+    which takes the limit −log β, and as β → 1: for β > HIGH_BETA (a static choice)
     −log1p((1−β)·expm1(−δ)), or −logaddexp(log β, log(1−β) − δ) where −δ > FAR."""
     if beta <= HIGH_BETA:
-        return delta - lam
+        return jnp.where(delta > spec.far_delta(beta), -math.log(beta), delta - lam)
     nd = -delta
     far = jnp.logaddexp(math.log(beta), math.log1p(-beta) + nd)
     return -jnp.where(nd > FAR, far, log1p((1.0 - beta) * expm1(jnp.minimum(nd, FAR))))

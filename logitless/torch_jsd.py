@@ -80,7 +80,8 @@ def _log_ratios(delta, beta):
         m_p = torch.where(-delta > spec.FAR, torch.logaddexp(lb_t, l1b - delta),
                           torch.log1p((1 - beta) * torch.expm1((-delta).clamp(max=spec.FAR))))
         return -m_q, -m_p
-    return -m_q, delta - m_q
+    # δ − log M/Q would keep only ulp(δ) where δ > FAR (log M/Q ≈ δ + log β there)
+    return -m_q, torch.where(delta > spec.FAR, -torch.logaddexp(lb_t, l1b - delta), delta - m_q)
 
 
 def _mask(y, n, opts, like):

@@ -372,6 +372,71 @@ def test_fp32_stays_accurate_as_beta_nears_0_or_1(backend, beta, temperature, sh
         assert err <= 1e-5, (key, err)
 
 
+def _log_ratios_every_backend(delta, beta):
+    """(log M − log Q, log P − log M) per element as each backend's fp32 code forms them, from
+    δ = log P − log Q (a = l_a = c = 0, b = δ)."""
+    out = {}
+    torch = _torch()
+    from logitless import torch_jsd
+    q_m, p_m = torch_jsd._log_ratios(torch.from_numpy(delta), beta)
+    out["torch"] = (-q_m.numpy(), p_m.numpy())
+    try:
+        import jax.numpy as jnp
+        from logitless import _jax_jsd as jj
+        d = jnp.asarray(delta)[:, None]
+        zero = jnp.zeros(len(delta))
+        _, _, dd, lam = jj._jsd_terms(jnp.zeros_like(d), d, zero, zero, beta)
+        out["jax"] = (np.asarray(lam)[:, 0], np.asarray(jj._log_p_over_m(dd, lam, beta))[:, 0])
+    except ImportError:
+        pass
+    global jsd_rows, tl  # names the kernel below reads: Triton resolves them as globals
+    try:
+        import triton
+        import triton.language as tl
+        from logitless.triton_kernels import jsd_rows
+    except ImportError:
+        return out
+    if not (triton.knobs.runtime.interpret or torch.cuda.is_available()):
+        return out
+
+    @triton.jit
+    def kernel(d_ptr, lam_ptr, lpm_ptr, n, beta, omb, HIGH: tl.constexpr, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        m = offs < n
+        d = tl.load(d_ptr + offs, mask=m, other=0.0)
+        _, _, dd, lam = jsd_rows._jsd_terms(tl.zeros_like(d), d, 0.0, 0.0, beta, omb, HIGH)
+        tl.store(lam_ptr + offs, lam, mask=m)
+        tl.store(lpm_ptr + offs, jsd_rows._log_p_over_m(dd, lam, beta, omb, HIGH), mask=m)
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    d = torch.from_numpy(delta).to(dev)
+    lam, lpm = torch.empty_like(d), torch.empty_like(d)
+    with np.errstate(over="ignore"):  # P = e^δ here (unused): the interpreter's exp warns
+        kernel[(1,)](d, lam, lpm, len(delta), beta, 1.0 - beta, HIGH=beta > spec.HIGH_BETA,
+                     BLOCK=triton.next_power_of_2(len(delta)))
+    out["triton"] = (lam.cpu().numpy(), lpm.cpu().numpy())
+    return out
+
+
+@pytest.mark.parametrize("beta", [1e-10, 1e-7, 0.3, 0.5, 0.9, 1 - 1e-7])
+def test_log_ratios_keep_their_digits_where_the_heads_are_far_apart(beta):
+    """Where the teacher backs a token the student rules out (δ = log P − log Q ≫ 1), log M/Q
+    → log β + δ and log P/M → −log β. Formed as δ − log M/Q, log P/M kept only ulp(δ) (6e-5
+    absolute at δ = 1000, for β <= 1/2), and log M/Q = log β + δ from δ > 30 on dropped
+    (1−β)/β·e^−δ (3e-4 at β = 1e-10, δ = 31). Every fp32 form within 16 ulps of float64."""
+    delta = np.concatenate([np.linspace(-80.0, 80.0, 160), np.geomspace(30.5, 3000.0, 60)])
+    delta = delta.astype(np.float32)
+    d64 = delta.astype(np.float64)
+    want = (np.logaddexp(np.log(beta) + d64, np.log1p(-beta)),
+            -np.logaddexp(np.log(beta), np.log1p(-beta) - d64))
+    for name, got in _log_ratios_every_backend(delta, beta).items():
+        for what, g, w in zip(("log M/Q", "log P/M"), got, want):
+            err = np.abs(g.astype(np.float64) - w) / np.abs(w)
+            # 16 ulps: δ − log M/Q (0 < δ <= FAR) may cancel ulp(FAR)/2 against log 2 at β = 1/2
+            bad = err > 16 * np.finfo(np.float32).eps
+            assert not bad.any(), (name, what, delta[bad][:5], err[bad][:5])
+
+
 def test_case_matrix_covers_the_acceptance_list():
     betas = {c.beta for c in JSD_CASES}
     assert {0.0, 1.0} <= betas and any(0 < b < 1 for b in betas)

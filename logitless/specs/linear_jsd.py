@@ -83,6 +83,17 @@ from .linear_cross_entropy import (REDUCTIONS, _check_real, check_targets,
 # logitless/triton_kernels/jsd_rows.py): one definition, so that the backends cannot drift.
 FAR = 30.0    # b − a (or δ) beyond which the heads are far apart: no expm1 overflow, and the
               # plain difference / log β + δ are exact enough
+FAR_MAX = 80.0  # the most far_delta() gives: expm1 of it stays finite in fp32
+
+
+def far_delta(beta: float) -> float:
+    """δ = log P − log Q beyond which, for 0 < β <= HIGH_BETA, log M/Q = log β + δ and
+    log P/M = −log β to fp32 (the neglected log1p((1−β)/β·e^−δ) is below e^−FAR): FAR, pushed
+    out by log((1−β)/β) for small β, at most FAR_MAX. Inside it the kernels take
+    log1p(β·expm1(δ)), outside it those limits (δ − log M/Q would keep only ulp(δ) there)."""
+    return min(FAR + max(0.0, math.log1p(-beta) - math.log(beta)), FAR_MAX)
+
+
 GAP = 1.0     # |L_b − L_a| from which the normalizer gap is the plain difference (the log1p
               # form cancels when E_Q[expm1(b − a)] = e^c − 1 is near −1)
 SMALL = 0.1   # |argument| below which expm1 / log1p use their Taylor polynomials

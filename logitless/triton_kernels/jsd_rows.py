@@ -54,6 +54,7 @@ KIND_FORWARD_KL, KIND_REVERSE_KL, KIND_JSD = 0, 1, 2
 # (the Taylor-polynomial range of expm1 / log1p), GAP (|L_b − L_a| from which c is the plain
 # difference: log1p(E_Q[expm1(b − a)]) cancels when E_Q[·] = e^c − 1 is near −1).
 FAR = tl.constexpr(spec.FAR)
+FAR_MAX = tl.constexpr(spec.FAR_MAX)
 SMALL = tl.constexpr(spec.SMALL)
 GAP = tl.constexpr(spec.GAP)
 
@@ -189,14 +190,25 @@ def _combine_stats(part, segs_idx, smask, KIND: tl.constexpr, HARD: tl.constexpr
 
 
 @triton.jit
+def _far(beta, omb, HIGH: tl.constexpr):
+    """spec.far_delta(β): δ beyond which Λ = log β + δ and log P/M = −log β to fp32."""
+    if HIGH:
+        return FAR
+    else:
+        far = FAR + tl.maximum(tl.log(omb) - tl.log(beta), 0.0)
+        return tl.where(far < FAR_MAX, far, FAR_MAX)
+
+
+@triton.jit
 def _jsd_terms(a, b, l_a, c, beta, omb, HIGH: tl.constexpr):
     """Per element (0 < β < 1): Q, P, δ = log P − log Q and Λ = log Q − log M negated."""
     lq = a - l_a
     delta = (b - a) - c
     q = tl.exp(lq)
     p = tl.exp(lq + delta)
-    lam = tl.where(delta > FAR, tl.log(beta) + delta,
-                   _log1p(beta * _expm1(tl.minimum(delta, FAR))))
+    far = _far(beta, omb, HIGH)
+    lam = tl.where(delta > far, tl.log(beta) + delta,
+                   _log1p(beta * _expm1(tl.minimum(delta, far))))
     if HIGH:  # β > spec.HIGH_BETA
         # log(β·e^δ + 1 − β) for δ < −1, where 1 − β carries it: as a logaddexp of log(1 − β)
         # from the host's 1 − β (in fp32, β·expm1(δ) would make it 1 − fp32(β))
@@ -208,12 +220,12 @@ def _jsd_terms(a, b, l_a, c, beta, omb, HIGH: tl.constexpr):
 
 
 @triton.jit
-def _log_p_over_m(delta, lam, omb, HIGH: tl.constexpr):
-    """log P − log M: δ − Λ, which cancels as β → 1 (it tends to 0 with 1 − β = ``omb``); for
-    β > HIGH_BETA −log1p((1−β)·expm1(−δ)), or −logaddexp(log β, log(1−β) − δ) where −δ > FAR
-    (no cancellation there). ``HIGH`` (β > HIGH_BETA) is a compile-time switch, so that the
-    kernels for β <= HIGH_BETA carry none of this code (nor its registers)."""
-    r = delta - lam
+def _log_p_over_m(delta, lam, beta, omb, HIGH: tl.constexpr):
+    """log P − log M. As δ − Λ it cancels beyond ``_far`` (Λ = log β + δ there: only ulp(δ)
+    would be left), which takes the limit −log β, and as β → 1 (it tends to 0 with
+    1 − β = ``omb``): for β > HIGH_BETA −log1p((1−β)·expm1(−δ)), or −logaddexp(log β,
+    log(1−β) − δ) where −δ > FAR. ``HIGH`` (β > HIGH_BETA) is a compile-time switch, so that
+    the kernels for β <= HIGH_BETA carry none of that code."""
     if HIGH:
         nd = -delta
         lb = _log1p(-omb)
@@ -221,6 +233,8 @@ def _log_p_over_m(delta, lam, omb, HIGH: tl.constexpr):
         hi = tl.maximum(lb, lo)
         far = hi + _log1p(tl.exp(tl.minimum(lb, lo) - hi))
         r = -tl.where(nd > FAR, far, _log1p(omb * _expm1(tl.minimum(nd, FAR))))
+    else:
+        r = tl.where(delta > _far(beta, omb, HIGH), -tl.log(beta), delta - lam)
     return r
 
 
@@ -239,7 +253,7 @@ def _seg_jsd_sums(s_row, t_row, col0, col1, inv_t, l_a, c, beta, omb, HIGH: tl.c
         q, p, delta, lam = _jsd_terms(a, b, l_a, c, beta, omb, HIGH)
         qlam = q * lam
         k -= tl.sum(tl.where(cmask, qlam, 0.0), 0)
-        lpm = _log_p_over_m(delta, lam, omb, HIGH)
+        lpm = _log_p_over_m(delta, lam, beta, omb, HIGH)
         j += tl.sum(tl.where(cmask, beta * p * lpm - omb * qlam, 0.0), 0)
     return k, j
 

@@ -232,7 +232,10 @@ def _vocab_sweep(x, w, bias, y, cw, omega_sum, lse, g, h, opts_t, cfg, post_scal
         _rows(blk, n, e - s, s, y, cw, omega_sum, lse, None, g, h, opts_t, v, cfg,
               compute_lse=False, write_grad=True)
         if dw_out is not None:
-            _cast(_mm_f32(blk.t(), x), post_scale, dw_out.dtype, out=dw_out[s:e])
+            if post_scale is None:  # fp32 inside cuBLAS, rounded once into the gradient
+                torch.mm(blk.t(), x, out=dw_out[s:e])
+            else:
+                _cast(_mm_f32(blk.t(), x), post_scale, dw_out.dtype, out=dw_out[s:e])
         if db_out is not None:
             _cast(blk.sum(0, dtype=torch.float32), post_scale, db_out.dtype, out=db_out[s:e])
 
@@ -424,8 +427,12 @@ def _gradients(ctx, g_loss, g_lse):
             gb = (scale_cast_op(db_saved, saved_scale, bias.dtype, _interpret())
                   if (need_b and bias is not None) else None)
             return gx, gw, gb
-        # low memory: dW and db from the vocabulary sweep, computed unscaled, times g/Σω
-        _, gw, gb = _bwd_op(x, w, bias, y, cw, lse, _ones(x), None, scale, a["ignore_index"],
+        # low memory: dW and db from the vocabulary sweep for the upstream g/Σω. In bf16/fp32
+        # it goes into dz (each dW slice is then one GEMM straight into the gradient's dtype);
+        # fp16 computes unscaled and scales after (g/Σω·p can leave fp16's range).
+        fold = x.dtype != torch.float16
+        _, gw, gb = _bwd_op(x, w, bias, y, cw, lse, scale if fold else _ones(x), None,
+                            None if fold else scale, a["ignore_index"],
                             a["label_smoothing"], a["z_loss"], a["softcap"], False, need_w,
                             need_b, True, a["chunk"], a["vocab_chunk"], a["block_v"],
                             a["num_warps"], a["accum_fp32"])
