@@ -223,12 +223,15 @@ def test_triton_fp16_unscaled_sums_in_one_chunk_do_not_overflow(reduction, accum
     """fp16: the fused forward sums gradients for an upstream 1, before "mean"'s 1/Σω or the
     caller's divisor after "sum" (``/ num_items_in_batch`` in the transformers integration),
     so it keeps them in fp32 even when one chunk would need no accumulator, and even when
-    ``grad_accum_dtype`` asks for fp16: 64 tokens whose unscaled dW sum (~9e4) exceeds fp16's
-    65504 while the gradient itself is ~1400."""
+    ``grad_accum_dtype`` asks for fp16: 64 tokens whose unscaled dW sum (~1e5: every token's
+    target class 0 has p ≈ 0, its logit ~−19) exceeds fp16's 65504 while the gradient itself is
+    ~1600."""
     n, h, v = 64, 4, 8
     g = torch.Generator().manual_seed(SEED + 11)
     x = (torch.full((n, h), 1600.0) + torch.randn(n, h, generator=g)).to(DEV, torch.float16)
-    w = (torch.randn(v, h, generator=g) * 0.01).to(DEV, torch.float16)
+    w = torch.randn(v, h, generator=g) * 1.25e-3  # the other logits ~N(0, 4²)
+    w[0] = -3e-3
+    w = w.to(DEV, torch.float16)
     y = torch.zeros(n, dtype=torch.long, device=DEV)
     div = 1 if reduction == "mean" else n
     plain = lambda x, w: F.cross_entropy(x @ w.t(), y, reduction=reduction) / div
