@@ -1,7 +1,9 @@
 """Per-row cost of the fast linear CE's three chunk GEMMs at several chunk sizes (GPU): logits
 ``[M, H]·[V, H]ᵀ`` (bf16 out), dX ``[M, V]·[V, H]`` (bf16 out) and the fp32-accumulating dW
 ``acc += [M, V]ᵀ·[M, H]`` (two halves of V, as ``narrow_cast.accumulate_split_``), each timed
-alone, two interleaved rounds. Chooses nothing; prints JSON lines (µs per token).
+alone, two interleaved rounds, for each chunk size M of ``--ms`` (``--shape``'s N is only a
+label: list N itself in ``--ms`` for the unchunked GEMMs). Chooses nothing; prints JSON lines
+(µs per token).
 
     PYTHONPATH=. python3 benchmarks/chunk_gemm_probe.py --shape 16384,4096,128256 --ms 2048,3277,3584
 """

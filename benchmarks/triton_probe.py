@@ -170,7 +170,7 @@ if __name__ == "__main__":
                 lt.linear_cross_entropy(x, w, y, backend="triton", **kw).backward()
             one()
             torch.cuda.synchronize()
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA, torch.profiler.ProfilerActivity.CPU]) as prof:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA, torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
                 one()
                 torch.cuda.synchronize()
             print(f"== profile {n},{h},{v} {kw}")

@@ -197,9 +197,16 @@ def _jsd_terms(a, b, l_a, c, beta):
     delta = (b - a) - c[:, None]
     q = jnp.exp(lq)
     p = jnp.exp(lq + delta)
-    far = FAR if beta > HIGH_BETA else spec.far_delta(beta)
-    lam = jnp.where(delta > far, math.log(beta) + delta,
-                    log1p(beta * expm1(jnp.minimum(delta, far))))
+    form = spec.beta_form(beta)
+    far = FAR if form == 1 else spec.far_delta(beta)
+    if form == 2:  # β < TINY_BETA: far passes EXPM1_MAX, where β·expm1(δ) would overflow
+        mid = jnp.logaddexp(delta + math.log(beta), math.log1p(-beta))
+        lam = jnp.where(delta > far, delta + math.log(beta), jnp.where(
+            delta > spec.EXPM1_MAX, mid,
+            log1p(beta * expm1(jnp.minimum(delta, spec.EXPM1_MAX)))))
+    else:
+        lam = jnp.where(delta > far, math.log(beta) + delta,
+                        log1p(beta * expm1(jnp.minimum(delta, far))))
     if beta > HIGH_BETA:
         # log(β·e^δ + 1 − β) for δ < −1, where 1 − β carries it: a logaddexp with log(1 − β)
         # taken in float64 (in fp32, β·expm1(δ) would make it 1 − fp32(β))

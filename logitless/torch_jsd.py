@@ -19,8 +19,10 @@ from .specs.tiling import plan_token_chunks
 
 TUNING = ("chunk_size", "memory_budget")
 # Live [chunk, V] float32 temporaries of one chunk (two logits blocks, log-probabilities,
-# probabilities, log ratios, the gradient): the plan budgets this many per token and vocab entry.
-_TEMPORARIES = 8
+# probabilities, log ratios and their far-apart forms, the gradient): the plan budgets this many
+# per token and vocab entry. Counted at its peak (live tensors under a dispatch mode, eighth
+# session): ~11.3 blocks; 8 had undercounted it.
+_TEMPORARIES = 12
 
 
 def _acc_dtype(x):

@@ -87,10 +87,12 @@ def naive_torch_jsd(case, inp):
 
 
 def _split_takes(case):
-    """What segments change: the per-row merges of every kind, hard-label term, targets and
-    ignore pattern, which dtype and token chunks do not touch (backend "triton" runs those
-    cases). Interpreted, the small blocks make this backend the suite's slowest."""
-    return case.dtype != "float16" and not case.chunk_size
+    """Interpreted, the small blocks make this backend the suite's slowest: there it takes what
+    segments change (the per-row merges of every kind, hard-label term, targets and ignore
+    pattern), not the fp16 and token-chunk cases, which backend "triton" runs. On a GPU it is
+    the only test of the fused kernel with per-row barriers (``row_sync=True``): every case."""
+    import torch
+    return torch.cuda.is_available() or (case.dtype != "float16" and not case.chunk_size)
 
 
 def triton_split_runner(case, inp):

@@ -251,7 +251,7 @@ def test_triton_fp16_unscaled_sums_in_one_chunk_do_not_overflow(reduction, accum
                                                       **k) / div)
     want = _grads(jsd("torch"), x.double(), w.double())
     got = _grads(jsd("triton", grad_accum_dtype=accum), x, w)
-    assert want[2].abs().max() < 1e4 and torch.isfinite(got[1]).all()
+    assert 65504 / n < want[2].abs().max() < 1e4 and torch.isfinite(got[2]).all()
     _close(got[2:], want[2:], tol=1e-2)  # dW, an fp16 gradient of ~1e3 from a 1e5 sum
 
 

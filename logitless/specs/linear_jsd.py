@@ -83,15 +83,24 @@ from .linear_cross_entropy import (REDUCTIONS, _check_real, check_targets,
 # logitless/triton_kernels/jsd_rows.py): one definition, so that the backends cannot drift.
 FAR = 30.0    # b − a (or δ) beyond which the heads are far apart: no expm1 overflow, and the
               # plain difference / log β + δ are exact enough
-FAR_MAX = 80.0  # the most far_delta() gives: expm1 of it stays finite in fp32
+EXPM1_MAX = 80.0  # the largest δ the kernels give expm1 (β·e^80 stays finite in fp32)
+TINY_BETA = 1e-20  # below it far_delta(β) passes EXPM1_MAX: the kernels' "tiny" form
 
 
 def far_delta(beta: float) -> float:
     """δ = log P − log Q beyond which, for 0 < β <= HIGH_BETA, log M/Q = log β + δ and
     log P/M = −log β to fp32 (the neglected log1p((1−β)/β·e^−δ) is below e^−FAR): FAR, pushed
-    out by log((1−β)/β) for small β, at most FAR_MAX. Inside it the kernels take
-    log1p(β·expm1(δ)), outside it those limits (δ − log M/Q would keep only ulp(δ) there)."""
-    return min(FAR + max(0.0, math.log1p(-beta) - math.log(beta)), FAR_MAX)
+    out by log((1−β)/β) for small β. Inside it the kernels take log1p(β·expm1(δ)) (for
+    β < TINY_BETA, logaddexp(log β + δ, log(1 − β)) past EXPM1_MAX), outside it those limits
+    (δ − log M/Q would keep only ulp(δ) there)."""
+    return FAR + max(0.0, math.log1p(-beta) - math.log(beta))
+
+
+def beta_form(beta: float) -> int:
+    """Which fp32 forms a kernel compiles for 0 < β < 1: 0 (TINY_BETA <= β <= HIGH_BETA),
+    1 (β > HIGH_BETA: the P-term's own forms) or 2 (β < TINY_BETA: log M/Q as a logaddexp
+    past EXPM1_MAX)."""
+    return 1 if beta > HIGH_BETA else 2 if beta < TINY_BETA else 0
 
 
 GAP = 1.0     # |L_b − L_a| from which the normalizer gap is the plain difference (the log1p

@@ -54,7 +54,7 @@ KIND_FORWARD_KL, KIND_REVERSE_KL, KIND_JSD = 0, 1, 2
 # (the Taylor-polynomial range of expm1 / log1p), GAP (|L_b − L_a| from which c is the plain
 # difference: log1p(E_Q[expm1(b − a)]) cancels when E_Q[·] = e^c − 1 is near −1).
 FAR = tl.constexpr(spec.FAR)
-FAR_MAX = tl.constexpr(spec.FAR_MAX)
+EXPM1_MAX = tl.constexpr(spec.EXPM1_MAX)
 SMALL = tl.constexpr(spec.SMALL)
 GAP = tl.constexpr(spec.GAP)
 
@@ -190,26 +190,35 @@ def _combine_stats(part, segs_idx, smask, KIND: tl.constexpr, HARD: tl.constexpr
 
 
 @triton.jit
-def _far(beta, omb, HIGH: tl.constexpr):
+def _far(beta, omb, FORM: tl.constexpr):
     """spec.far_delta(β): δ beyond which Λ = log β + δ and log P/M = −log β to fp32."""
-    if HIGH:
+    if FORM == 1:
         return FAR
     else:
-        far = FAR + tl.maximum(tl.log(omb) - tl.log(beta), 0.0)
-        return tl.where(far < FAR_MAX, far, FAR_MAX)
+        # tensor first: constexpr + tensor would wrap the sum in a constexpr (interpreter)
+        return tl.maximum(tl.log(omb) - tl.log(beta), 0.0) + FAR
 
 
 @triton.jit
-def _jsd_terms(a, b, l_a, c, beta, omb, HIGH: tl.constexpr):
-    """Per element (0 < β < 1): Q, P, δ = log P − log Q and Λ = log Q − log M negated."""
+def _jsd_terms(a, b, l_a, c, beta, omb, FORM: tl.constexpr):
+    """Per element (0 < β < 1): Q, P, δ = log P − log Q and Λ = log Q − log M negated.
+    ``FORM``: spec.beta_form(β), a compile-time switch."""
     lq = a - l_a
     delta = (b - a) - c
     q = tl.exp(lq)
     p = tl.exp(lq + delta)
-    far = _far(beta, omb, HIGH)
-    lam = tl.where(delta > far, tl.log(beta) + delta,
-                   _log1p(beta * _expm1(tl.minimum(delta, far))))
-    if HIGH:  # β > spec.HIGH_BETA
+    far = _far(beta, omb, FORM)
+    lb = tl.log(beta)
+    if FORM == 2:  # β < TINY_BETA: far passes EXPM1_MAX, β·expm1(δ) would overflow there
+        u = delta + lb
+        l1b = _log1p(-beta)
+        hi = tl.maximum(u, l1b)
+        mid = hi + _log1p(tl.exp(tl.minimum(u, l1b) - hi))
+        lam = tl.where(delta > far, u, tl.where(
+            delta > EXPM1_MAX, mid, _log1p(beta * _expm1(tl.minimum(delta, EXPM1_MAX)))))
+    else:
+        lam = tl.where(delta > far, lb + delta, _log1p(beta * _expm1(tl.minimum(delta, far))))
+    if FORM == 1:  # β > spec.HIGH_BETA
         # log(β·e^δ + 1 − β) for δ < −1, where 1 − β carries it: as a logaddexp of log(1 − β)
         # from the host's 1 − β (in fp32, β·expm1(δ) would make it 1 − fp32(β))
         u = _log1p(-omb) + delta
@@ -220,13 +229,12 @@ def _jsd_terms(a, b, l_a, c, beta, omb, HIGH: tl.constexpr):
 
 
 @triton.jit
-def _log_p_over_m(delta, lam, beta, omb, HIGH: tl.constexpr):
+def _log_p_over_m(delta, lam, beta, omb, FORM: tl.constexpr):
     """log P − log M. As δ − Λ it cancels beyond ``_far`` (Λ = log β + δ there: only ulp(δ)
     would be left), which takes the limit −log β, and as β → 1 (it tends to 0 with
-    1 − β = ``omb``): for β > HIGH_BETA −log1p((1−β)·expm1(−δ)), or −logaddexp(log β,
-    log(1−β) − δ) where −δ > FAR. ``HIGH`` (β > HIGH_BETA) is a compile-time switch, so that
-    the kernels for β <= HIGH_BETA carry none of that code."""
-    if HIGH:
+    1 − β = ``omb``): for β > HIGH_BETA (``FORM`` 1, compile-time) −log1p((1−β)·expm1(−δ)),
+    or −logaddexp(log β, log(1−β) − δ) where −δ > FAR."""
+    if FORM == 1:
         nd = -delta
         lb = _log1p(-omb)
         lo = tl.log(omb) + nd
@@ -234,12 +242,12 @@ def _log_p_over_m(delta, lam, beta, omb, HIGH: tl.constexpr):
         far = hi + _log1p(tl.exp(tl.minimum(lb, lo) - hi))
         r = -tl.where(nd > FAR, far, _log1p(omb * _expm1(tl.minimum(nd, FAR))))
     else:
-        r = tl.where(delta > _far(beta, omb, HIGH), -tl.log(beta), delta - lam)
+        r = tl.where(delta > _far(beta, omb, FORM), -tl.log(beta), delta - lam)
     return r
 
 
 @triton.jit
-def _seg_jsd_sums(s_row, t_row, col0, col1, inv_t, l_a, c, beta, omb, HIGH: tl.constexpr,
+def _seg_jsd_sums(s_row, t_row, col0, col1, inv_t, l_a, c, beta, omb, FORM: tl.constexpr,
                   BLOCK: tl.constexpr):
     """Pass 2 (0 < β < 1) over [col0, col1): −Σ Q·Λ (→ K) and Σ β·P·log(P/M) − (1−β)·Q·Λ
     (→ J); ``omb`` = 1 − β, computed on the host (in fp32, 1 − β would lose it as β → 1)."""
@@ -250,10 +258,10 @@ def _seg_jsd_sums(s_row, t_row, col0, col1, inv_t, l_a, c, beta, omb, HIGH: tl.c
         cols = start + offs
         cmask = cols < col1
         a, b, zs = _load_block(s_row, t_row, cols, cmask, inv_t)
-        q, p, delta, lam = _jsd_terms(a, b, l_a, c, beta, omb, HIGH)
+        q, p, delta, lam = _jsd_terms(a, b, l_a, c, beta, omb, FORM)
         qlam = q * lam
         k -= tl.sum(tl.where(cmask, qlam, 0.0), 0)
-        lpm = _log_p_over_m(delta, lam, beta, omb, HIGH)
+        lpm = _log_p_over_m(delta, lam, beta, omb, FORM)
         j += tl.sum(tl.where(cmask, beta * p * lpm - omb * qlam, 0.0), 0)
     return k, j
 
@@ -261,7 +269,7 @@ def _seg_jsd_sums(s_row, t_row, col0, col1, inv_t, l_a, c, beta, omb, HIGH: tl.c
 @triton.jit
 def _seg_grad(s_row, t_row, dz_row, col0, col1, y_local, inv_t, l_a, c, l_z, kk, beta, omb,
               coef, hard_coef, poison, KIND: tl.constexpr, HARD: tl.constexpr,
-              T_ONE: tl.constexpr, ROUND_BF16: tl.constexpr, HIGH: tl.constexpr,
+              T_ONE: tl.constexpr, ROUND_BF16: tl.constexpr, FORM: tl.constexpr,
               BLOCK: tl.constexpr):
     """Pass 3 over [col0, col1): dz = coef·∂J/∂a + hard_coef·(S − [v = y]) (+ poison), with
     coef = g·m/T, hard_coef = g·m·w_h, kk the row's KL (reverse KL) or K (JSD)."""
@@ -281,7 +289,7 @@ def _seg_grad(s_row, t_row, dz_row, col0, col1, y_local, inv_t, l_a, c, l_z, kk,
             q = tl.exp(lq)
             d = -q * (((b - a) - c) + kk)
         else:
-            q, p, delta, lam = _jsd_terms(a, b, l_a, c, beta, omb, HIGH)
+            q, p, delta, lam = _jsd_terms(a, b, l_a, c, beta, omb, FORM)
             d = -omb * q * (lam + kk)
         d = coef * d
         if HARD:
@@ -332,7 +340,7 @@ def _row_segment(row, seg, s_ptr, s_stride, t_ptr, t_stride, dz_ptr, dz_stride, 
                  T_ONE: tl.constexpr, WRITE_LOSS: tl.constexpr, WRITE_GRAD: tl.constexpr,
                  PHASE: tl.constexpr, SEGS: tl.constexpr, SEGS_P2: tl.constexpr,
                  SEG: tl.constexpr, BLOCK: tl.constexpr, ROUND_BF16: tl.constexpr,
-                 MAX_SPIN: tl.constexpr, HIGH: tl.constexpr):
+                 MAX_SPIN: tl.constexpr, FORM: tl.constexpr):
     row64 = tl.cast(row, tl.int64)
     s_row = s_ptr + row64 * s_stride
     t_row = t_ptr + row64 * t_stride
@@ -398,7 +406,7 @@ def _row_segment(row, seg, s_ptr, s_stride, t_ptr, t_stride, dz_ptr, dz_stride, 
             if KIND == 2:
                 if PHASE != 3:
                     k_seg, j_seg = _seg_jsd_sums(s_row, t_row, col0, col1, inv_t, l_a, c, beta,
-                                                 omb, HIGH, BLOCK)
+                                                 omb, FORM, BLOCK)
                     if SEGS > 1:
                         tl.store(part + seg * _NF + F_K, k_seg)
                         tl.store(part + seg * _NF + F_J, j_seg)
@@ -430,7 +438,7 @@ def _row_segment(row, seg, s_ptr, s_stride, t_ptr, t_stride, dz_ptr, dz_stride, 
                     g = tl.load(g_ptr + row64 * g_stride).to(tl.float32)
                     _seg_grad(s_row, t_row, dz_row, col0, col1, y_local, inv_t, l_a, c, l_z,
                               kk, beta, omb, g * inv_t, g * hard_w, nan, KIND, HARD, T_ONE,
-                              ROUND_BF16, HIGH, BLOCK)
+                              ROUND_BF16, FORM, BLOCK)
     else:
         if PHASE == 0 or PHASE == 3:
             if WRITE_LOSS:
@@ -449,7 +457,7 @@ def jsd_rows_kernel(
     WRITE_LOSS: tl.constexpr, WRITE_GRAD: tl.constexpr, PHASE: tl.constexpr,
     SEGS: tl.constexpr, SEGS_P2: tl.constexpr, SEG: tl.constexpr, BLOCK: tl.constexpr,
     ROUND_BF16: tl.constexpr = False, MAX_SPIN: tl.constexpr = 1 << 20,
-    HIGH: tl.constexpr = False,
+    FORM: tl.constexpr = 0,
 ):
     """Per-token loss (``loss_ptr``, fp32) and/or the student logit gradient (``dz_ptr``) for
     rows [0, n_rows) of the student / teacher logits buffers. ``inv_t`` = 1/T, ``g`` the
@@ -465,7 +473,7 @@ def jsd_rows_kernel(
                              dz_ptr, dz_stride, y_ptr, g_ptr, g_stride, loss_ptr, part_ptr,
                              sync_ptr, V, ignore_index, inv_t, beta, omb, hard_w, KIND, HAS_Y,
                              HARD, T_ONE, WRITE_LOSS, WRITE_GRAD, PHASE, SEGS, SEGS_P2, SEG,
-                             BLOCK, ROUND_BF16, MAX_SPIN, HIGH)
+                             BLOCK, ROUND_BF16, MAX_SPIN, FORM)
                 ticket = tl.atomic_add(sync_ptr, 1, sem="relaxed")
         else:
             for row in range(tl.program_id(0), n_rows, tl.num_programs(0)):
@@ -473,14 +481,14 @@ def jsd_rows_kernel(
                              y_ptr, g_ptr, g_stride, loss_ptr, part_ptr, sync_ptr, V,
                              ignore_index, inv_t, beta, omb, hard_w, KIND, HAS_Y, HARD, T_ONE,
                              WRITE_LOSS, WRITE_GRAD, PHASE, SEGS, SEGS_P2, SEG, BLOCK,
-                             ROUND_BF16, MAX_SPIN, HIGH)
+                             ROUND_BF16, MAX_SPIN, FORM)
     else:
         pid = tl.program_id(0)
         _row_segment(pid // SEGS, pid % SEGS, s_ptr, s_stride, t_ptr, t_stride, dz_ptr,
                      dz_stride, y_ptr, g_ptr, g_stride, loss_ptr, part_ptr, sync_ptr, V,
                      ignore_index, inv_t, beta, omb, hard_w, KIND, HAS_Y, HARD, T_ONE,
                      WRITE_LOSS, WRITE_GRAD, PHASE, SEGS, SEGS_P2, SEG, BLOCK, ROUND_BF16,
-                     MAX_SPIN, HIGH)
+                     MAX_SPIN, FORM)
 
 
 # ----------------------------------------------------------------------------- diagnostics
@@ -519,12 +527,12 @@ def compile_report(arch: int = 90, variants=None) -> str:
 
     base = dict(KIND=KIND_JSD, HAS_Y=True, HARD=False, T_ONE=True, WRITE_LOSS=True,
                 WRITE_GRAD=True, PHASE=0, SEGS=16, SEGS_P2=16, SEG=8192, BLOCK=2048,
-                ROUND_BF16=False, MAX_SPIN=1 << 20, HIGH=False)
+                ROUND_BF16=False, MAX_SPIN=1 << 20, FORM=0)
     variants = variants or [
         dict(), dict(KIND=KIND_FORWARD_KL), dict(KIND=KIND_REVERSE_KL, HARD=True),
         dict(HARD=True, T_ONE=False), dict(SEGS=1, SEGS_P2=2, SEG=131072),
         dict(PHASE=1), dict(PHASE=2), dict(PHASE=3, HAS_Y=False), dict(WRITE_GRAD=False),
-        dict(HIGH=True), dict(PHASE=2, HIGH=True), dict(PHASE=3, HIGH=True),
+        dict(FORM=1), dict(PHASE=2, FORM=1), dict(PHASE=3, FORM=1), dict(PHASE=2, FORM=2),
         dict(num_warps=16, BLOCK=4096, SEG=16384, SEGS=8, SEGS_P2=8),
     ]
     ptxas = _cuda_tool("ptxas", arch)

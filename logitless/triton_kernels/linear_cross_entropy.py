@@ -235,7 +235,11 @@ def _vocab_sweep(x, w, bias, y, cw, omega_sum, lse, g, h, opts_t, cfg, post_scal
         _rows(blk, n, e - s, s, y, cw, omega_sum, lse, None, g, h, opts_t, v, cfg,
               compute_lse=False, write_grad=True)
         if dw_out is not None:
-            if post_scale is None:  # fp32 inside cuBLAS, rounded once into the gradient
+            if post_scale is None and dw_out.dtype != torch.float16:
+                # straight into the gradient: fp32 inside cuBLAS, as F.linear's backward (which
+                # also lets cuBLAS sum split-K parts in bf16 unless
+                # torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction is off);
+                # fp16, whose range a sum over all tokens can leave, takes the fp32 slice below
                 torch.mm(blk.t(), x, out=dw_out[s:e])
             else:
                 _cast(_mm_f32(blk.t(), x), post_scale, dw_out.dtype, out=dw_out[s:e])

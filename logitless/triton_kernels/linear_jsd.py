@@ -112,7 +112,7 @@ def _row_kernel(zs, zt, dz, y, g, loss, opts_t, v, cfg: Config, write_loss, writ
                 WRITE_LOSS=write_loss, WRITE_GRAD=write_grad, SEGS=segs,
                 SEGS_P2=max(2, next_power_of_2(segs)), SEG=cfg.segment, BLOCK=cfg.block,
                 ROUND_BF16=_interpret() and dz is not None and dz.dtype == torch.bfloat16,
-                HIGH=kind == jsd_rows.KIND_JSD and beta > spec.HIGH_BETA,
+                FORM=spec.beta_form(beta) if kind == jsd_rows.KIND_JSD else 0,
                 num_warps=cfg.num_warps)
     if fused:
         grid = rows if _interpret() else min(cfg.grid, rows * segs)
