@@ -56,7 +56,6 @@ def main():
                                   sum_us_per_token=us(t_l + t_x + t_w),
                                   ms=[round(t_l, 3), round(t_x, 3), round(t_w, 3)])),
                   flush=True)
-            del out_l, out_x
 
 
 if __name__ == "__main__":
