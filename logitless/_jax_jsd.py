@@ -23,7 +23,7 @@ from jax import lax
 
 from . import _jax_common as common
 from .specs import linear_jsd as spec
-from .specs.tiling import ChunkPlan, balanced, ceil_div, plan_token_chunks
+from .specs.tiling import BALANCE_MULTIPLE, ChunkPlan, balanced, ceil_div, plan_token_chunks
 
 __all__ = ["linear_jsd", "available_backends"]
 
@@ -317,12 +317,12 @@ def _tokens(a, start, size):
 
 
 def _padded(n: int, size: int) -> int:
-    """n, or n padded to whole pieces of ``size`` where that adds under 8 tokens per piece (a
-    balanced plan): every piece then runs through the loop's one traced body. A ragged last
+    """n, or n padded to whole pieces of ``size`` where that adds under BALANCE_MULTIPLE tokens
+    per piece (a balanced plan): every piece then runs through the loop's one traced body. A ragged last
     piece is another body, whose buffers XLA does not share with the loop's (H100, pallas at
     N = 8192: 4.2-5.8 GB of temporaries with a ragged last chunk, 2.6-3.2 GB without)."""
     pieces = ceil_div(n, size) if n else 0
-    return pieces * size if 0 < pieces * size - n < 8 * pieces else n
+    return pieces * size if 0 < pieces * size - n < BALANCE_MULTIPLE * pieces else n
 
 
 def _pad(a, n: int, value=0):

@@ -58,7 +58,10 @@ def plan_token_chunks(n: int, v: int, *, bytes_per_element: int,
     return ChunkPlan(n=n, chunk=max(1, min(chunk, max(n, 1))))
 
 
-def balanced(plan: ChunkPlan, multiple: int = 8) -> ChunkPlan:
+BALANCE_MULTIPLE = 8  # balanced chunk sizes are multiples of this: padding adds fewer per chunk
+
+
+def balanced(plan: ChunkPlan, multiple: int = BALANCE_MULTIPLE) -> ChunkPlan:
     """The same number of chunks, of nearly equal sizes: the smallest multiple of ``multiple``
     that covers n in ``plan.num_chunks`` chunks (n = 8192 in chunks of 1792: 5 × 1640 instead
     of 4 × 1792 + 1024), so that padding n to whole chunks adds under ``multiple`` tokens per
