@@ -55,6 +55,13 @@ def _is_traced(a) -> bool:
     return isinstance(a, jax.core.Tracer)
 
 
+def check_concrete_labels(labels, v: int, ignore_index: int) -> None:
+    """``ValueError`` for a label outside ``[0, v)`` that is not ``ignore_index``, read on the
+    host, if ``labels`` is concrete; traced labels cannot be read without a sync."""
+    if not _is_traced(labels):
+        spec.check_targets(np.asarray(labels), v, ignore_index)
+
+
 def prepare(x, linear_weight, labels, linear_bias, weight, *, ignore_index: int,
             weight_layout: str = "vh", check_range: bool = True) -> Prepared:
     """Check types, dtypes and shapes (errors name the argument); flatten to 2-D.
@@ -86,8 +93,8 @@ def prepare(x, linear_weight, labels, linear_bias, weight, *, ignore_index: int,
                                 None if linear_bias is None else linear_bias.shape,
                                 None if weight is None else weight.shape,
                                 weight_layout=weight_layout, names=("x", "labels"))
-    if check_range and not _is_traced(labels):
-        spec.check_targets(np.asarray(labels), problem.v, ignore_index)
+    if check_range:
+        check_concrete_labels(labels, problem.v, ignore_index)
     return Prepared(
         x=jnp.reshape(x, (problem.n, problem.h)), w=jnp.asarray(linear_weight),
         y=labels_int32(jnp.reshape(labels, (problem.n,)), ignore_index),

@@ -77,8 +77,8 @@ def prepare(xs, ws, xt, wt, y, opts: spec.LinearJSDOptions, weight_layout="vh") 
     problem = spec.check_shapes(xs.shape, ws.shape, xt.shape, wt.shape,
                                 None if y is None else y.shape, options=opts,
                                 weight_layout=weight_layout)
-    if y is not None and not common._is_traced(y):
-        spec.check_targets(np.asarray(y), problem.v, opts.ignore_index)
+    if y is not None:
+        common.check_concrete_labels(y, problem.v, opts.ignore_index)
     n = problem.n
     # the teacher needs no stop_gradient: the custom_vjp gives it no cotangent, and as the
     # caller's very arrays the unfused path's residuals stay the inputs (no copy out of a jit)

@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ._torch_common import check_targets
+
 __all__ = ["global_token_count"]
 
 
@@ -27,6 +29,9 @@ def global_token_count(target, ignore_index: int = -100, *, weight=None, process
     ``weight[target]``, the "mean" denominator with class weights), as a float32 (float64 if
     ``weight`` is) 0-d tensor on ``target``'s device, all-reduced over ``process_group``
     (the default group when torch.distributed is initialized, else no reduction).
+
+    With ``weight``, a label outside ``[0, len(weight))`` that is not ``ignore_index`` is an
+    error (a device-side assert on CUDA, a ``RuntimeError`` on CPU), as in the loss.
 
     It is at least 1 only if some token counts: a batch whose tokens are all ignored
     everywhere gives 0, so divide by ``count.clamp_min(1)`` if that can happen.
@@ -41,6 +46,8 @@ def global_token_count(target, ignore_index: int = -100, *, weight=None, process
     else:
         if not isinstance(weight, torch.Tensor) or not weight.is_floating_point() or weight.dim() != 1:
             raise TypeError("weight (class weights) must be a 1-D floating torch.Tensor")
+        # a stray label (e.g. -1) would otherwise read weight[-1]: an error, as in the loss
+        check_targets(target, weight.shape[0], ignore_index)
         safe = torch.where(mask, target, torch.zeros_like(target))
         dt = torch.float64 if weight.dtype == torch.float64 else torch.float32
         count = (weight.to(dt)[safe] * mask).sum()

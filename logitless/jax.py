@@ -130,11 +130,14 @@ def _vocab_parallel(x, linear_weight, labels, linear_bias, weight, opts, weight_
     if unknown:
         raise TypeError(f"unknown tuning keyword(s) {unknown} with axis_name; "
                         f"it accepts {list(vp.TUNING)}")
-    # labels are global, the weight a slice: no eager range check against the local V (the
-    # vocab-parallel math makes a label outside the global [0, V) NaN, concrete or traced)
+    # labels are global, the weight a slice: concrete labels are checked against the global
+    # V = V_local · axis size, traced ones become NaN in the vocab-parallel math
     prepared = common.prepare(x, linear_weight, labels, linear_bias, weight,
                               ignore_index=opts.ignore_index, weight_layout=weight_layout,
                               check_range=False)
+    size = vp._axis_size(axis_name)
+    if isinstance(size, int):
+        common.check_concrete_labels(labels, prepared.problem.v * size, opts.ignore_index)
     loss, lse = vp.vocab_parallel_linear_cross_entropy(prepared, opts, axis_name, **tuning)
     return _shaped(loss, lse, prepared, opts)
 

@@ -69,7 +69,7 @@ except ImportError:
 def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weight=None,
                          reduction="mean", ignore_index=-100, label_smoothing=0.0, z_loss=0.0,
                          softcap=None, return_lse=False, backend=None, process_group=None,
-                         vocab_start_index=None, vocab_size=None, **tuning):
+                         vocab_start_index=None, vocab_size=None, options=None, **tuning):
     """``cross_entropy(input @ linear_weight.T + linear_bias, target)`` without the logits.
 
     Args:
@@ -101,6 +101,10 @@ def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weig
             slices. Runs :mod:`logitless.vocab_parallel_torch` (backend ``None``/"torch").
         vocab_start_index, vocab_size: with ``process_group``, where this rank's slice starts
             and the global V; default an equal split (``rank * V_local``, ``world * V_local``).
+        options: accepted for ``F.linear_cross_entropy`` compatibility. Its chunking settings
+            do not apply (logitless always chunks; ``chunk_size`` / ``memory_budget`` tune
+            it); ``allow_retain_graph=True`` needs the ``"torch"`` backend, which recomputes
+            (the fused backends finish their saved gradients in place).
 
     Under ``torch.autocast``, ``input``, ``linear_weight`` and ``linear_bias`` are cast to
     the autocast dtype first, as ``F.linear`` would cast them (gradients reach the originals).
@@ -118,6 +122,9 @@ def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weig
         return _vocab_parallel(prepared, opts, backend, process_group, vocab_start_index,
                                vocab_size, tuning)
     name, impl = _resolve(backend, prepared.x.device, prepared.x.dtype)
+    if getattr(options, "allow_retain_graph", False) and name != "torch":
+        raise ValueError(f"options.allow_retain_graph=True needs backend='torch' (it recomputes "
+                         f"in backward); backend={name!r} runs its backward once")
     unknown = sorted(set(tuning) - set(impl.TUNING))
     if unknown:
         raise TypeError(f"unknown tuning keyword(s) {unknown} for backend={name!r}; "
@@ -149,7 +156,8 @@ def _vocab_parallel(prepared, opts, backend, process_group, vocab_start_index, v
                         f"it accepts {list(vp.TUNING)}")
     shard = vp.resolve_shard(process_group, prepared.problem.v, vocab_start_index, vocab_size)
     common.check_targets(prepared.y, shard.v, opts.ignore_index)
-    loss, lse = vp.vocab_parallel_linear_cross_entropy(prepared, opts, shard, **tuning)
+    with common.autocast_off(prepared.x.device):
+        loss, lse = vp.vocab_parallel_linear_cross_entropy(prepared, opts, shard, **tuning)
     return _shaped(loss, lse, prepared, opts)
 
 

@@ -37,7 +37,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from . import _jax_common as common
@@ -230,8 +229,7 @@ def global_token_count(labels, *, ignore_index: int = -100, weight=None, axis_na
         if weight.ndim != 1:
             raise ValueError(f"weight (class weights) must be 1-D, got shape {weight.shape}")
         v = weight.shape[0]
-        if not common._is_traced(labels):
-            spec.check_targets(np.asarray(labels), v, ignore_index)
+        common.check_concrete_labels(labels, v, ignore_index)
         bad = mask & ((labels < 0) | (labels >= v))
         count = jnp.sum(jnp.where(mask & ~bad, weight[jnp.where(mask & ~bad, labels, 0)], 0.0))
         count = jnp.where(jnp.any(bad), jnp.nan, count)

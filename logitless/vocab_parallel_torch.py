@@ -14,7 +14,9 @@ the forward's single collective and is checked with a device-side assert (no hos
 
 Algorithm (the spec's math, :mod:`logitless.specs.linear_cross_entropy`, split over V):
 
-forward, per token chunk (plan of :mod:`logitless.specs.tiling` on V_local), no collective:
+forward, per token chunk (plan of :mod:`logitless.specs.tiling` on ⌈V / world⌉, the same
+on every rank even for uneven slices, so that the backward's per-chunk all-reduces pair up; a
+slice wider than that holds proportionally more than ``memory_budget``), no collective:
     c = capped(x_c · W_localᵀ + b_local) in fp32
     lse_r = logsumexp_v c      c_y,r = c[y − v0] if v0 ≤ y < v1 else 0 (mask, no sentinel)
     wc_r  = Σ_v w_v c_v        (label smoothing only)
@@ -29,7 +31,6 @@ Collectives per call: 1 in forward, one per chunk in backward; no host syncs.
 from __future__ import annotations
 
 import numbers
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -246,7 +247,10 @@ def vocab_parallel_linear_cross_entropy(p: common.Prepared, opts: spec.LinearCro
                                         shard: _Shard, *, chunk_size=None, memory_budget=None):
     """Returns ``(loss, lse)`` like a backend; ``p`` holds this rank's slices (V = V_local)."""
     bytes_per = 2 * torch.finfo(_acc_dtype(p.x)).bits // 8  # fp32 logits + their gradient
-    plan = plan_token_chunks(p.problem.n, p.problem.v, bytes_per_element=bytes_per,
+    # Planned on a width every rank knows (not V_local): the backward all-reduces dX once per
+    # chunk, and ranks with different plans would pair collectives of different sizes.
+    width = -(-shard.v // shard.world)
+    plan = plan_token_chunks(p.problem.n, width, bytes_per_element=bytes_per,
                              budget_bytes=memory_budget, chunk_size=chunk_size)
     return _VocabParallelLinearCrossEntropy.apply(p.x, p.w, p.bias, p.y, p.class_weight, opts,
                                                   plan, shard)

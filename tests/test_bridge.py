@@ -299,6 +299,34 @@ def test_pallas_backend_validates_tuning_whatever_ran_before(gen, op, grad):
             run(**bad)   # ... and after the equal good value compiled
 
 
+@pytest.mark.parametrize("op", ["linear_cross_entropy", "linear_jsd"])
+def test_pallas_backend_under_torch_compile_is_a_graph_break(gen, op):
+    """torch.compile around a model that uses backend="pallas": dynamo cannot trace JAX, so
+    the bridge call is a graph break that runs eagerly (it crashed inside dynamo before)."""
+    import torch._dynamo as dynamo
+    import logitless.torch as lt
+    n, h, v = 6, 8, 11
+    x, w = rand(gen, n, h), rand(gen, v, h)
+    xt, wt = rand(gen, n, h), rand(gen, v, h)
+    y = torch.randint(0, v, (n,), generator=gen)
+    if op == "linear_cross_entropy":
+        f = lambda x, w: lt.linear_cross_entropy(torch.tanh(x), w, y, backend="pallas") * 2
+    else:
+        f = lambda x, w: lt.linear_jsd(torch.tanh(x), w, xt, wt, y, backend="pallas") * 2
+    dynamo.reset()
+    got = _leaf_grads(torch.compile(f, backend="eager"), x, w)
+    want = _leaf_grads(f, x, w)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def _leaf_grads(f, *inputs):
+    leaves = [t.detach().requires_grad_() for t in inputs]
+    out = f(*leaves)
+    out.backward()
+    return [out.detach()] + [t.grad for t in leaves]
+
+
 def test_jax_function_residual_inputs_are_not_copied(gen):
     """A custom_vjp that saves its inputs: they are re-read from the inputs, not copied."""
 

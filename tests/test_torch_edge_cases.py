@@ -149,6 +149,35 @@ def test_second_backward_through_one_graph():
     torch.testing.assert_close(torch.autograd.grad(loss, x)[0], first, rtol=0, atol=0)
 
 
+@pytest.mark.skipif(not hasattr(F, "linear_cross_entropy"), reason="this torch has no "
+                    "F.linear_cross_entropy to be a drop-in for (it came after 2.11)")
+def test_drop_in_for_f_linear_cross_entropy():
+    """Every parameter of ``F.linear_cross_entropy`` is one of ours, positional ones in the same
+    order, and a call that spells out F's keywords (``options`` included) gives F's result."""
+    import inspect
+    theirs = inspect.signature(F.linear_cross_entropy).parameters
+    ours = inspect.signature(lt.linear_cross_entropy).parameters
+    assert set(theirs) <= set(ours), set(theirs) - set(ours)
+    positional = lambda ps: [k for k, p in ps.items() if p.kind == p.POSITIONAL_OR_KEYWORD]
+    assert positional(ours) == positional(theirs)
+    x, w, b, y = _lce_data(12, 8, 19, seed=15, bias=True)
+    cw = torch.rand(19, generator=torch.Generator().manual_seed(SEED)).to(DEV) + 0.5
+    kw = dict(linear_bias=b, weight=cw, reduction="sum", ignore_index=-100, label_smoothing=0.1)
+    options = torch.nn.LinearCrossEntropyOptions()
+    want = F.linear_cross_entropy(x.double(), w.double(), y, **{**kw, "linear_bias": b.double(),
+                                                                 "weight": cw.double()})
+    for backend in ("triton", "torch"):
+        got = lt.linear_cross_entropy(x, w, y, **kw, options=options, backend=backend)
+        assert _err(got, want) <= 1e-5, backend
+    retain = torch.nn.LinearCrossEntropyOptions(allow_retain_graph=True)
+    with pytest.raises(ValueError, match="allow_retain_graph=True needs backend='torch'"):
+        lt.linear_cross_entropy(x, w, y, options=retain, backend="triton")
+    xr = x.detach().requires_grad_()
+    loss = lt.linear_cross_entropy(xr, w, y, options=retain, backend="torch")
+    first = torch.autograd.grad(loss, xr, retain_graph=True)[0]
+    torch.testing.assert_close(torch.autograd.grad(loss, xr)[0], first, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("dynamic", [None, True])
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_compile_fullgraph_over_varying_token_counts(backend, dynamic):

@@ -197,6 +197,11 @@ def test_shift_labels_and_ignore_index_kwargs():
     a = ref(input_ids=ids, attention_mask=mask, labels=labels).loss
     b = fused(input_ids=ids, attention_mask=mask, shift_labels=shifted).loss
     torch.testing.assert_close(b, a, rtol=1e-5, atol=0)
+    # flattened (B·T,) shift_labels, as packing collators pass them: transformers views them
+    flat = fused(input_ids=ids, attention_mask=mask, shift_labels=shifted.reshape(-1)).loss
+    torch.testing.assert_close(flat, a, rtol=1e-5, atol=0)
+    with pytest.raises(ValueError, match="target must have shape"):
+        fused(input_ids=ids, attention_mask=mask, shift_labels=shifted[:, 1:])
     # a different ignore_index, as the loss kwargs allow
     relabelled = torch.where(labels == -100, torch.full_like(labels, -1), labels)
     c = ref(input_ids=ids, attention_mask=mask, labels=relabelled, ignore_index=-1).loss

@@ -29,3 +29,5 @@ def test_vocab_parallel_jax_equals_spec():
     assert res["checked"] >= 40, res  # the case matrix really ran (2 and 4 devices)
     assert res["count"] == 6.0, res   # global_token_count psum-ed over a "dp" axis
     assert res["concrete_labels_rel_err"] <= 1e-5, res  # closed-over global labels
+    for msg in res["bad_concrete"]:  # ... and out-of-range ones an error, as documented
+        assert "target out of range" in msg and "[0, 10)" in msg, res

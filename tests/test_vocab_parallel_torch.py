@@ -183,10 +183,51 @@ def _check_module_and_count(rank, world, group):
                 count_dtype=str(count.dtype), wcount=(float(wcount), wexpected))
 
 
+def _check_uneven_budget_and_autocast(rank, world, group):
+    """(1) Uneven slices with a ``memory_budget``: the ranks' token-chunk plans (and with them
+    the backward's per-chunk dX all-reduces) must pair up; planned on V_local they did not
+    (a gloo abort, an NCCL hang). (2) Under autocast, class weights with label smoothing and a
+    large common logit offset: the fp32 loss math must not be re-cast to bf16 by autocast."""
+    import logitless.torch as lt
+    g = torch.Generator().manual_seed(11)
+    v, n = 6 * world + 1, 40
+    x = torch.randn(n, 8, generator=g, dtype=torch.float64)
+    w = torch.randn(v, 8, generator=g, dtype=torch.float64)
+    y = torch.randint(0, v, (n,), generator=g)
+    start, size = dict(_splits(v, world))["uneven"][rank]
+    sl = slice(start, start + size)
+    xr = x.clone().requires_grad_()
+    want = lt.linear_cross_entropy(xr, w, y, reduction="sum")
+    want.backward()
+    xp = x.clone().requires_grad_()
+    # 8 tokens of the widest slice: with V_local planning rank 0 (one class) took all 40 at once
+    got = lt.linear_cross_entropy(xp, w[sl], y, reduction="sum", process_group=group,
+                                  vocab_start_index=start, vocab_size=v,
+                                  memory_budget=8 * 16 * (v // world + 1))
+    got.backward()
+    budget = (abs(float(got - want)) / abs(float(want)),
+              float((xp.grad - xr.grad).abs().max() / xr.grad.abs().max()))
+
+    v, h = 64 * world, 32
+    x = torch.randn(n, h, generator=g)
+    w = torch.randn(v, h, generator=g)
+    b = torch.full((v,), 20.0)  # softmax-invariant, but bf16 sums of c·w lose it
+    y = torch.randint(0, v, (n,), generator=g)
+    cw = torch.rand(v, generator=g) + 0.5
+    sl = slice(rank * 64, rank * 64 + 64)
+    kw = dict(label_smoothing=0.5)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        single = lt.linear_cross_entropy(x, w, y, linear_bias=b, weight=cw, **kw)
+        vp = lt.linear_cross_entropy(x, w[sl], y, linear_bias=b[sl], weight=cw[sl].contiguous(),
+                                     process_group=group, **kw)
+    return dict(budget=budget, autocast=abs(float(vp - single)) / abs(float(single)))
+
+
 def _worker(rank, world):
     group = dist.group.WORLD
     return dict(cases=_check_all(rank, world, group), errors=_check_errors(rank, world, group),
-                module=_check_module_and_count(rank, world, group))
+                module=_check_module_and_count(rank, world, group),
+                uneven=_check_uneven_budget_and_autocast(rank, world, group))
 
 
 def _redraw_worker(rank, world, only):
@@ -278,6 +319,14 @@ def test_module_and_global_token_count(results):
         assert abs(m["wcount"][0] - m["wcount"][1]) <= 1e-5 * m["wcount"][1], m
 
 
+def test_uneven_slices_with_a_budget_and_autocast(results):
+    world, res = results
+    for r in res:
+        u = r["uneven"]
+        assert u["budget"][0] <= 1e-12 and u["budget"][1] <= 1e-12, u  # float64
+        assert u["autocast"] <= 1e-6, u  # 7e-5 when autocast re-cast the smoothing sum
+
+
 def test_process_group_needs_init():
     import logitless.torch as lt
     assert not dist.is_initialized()
@@ -289,3 +338,9 @@ def test_process_group_needs_init():
                                 vocab_size=6)
     # no group, no distributed: the local count
     assert float(lt.global_token_count(torch.tensor([1, -100, 3]))) == 2.0
+    # with class weights a stray label is an error, not weight[-1] (as in the loss)
+    cw = torch.tensor([1.0, 2.0, 3.0, 10.0])
+    assert float(lt.global_token_count(torch.tensor([0, 1, -100]), weight=cw)) == 3.0
+    for bad in (-1, 4):
+        with pytest.raises(RuntimeError, match="target out of range"):
+            lt.global_token_count(torch.tensor([0, 1, bad, -100]), weight=cw)

@@ -127,8 +127,19 @@ def main():
                                mesh=mesh, in_specs=(P(), P("tp", None)), out_specs=P()))(x, w)
     plain = lj.linear_cross_entropy(x, w, jnp.asarray(y_np))
     concrete_err = float(abs(closed - plain) / abs(plain))
+    # ... and a concrete label at or past the global V is a ValueError, as without axis_name
+    bad_concrete = []
+    for bad in (10, -1):
+        y_bad = y_np.copy()
+        y_bad[2] = bad
+        try:
+            jax.jit(shard_map(lambda x, w: lj.linear_cross_entropy(x, w, y_bad, axis_name="tp"),
+                              mesh=mesh, in_specs=(P(), P("tp", None)), out_specs=P()))(x, w)
+            bad_concrete.append(f"{bad}: no error")
+        except ValueError as e:
+            bad_concrete.append(f"{bad}: {e}")
     print(json.dumps(dict(failures=failures, checked=checked, count=float(count),
-                          concrete_labels_rel_err=concrete_err,
+                          concrete_labels_rel_err=concrete_err, bad_concrete=bad_concrete,
                           devices=len(jax.devices()), jax=jax.__version__)))
 
 

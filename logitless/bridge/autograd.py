@@ -197,6 +197,9 @@ class JaxFunction:
         out = f(*(None if t is None else to_jax(t) for t in tensors))
         return jax.tree_util.tree_map(to_torch, out)
 
+    # Dynamo cannot trace into JAX or DLPack: under torch.compile the call is a graph break
+    # and runs eagerly (so not under fullgraph=True), instead of failing inside dynamo.
+    @torch.compiler.disable
     def __call__(self, *tensors, **static):
         for i, t in enumerate(tensors):
             if t is not None and not isinstance(t, torch.Tensor):

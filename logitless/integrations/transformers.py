@@ -212,7 +212,8 @@ def _patched_forward(model, args, kwargs):
 def causal_lm_loss(hidden, lm_head_weight, shift_labels, *, bias=None, num_items_in_batch=None,
                    ignore_index=-100, softcap=None, backend=None, **tuning):
     """``transformers``' ``ForCausalLMLoss`` on ``hidden @ lm_head_weight.T (+ bias)`` without
-    the logits: ``shift_labels`` already shifted; ``sum / num_items_in_batch`` when it is given
+    the logits: ``shift_labels`` already shifted (shaped like ``hidden.shape[:-1]``, or flattened
+    as transformers accepts); ``sum / num_items_in_batch`` when it is given
     (an int or a tensor: no host sync), else the mean over non-ignored tokens."""
     x, w, b = hidden, lm_head_weight, bias
     # Under autocast the front door casts all three as F.linear would; without it, hidden
@@ -220,7 +221,10 @@ def causal_lm_loss(hidden, lm_head_weight, shift_labels, *, bias=None, num_items
     if not torch.is_autocast_enabled(x.device.type) and x.dtype != w.dtype:
         x = x.to(w.dtype)
     reduction = "mean" if num_items_in_batch is None else "sum"
-    loss = lt.linear_cross_entropy(x, w, shift_labels.to(x.device), linear_bias=b,
+    # transformers flattens shift_labels (``view(-1)``), so a (B·T,) tensor is accepted too
+    y = shift_labels.reshape(x.shape[:-1]) if shift_labels.numel() == x[..., 0].numel() \
+        else shift_labels
+    loss = lt.linear_cross_entropy(x, w, y.to(x.device), linear_bias=b,
                                    reduction=reduction, ignore_index=ignore_index,
                                    softcap=softcap, backend=backend, **tuning)
     if num_items_in_batch is not None:

@@ -49,7 +49,7 @@ def plan_token_chunks(n: int, v: int, *, bytes_per_element: int,
         return ChunkPlan(n=n, chunk=max(1, min(int(chunk_size), max(n, 1))))
     budget = DEFAULT_BUDGET_BYTES if budget_bytes is None else budget_bytes
     if not _is_integer(budget) or budget < 1:
-        raise ValueError(f"memory_budget must be a positive number of bytes, got {budget_bytes!r}")
+        raise ValueError(f"memory_budget must be a positive int (bytes), got {budget_bytes!r}")
     budget = int(budget)
     chunk = budget // (v * bytes_per_element)
     if chunk >= multiple:
