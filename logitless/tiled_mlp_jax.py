@@ -123,18 +123,15 @@ def _tiled(fn, plan: spec.ShardPlan, x_shape, accum_fp32: bool, out_shape, out_d
 
 
 # Built and jit-compiled once per (fn, plan, ...): an eager call then compiles once, not on
-# every call. ``fn`` is part of the key (by its own hash: identity for a closure or a lambda,
-# value for a frozen dataclass such as SwiGLUMLP); the cache is bounded, so functions made
-# anew on every call (fresh lambdas) cost a compile each, as without it, and are not leaked.
+# every call. Only for a SwiGLUMLP itself (a frozen dataclass of ints: hashed by value, holds
+# no arrays). Any other fn may read state that changes between calls (an attribute, a
+# closed-over variable) or close over an outer trace's values: keyed by identity, a cached
+# program would replay stale values or leak tracers, so it is built (and traced) per call.
 _tiled_jit = functools.lru_cache(maxsize=64)(lambda *key: jax.jit(_tiled(*key)))
 
 
 def _tiled_fn(fn, *key):
-    try:
-        hash(fn)
-    except TypeError:  # an unhashable callable: built (and traced) anew on each call
-        return _tiled(fn, *key)
-    return _tiled_jit(fn, *key)
+    return _tiled_jit(fn, *key) if type(fn) is SwiGLUMLP else _tiled(fn, *key)
 
 
 def _swiglu_shard_grads(mlp, params, xs, dys, acc, acc_dtype):
@@ -189,7 +186,8 @@ def tiled_mlp(fn, params, x, *, num_shards: Optional[int] = None,
     Args:
         fn: ``fn(params, x_shard) -> y_shard``, position-wise (``[..., n, H] -> [..., n,
             H_out]``) and deterministic, e.g. a :class:`SwiGLUMLP`. It must get everything it
-            differentiates through ``params`` (a closed-over array gets no gradient).
+            differentiates through ``params``: differentiating with respect to a closed-over
+            array raises (JAX's custom_vjp rule); closing over constants is fine.
         params: a pytree of floating arrays.
         x: ``[..., T, H]`` (e.g. ``[B, T, H]`` or ``[T, H]``). The ``B·T`` tokens are split
             into ``num_shards`` shards of ``ceil(B·T / num_shards)`` consecutive tokens (the
@@ -297,9 +295,12 @@ def swiglu(gate, up, *, backend: Optional[str] = None, **tuning):
 def _dense(x, p):
     if "bias" not in p:
         return jnp.dot(x, p["kernel"])
-    # the bias added to the fp32 product: one rounding, as in a GEMM epilogue (torch's addmm)
-    y = jnp.dot(x, p["kernel"], preferred_element_type=jnp.float32)
-    return (y + p["bias"].astype(jnp.float32)).astype(jnp.result_type(x, p["kernel"]))
+    # the bias added to the fp32 (fp64 for fp64) product: one rounding, as in a GEMM epilogue
+    # (torch's addmm)
+    out = jnp.result_type(x, p["kernel"])
+    acc = jnp.promote_types(out, jnp.float32)
+    y = jnp.dot(x, p["kernel"], preferred_element_type=acc)
+    return (y + p["bias"].astype(acc)).astype(out)
 
 
 @dataclasses.dataclass(frozen=True)

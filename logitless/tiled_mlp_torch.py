@@ -74,7 +74,7 @@ def _swiglu_backward_torch(grad_h, gate, up, *, grad_gate=None, grad_up=None):
     s = torch.sigmoid(g)
     silu = g * s
     dg = dh * up.to(g.dtype) * (s + silu * (1.0 - s))
-    du = dh.mul_(silu)
+    du = dh * silu  # not in place: dh may be the caller's grad_h itself (fp32/fp64)
     dg = dg.to(gate.dtype) if grad_gate is None else grad_gate.copy_(dg)
     du = du.to(gate.dtype) if grad_up is None else grad_up.copy_(du)
     return dg, du

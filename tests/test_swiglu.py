@@ -181,6 +181,27 @@ def test_front_doors_pick_an_implementation():
     torch.testing.assert_close(lt.swiglu(gt, ut), tk.swiglu(gt, ut), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_torch_backward_leaves_the_incoming_gradient_alone(dtype, monkeypatch):
+    """The torch-formula backward (float64, or no Triton) must not write into grad_h: autograd
+    hands the same tensor to other branches (a residual add), or an expanded one (``.sum()``)."""
+    monkeypatch.setattr(tiled_mlp_torch, "_triton_swiglu", None)  # the formula for fp32 too
+    g, u, _ = (torch.tensor(a, dtype=dtype) for a in _inputs((6, 9), "float32", salt=4))
+    w = torch.randn(9, dtype=dtype, generator=torch.Generator().manual_seed(SEED))
+    ga, ua, wa = (t.clone().requires_grad_() for t in (g, u, w))
+    (lt.swiglu(ga, ua) + wa).pow(2).sum().backward()  # one grad tensor for both branches
+    gb, ub, wb = (t.clone().requires_grad_() for t in (g, u, w))
+    (F.silu(gb) * ub + wb).pow(2).sum().backward()
+    for a, b in ((ga, gb), (ua, ub), (wa, wb)):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-12 if dtype == torch.float64 else
+                                   1e-5, atol=0)
+    gc, uc = g.clone().requires_grad_(), u.clone().requires_grad_()
+    lt.swiglu(gc, uc).sum().backward()  # an expanded (stride-0) gradient
+    gd, ud = g.clone().requires_grad_(), u.clone().requires_grad_()
+    (F.silu(gd) * ud).sum().backward()
+    torch.testing.assert_close(gc.grad, gd.grad, rtol=1e-5, atol=0)
+
+
 def test_torch_compile_traces_the_op():
     g, u, dh = (torch.tensor(a, device=DEV) for a in _inputs((8, 40), "float32", salt=3))
     compiled = torch.compile(lambda a, b: lt.swiglu(a, b) * 2.0, backend="aot_eager",

@@ -10,6 +10,9 @@ autograd / jnp with autodiff), never below the dtype's floor. The DDP test is in
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
 import zlib
 from typing import Optional
 
@@ -520,6 +523,62 @@ def test_jax_unhashable_and_closure_fns_are_not_confused():
             want = jax.grad(lambda p, x: jnp.sum(fn(p, x) ** 2), argnums=(0, 1))(params, x)
             for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
                 assert rel_err(a, b) <= FLOOR["float32"], rel_err(a, b)
+
+
+def test_jax_fns_with_changing_state_or_traced_closures():
+    """Only a SwiGLUMLP's tiled program is cached across calls: a callable whose attribute
+    changes between calls is traced anew (a cache keyed by identity replayed the first call's
+    value), and a closure over a value traced by an enclosing jit works (a cached program
+    leaked that tracer)."""
+    params = {"w": jax.random.normal(jax.random.PRNGKey(3), (16, 16))}
+    x = jax.random.normal(jax.random.PRNGKey(4), (21, 16))
+
+    class Scaled:  # hashable by identity, mutable
+        scale = 1.0
+
+        def __call__(self, p, x):
+            return jnp.tanh(x @ p["w"]) * self.scale
+
+    fn = Scaled()
+    first = lj.tiled_mlp(fn, params, x, num_shards=3)
+    fn.scale = 3.0
+    assert rel_err(lj.tiled_mlp(fn, params, x, num_shards=3), 3.0 * first) <= FLOOR["float32"]
+
+    def loss(p, x, scale, tiled):
+        f = lambda p, x: jnp.tanh(x @ p["w"]) * scale  # scale is traced under jit
+        return jnp.sum((lj.tiled_mlp(f, p, x, num_shards=3) if tiled else f(p, x)) ** 2)
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=3)
+    for scale in (2.0, 0.5):
+        got, want = grad(params, x, scale, True), grad(params, x, scale, False)
+        for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+            assert rel_err(a, b) <= FLOOR["float32"], rel_err(a, b)
+
+
+_F64_BIAS_PROBE = """
+import jax
+jax.config.update("jax_enable_x64", True)
+import numpy as np, jax.numpy as jnp
+import logitless.jax as lj
+mlp = lj.SwiGLUMLP(8, 12, bias=True)
+p = jax.tree_util.tree_map(lambda a: a.astype(jnp.float64), mlp.init(jax.random.PRNGKey(0)))
+x = jax.random.normal(jax.random.PRNGKey(1), (2, 7, 8), jnp.float64)
+f64 = lambda a: np.asarray(a, np.float64)
+ref = lambda d, a: f64(a) @ f64(d["kernel"]) + f64(d["bias"])
+h = ref(p["gate_proj"], x)
+want = ref(p["down_proj"], h / (1 + np.exp(-h)) * ref(p["up_proj"], x))
+for y in (mlp(p, x), lj.tiled_mlp(mlp, p, x, num_shards=3)):
+    assert y.dtype == jnp.float64, y.dtype
+    err = np.abs(f64(y) - want).max() / np.abs(want).max()
+    assert err < 1e-13, err
+"""
+
+
+def test_jax_swiglu_mlp_with_bias_computes_float64_in_float64():
+    """(x64 is process-wide in JAX: a subprocess.) The bias path summed in float32."""
+    r = subprocess.run([sys.executable, "-c", _F64_BIAS_PROBE], capture_output=True, text=True,
+                       timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert r.returncode == 0, r.stderr[-3000:]
 
 
 def test_jax_fused_path_and_accumulator_dtype(monkeypatch):

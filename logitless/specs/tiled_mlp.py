@@ -16,7 +16,8 @@ training runs out of memory on. Tiling trades one extra forward for them:
 * **Backward.** Given ``dy``, for every shard: recompute ``f(θ, x[shard])`` and take its
   vector-Jacobian product with ``dy[shard]``: ``dx[shard] = ∂f/∂x ᵀ·dy[shard]`` and the
   shard's parameter gradient ``dθ_s = ∂f/∂θ ᵀ·dy[shard]``. The parameter gradient is
-  ``dθ = Σ_s dθ_s`` (accumulated in float32 by default) and is handed to the framework
+  ``dθ = Σ_s dθ_s`` (accumulated in each parameter's dtype by default, in float32 with
+  ``grad_accum_dtype=float32``) and is handed to the framework
   **once**: gradient hooks fire once per parameter (data-parallel wrappers reduce it once),
   and gradients already accumulated by earlier micro-batches are kept.
 
