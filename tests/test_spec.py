@@ -323,6 +323,41 @@ def test_all_ignored_is_zero_not_nan(red, ignore_index):
         assert torch.isnan(torch_mean)
 
 
+@pytest.mark.parametrize("eps", [0.0, 0.2])
+@pytest.mark.parametrize("red", REDUCTIONS)
+def test_minus_inf_bias_masks_classes_without_nan(red, eps):
+    """A -inf bias masks classes (e.g. padded vocabulary): the reference equals float64 torch
+    autograd on the same logits. Without label smoothing the loss is finite, also for ignored
+    tokens (whose class-0 read must not become 0·inf); with it the masked classes' smoothing
+    terms make the loss inf, as in F.cross_entropy."""
+    import torch
+    import torch.nn.functional as F
+    rng = np.random.default_rng([SEED, 77])
+    n, h, v = 7, 5, 11
+    x, w = rng.standard_normal((n, h)), rng.standard_normal((v, h))
+    b = rng.standard_normal(v)
+    b[[0, 4, 9]] = -np.inf
+    y = rng.choice([1, 2, 3, 5, 6, 7, 8, 10], n)
+    y[[1, 5]] = -100
+    cw = rng.uniform(0.5, 2.0, v)
+    opts = spec.LinearCrossEntropyOptions(reduction=red, label_smoothing=eps)
+    g = rng.standard_normal(n) if red == "none" else 1.3
+    r = spec.reference(x, w, y, bias=b, weight=cw, options=opts, grad_output=g)
+    t = lambda a: torch.tensor(a, requires_grad=True)
+    xt, wt = t(x), t(w)
+    loss = F.cross_entropy(xt @ wt.T + torch.tensor(b), torch.tensor(y), weight=torch.tensor(cw),
+                           reduction=red, label_smoothing=eps)
+    if eps:
+        assert np.all(np.isinf(r["loss"][[0, 2, 3, 4, 6]] if red == "none" else r["loss"]))
+        assert torch.isinf(loss[[0, 2, 3, 4, 6]] if red == "none" else loss).all()
+        return
+    assert np.isfinite(r["loss"]).all() and np.isfinite(r["dx"]).all()
+    loss.backward(torch.tensor(g) if red == "none" else torch.tensor(g, dtype=torch.float64))
+    np.testing.assert_allclose(r["loss"], loss.detach().numpy(), rtol=1e-12)
+    np.testing.assert_allclose(r["dx"], xt.grad.numpy(), rtol=1e-10, atol=1e-14)
+    np.testing.assert_allclose(r["dw"], wt.grad.numpy(), rtol=1e-10, atol=1e-14)
+
+
 @pytest.mark.parametrize("red", REDUCTIONS)
 def test_all_ignored_lse_gradient_still_flows(red):
     """Ignored tokens carry no loss gradient, but their lse is an output with its own grad."""

@@ -196,9 +196,12 @@ def reference(x, W, y, *, bias=None, weight=None, options: LinearCrossEntropyOpt
     m = (y != opts.ignore_index).astype(np.float64)
     y_safe = np.where(m > 0, y, 0)
     omega = m * w[y_safe]
-    c_y = c[np.arange(n), y_safe]
-    smooth = (w[None, :] * (lse[:, None] - c)).sum(axis=1)
-    ce = (1 - eps) * omega * (lse - c_y) + m * (eps / v) * smooth
+    # An ignored token reads class 0 (y_safe) and a class masked by a -inf bias has lse - c =
+    # inf: both are selected away, never multiplied by 0 (0·inf = NaN).
+    c_y = np.where(m > 0, c[np.arange(n), y_safe], lse)
+    smooth = np.where(m > 0, (w[None, :] * (lse[:, None] - c)).sum(axis=1), 0.0) \
+        if eps > 0 else np.zeros(n)
+    ce = (1 - eps) * omega * (lse - c_y) + (eps / v) * smooth
     token_loss = ce + zeta * omega * lse ** 2
 
     denom = reduction_denominator(omega.sum(), opts.reduction)
