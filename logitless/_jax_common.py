@@ -160,6 +160,14 @@ def token_coefficients(y, class_weight, opts: spec.LinearCrossEntropyOptions, v:
     return coefs, omega
 
 
+def column_targets(y, opts, v: int):
+    """Targets with ignored and out-of-range ones mapped to -1, matching no column: an ignored
+    token must not read its ``ignore_index`` column (a real class, maybe masked by a -inf
+    bias: 0·inf = NaN in its zero-weighted loss)."""
+    keep = (y != opts.ignore_index) & (y >= 0) & (y < v)
+    return jnp.where(keep, y, -1)
+
+
 def mean_denominator(omega):
     """Σω, or 1 where Σω = 0 so that an all-ignored batch gives loss 0 and zero grads."""
     total = jnp.sum(omega)
@@ -290,6 +298,7 @@ def _forward(st: _Static, x, w, bias, y, cw):
     """Loss and lse without gradients: per-token losses (N,), lse (N,), ω (N,)."""
     n = x.shape[0]
     coefs, omega = token_coefficients(y, cw, st.opts, st.v)
+    y = column_targets(y, st.opts, st.v)
 
     def body(start, size, carry):
         tok, lse = carry
@@ -328,6 +337,7 @@ def _grads(st: _Static, x, w, bias, y, cw, coefs):
     n = x.shape[0]
     need_dx, need_dw, need_db = st.needs
     need_db = need_db and bias is not None
+    y = column_targets(y, st.opts, st.v)
 
     def body(start, size, carry):
         tok, lse, dx, dw, db = carry

@@ -216,16 +216,25 @@ def _jsd_terms(a, b, l_a, c, beta):
 
 
 def jsd_sums_update(carry, a, b, l_a, c, cmask, *, beta):
-    """Pass 2 (0 < β < 1) over a column block: K = −Σ Q·Λ = KL(Q‖M) and
-    J = Σ β·P·log(P/M) − (1−β)·Q·Λ."""
-    k, j = carry
+    """Pass 2 (0 < β < 1) over a column block: −Σ Q·Λ and ΣQ (K = KL(Q‖M) is their ratio,
+    :func:`jsd_k`), and J = Σ β·P·log(P/M) − (1−β)·Q·Λ."""
+    k, j, qs = carry
     q, p, delta, lam = _jsd_terms(a, b, l_a, c, beta)
     qlam = q * lam
     live = True if cmask is None else cmask[None, :]
     k = k - jnp.sum(jnp.where(live, qlam, 0.0), axis=1)
+    qs = qs + jnp.sum(jnp.where(live, q, 0.0), axis=1)
     lpm = _log_p_over_m(delta, lam, beta)
     j = j + jnp.sum(jnp.where(live, beta * p * lpm - (1.0 - beta) * qlam, 0.0), axis=1)
-    return k, j
+    return k, j, qs
+
+
+def jsd_k(k, qs):
+    """K = −Σ Q·Λ / Σ Q. Q = e^(a − L_a) carries the rounding of L_a (ulp(L_a): ~1e-6 at
+    L_a ≈ 10) as one factor common to the row; divided out, the gradient −(1−β)·Q·(Λ + K)
+    sums to 0 over the row as it must. Where Λ + K cancels (confident or far-apart heads)
+    that factor alone had made dX 6-50× the naive path's error."""
+    return k / jnp.where(qs > 0, qs, 1.0)
 
 
 def _log_p_over_m(delta, lam, beta):
@@ -277,12 +286,6 @@ def token_mask(y, n, opts: spec.LinearJSDOptions, v):
     keep = y != opts.ignore_index
     bad = keep & ((y < 0) | (y >= v))
     return jnp.where(bad, jnp.nan, keep.astype(jnp.float32))
-
-
-def safe_targets(y, opts, v):
-    """Targets with ignored and out-of-range ones mapped to -1 (matching no column)."""
-    keep = (y != opts.ignore_index) & (y >= 0) & (y < v)
-    return jnp.where(keep, y, -1)
 
 
 def mean_denominator(m):
@@ -347,7 +350,7 @@ def _forward(st: _Static, xs, ws, xt, wt, y):
     """Per-token losses l_i (N,), masked, without gradients (sub-chunk by sub-chunk)."""
     n = xs.shape[0]
     m = token_mask(y, n, st.opts, st.v)
-    ys = None if y is None else safe_targets(y, st.opts, st.v)
+    ys = None if y is None else common.column_targets(y, st.opts, st.v)
     n_p = _padded(n, st.sub_chunk)  # padding tokens: zero states, no target, sliced off
     xs, xt, ys = _pad(xs, n_p), _pad(xt, n_p), _pad(ys, n_p, -1)
 
@@ -368,7 +371,7 @@ def _grads(st: _Static, xs, ws, xt, wt, y, g, dx_dtype):
     per chunk, so chunks should be large; the logits buffers stay small)."""
     n = xs.shape[0]
     m = token_mask(y, n, st.opts, st.v)
-    ys = None if y is None else safe_targets(y, st.opts, st.v)
+    ys = None if y is None else common.column_targets(y, st.opts, st.v)
     coef = g * m
     need_dx, need_dw = st.needs
     # padding tokens (zero states, no target, coefficient 0: zero gradient rows) are sliced off

@@ -211,7 +211,8 @@ def token_terms(c: torch.Tensor, y: torch.Tensor, class_weight, opts: spec.Linea
     y_safe = torch.where(mask_b, y, torch.zeros_like(y)).long()
     mask = mask_b.to(c.dtype)
     w_y = mask if class_weight is None else mask * class_weight[y_safe]
-    c_y = c.gather(1, y_safe[:, None])[:, 0]
+    # an ignored token reads class 0, maybe masked by a -inf bias: selected away, as 0·inf = NaN
+    c_y = torch.where(mask_b, c.gather(1, y_safe[:, None])[:, 0], lse)
     loss = (1 - opts.label_smoothing) * w_y * (lse - c_y)
     if opts.uses_smoothing:
         wc = c.sum(1) if class_weight is None else c @ class_weight

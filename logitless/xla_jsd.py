@@ -42,7 +42,8 @@ class XlaHead(jc.Head):
         l_a, c, l_z, z_y, kl = jc.stats_finish(stats, **kw)
         if self.kind == "jsd":
             zero = jnp.zeros_like(l_a)
-            kk, jj = jc.jsd_sums_update((zero, zero), a, b, l_a, c, None, beta=self.beta)
+            k, jj, qs = jc.jsd_sums_update((zero,) * 3, a, b, l_a, c, None, beta=self.beta)
+            kk = jc.jsd_k(k, qs)
         else:
             kk = jj = kl
         loss = jc.row_loss(jj, l_z, z_y, self.hard_w, hard)

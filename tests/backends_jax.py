@@ -50,7 +50,8 @@ def jax_backend_runner(backend, **fixed_tuning):
             out = lj.linear_cross_entropy(
                 x, w, y, linear_bias=b, weight=cw, reduction=case.reduction,
                 label_smoothing=case.label_smoothing, z_loss=case.z_loss, softcap=case.softcap,
-                return_lse=case.lse_grad, backend=backend, **tuning)
+                return_lse=case.lse_grad, backend=backend, ignore_index=case.ignore_index,
+                **tuning)
             return out if case.lse_grad else (out, None)
         return _run_vjp(case, loss_and_lse, _jax_inputs(case, inp))
     return run
@@ -84,14 +85,16 @@ def naive_jax(case, inp):
         logp = jax.nn.log_softmax(c, axis=-1)
         lse = jax.nn.logsumexp(c, axis=-1)
         v = c.shape[-1]
-        mask = y != -100
+        mask = y != case.ignore_index
         ys = jnp.where(mask, y, 0)
         cwv = jnp.ones(v, jnp.float32) if cw is None else cw
         omega = mask * cwv[ys]
-        nll = -jnp.take_along_axis(logp, ys[:, None], axis=-1)[:, 0]
-        smooth = -(logp * cwv).sum(-1) / v
+        # selected, not multiplied by ω = 0: an ignored token's class may have logp = -inf
+        nll = jnp.where(mask, -jnp.take_along_axis(logp, ys[:, None], axis=-1)[:, 0], 0.0)
         eps = case.label_smoothing
-        tok = (1 - eps) * omega * nll + mask * eps * smooth + case.z_loss * omega * lse ** 2
+        tok = (1 - eps) * omega * nll + case.z_loss * omega * lse ** 2
+        if eps:
+            tok = tok - mask * eps * (logp * cwv).sum(-1) / v
         if case.reduction == "none":
             loss = tok
         elif case.reduction == "sum":

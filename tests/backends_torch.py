@@ -57,7 +57,7 @@ def torch_backend_runner(backend, **fixed_tuning):
         loss, lse = lt.linear_cross_entropy(
             x, w, y, linear_bias=b, weight=cw, reduction=case.reduction,
             label_smoothing=case.label_smoothing, z_loss=case.z_loss, softcap=case.softcap,
-            return_lse=True, backend=backend, **tuning)
+            return_lse=True, backend=backend, ignore_index=case.ignore_index, **tuning)
         return _torch_collect(case, loss, lse, x, w, b, g, gl)
     return run
 
@@ -70,9 +70,10 @@ def naive_torch(case, inp):
     c = F.linear(x, w, b).float()
     if case.softcap:
         c = case.softcap * torch.tanh(c / case.softcap)
-    tok = F.cross_entropy(c, y, weight=cw, reduction="none", label_smoothing=case.label_smoothing)
+    tok = F.cross_entropy(c, y, weight=cw, reduction="none", label_smoothing=case.label_smoothing,
+                          ignore_index=case.ignore_index)
     lse = torch.logsumexp(c, dim=-1)
-    mask = y != -100
+    mask = y != case.ignore_index
     ys = torch.where(mask, y, 0)
     omega = mask.float() if cw is None else cw[ys] * mask
     tok = tok + case.z_loss * omega * lse ** 2

@@ -26,6 +26,10 @@ class Case:
     ignore: str = "some"          # "none" | "some" | "all"
     lse_grad: bool = False        # return_lse, with a random upstream gradient on lse
     chunk_size: Optional[int] = None  # small chunks exercise the multi-chunk paths
+    ignore_index: int = -100
+    # a -inf bias masks the first 40 classes (whole column blocks of a small block_v) and
+    # every 9th (e.g. a padded vocabulary); targets avoid them, ignore_index may be one
+    masked: bool = False
 
     @property
     def id(self) -> str:
@@ -39,12 +43,16 @@ class Case:
             parts.append(f"ignore-{self.ignore}")
         if self.chunk_size:
             parts.append(f"chunk{self.chunk_size}")
+        if self.ignore_index != -100:
+            parts.append(f"ii{self.ignore_index}")
+        if self.masked:
+            parts.append("masked")
         return "-".join(parts)
 
     def options(self) -> spec.LinearCrossEntropyOptions:
         return spec.LinearCrossEntropyOptions(
             reduction=self.reduction, label_smoothing=self.label_smoothing, z_loss=self.z_loss,
-            softcap=self.softcap, return_lse=self.lse_grad)
+            softcap=self.softcap, return_lse=self.lse_grad, ignore_index=self.ignore_index)
 
 
 @dataclasses.dataclass
@@ -56,7 +64,6 @@ class Inputs:
     class_weight: Optional[np.ndarray]  # (V,) float32
     grad_output: np.ndarray        # () or (N,) float32
     grad_lse: Optional[np.ndarray]  # (N,) float32
-    ignore_index: int = -100
 
 
 def make_inputs(case: Case, salt: int = 0) -> Inputs:
@@ -65,12 +72,17 @@ def make_inputs(case: Case, salt: int = 0) -> Inputs:
     x = rng.standard_normal((case.n, case.h))
     # logits of std ~3: peaked enough that softmax tails matter, as in trained LMs
     w = rng.standard_normal((case.v, case.h)) * (3.0 / np.sqrt(case.h))
-    y = rng.integers(0, case.v, case.n)
+    classes = np.arange(case.v)
+    masked = (classes < 40) | (classes % 9 == 0) if case.masked else np.zeros(case.v, bool)
+    y = rng.choice(classes[~masked], case.n)
     if case.ignore == "some":
-        y[rng.random(case.n) < 0.2] = -100
+        y[rng.random(case.n) < 0.2] = case.ignore_index
     elif case.ignore == "all":
-        y[:] = -100
+        y[:] = case.ignore_index
     bias = (rng.standard_normal(case.v) * 0.5).astype(dt) if case.bias else None
+    if case.masked:
+        assert case.bias and case.softcap is None and not case.label_smoothing, case
+        bias[masked] = -np.inf
     cw = rng.uniform(0.25, 2.0, case.v).astype(np.float32) if case.class_weight else None
     g = rng.uniform(0.5, 2.0, case.n if case.reduction == "none" else ()).astype(np.float32)
     if case.reduction == "none":
@@ -124,6 +136,10 @@ def cases_linear_cross_entropy():
         Case(n=1, h=16, v=61, dtype="float16", reduction="none", bias=True, z_loss=1e-2,
              softcap=5.0, lse_grad=True),
         Case(n=45, h=32, v=250, dtype="bfloat16", ignore="all", bias=True, lse_grad=True),
+        # -inf bias on whole leading blocks, an ignore_index that is a masked class (0)
+        Case(**base, bias=True, masked=True, ignore_index=0, class_weight=True, z_loss=1e-3),
+        Case(**base, dtype="bfloat16", reduction="none", bias=True, masked=True, lse_grad=True,
+             chunk_size=16),
     ]
     for red in ("mean", "sum", "none"):  # every token ignored: loss 0, zero grads, no NaN
         out.append(Case(**base, reduction=red, ignore="all", **{**everything, "lse_grad": False}))

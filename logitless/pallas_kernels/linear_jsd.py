@@ -9,8 +9,8 @@ whole number of them):
 2. one Pallas launch per pass, each program on one row block and one column segment
    (``segment_size`` columns): pass 1 the segment's online normalizers of both heads (and,
    for β ∈ {0, 1}, the KL sums), merged per row in XLA into the gap c = L_b − L_a; pass 2
-   (0 < β < 1) the segment's sums of K = KL(Q‖M) and of the loss; pass 3 the student logit
-   gradient in the input dtype;
+   (0 < β < 1) the segment's sums of K = KL(Q‖M) (and of Q, its divisor) and of the loss;
+   pass 3 the student logit gradient in the input dtype;
 3. dX_c = dz_c·W_s and dW += dz_cᵀ·x_s,c through XLA, dW accumulating in float32.
 
 The chunk loop and the ``jax.custom_vjp`` are the shared driver of :mod:`logitless._jax_jsd`,
@@ -61,7 +61,7 @@ LOGITS_SHARE = 1
 
 # One launch per pass. Program (r, s) takes row block r and column segment s (``seg_blocks``
 # blocks of ``block_v``). Pass 1 writes each segment's pass-1 carry, XLA merges them
-# (``jc.stats_merge``); pass 2 (0 < β < 1) writes each segment's K and J sums; pass 3 writes
+# (``jc.stats_merge``); pass 2 (0 < β < 1) writes each segment's K, J and ΣQ sums; pass 3 writes
 # dz. Every segment starts on a live column (there are ⌈V / segment⌉ of them), so its running
 # maxima are finite after its first block and a masked block after it adds nothing.
 _ROWVALS = 5  # l_a, c, l_z, kk, coef per row for pass 3
@@ -124,7 +124,7 @@ def _sums_kernel(zs_ref, zt_ref, row_ref, out_ref, *, inv_t, seg_blocks, beta, *
         return jc.jsd_sums_update(carry, zs * inv_t, zt * inv_t, l_a, c, cmask, beta=beta)
 
     zero = jnp.zeros((tile["block_rows"],), jnp.float32)
-    _store_parts(out_ref, lax.fori_loop(launch.I0, np.int32(seg_blocks), body, (zero, zero)),
+    _store_parts(out_ref, lax.fori_loop(launch.I0, np.int32(seg_blocks), body, (zero,) * 3),
                  rows, rmask)
 
 
@@ -193,8 +193,9 @@ class PallasHead(jc.Head):
         l_a, c, l_z, z_y, kl = jc.stats_finish(stats, **kw)
         if self.kind == "jsd":
             sums = run(functools.partial(_sums_kernel, beta=self.beta, **tile),
-                       [zs, zt, jnp.stack([l_a, c])], parts(2), "logitless_linear_jsd_sums")
-            kk, jj = jnp.sum(sums.reshape(n_seg, 2, n_rows), axis=0)
+                       [zs, zt, jnp.stack([l_a, c])], parts(3), "logitless_linear_jsd_sums")
+            k, jj, qs = jnp.sum(sums.reshape(n_seg, 3, n_rows), axis=0)
+            kk = jc.jsd_k(k, qs)
         else:
             kk = jj = kl
         loss = jc.row_loss(jj, l_z, z_y, self.hard_w, hard)

@@ -15,7 +15,9 @@ third buffer. With a = z_s/T, b = z_t/T, L_a / L_b their log-sum-exps, Q = e^(a 
    online Σ P·(b − a) (or Σ Q·(a − b)) then gives the KL itself: no second pass;
 2. (0 < β < 1 only) with δ = b − a − c = log P − log Q, per element
    log Q − log M = −Λ, Λ = log1p(β·expm1(δ)) (accurate for small δ), and the sums
-   K = KL(Q‖M) = −Σ Q·Λ and J = Σ β·P·(δ − Λ) − (1−β)·Q·Λ;
+   K = KL(Q‖M) = −Σ Q·Λ (taken as −Σ Q·Λ / Σ Q, so that the rounding of L_a that every Q
+   carries cancels: the gradient below then sums to 0 over the row as it must) and
+   J = Σ β·P·(δ − Λ) − (1−β)·Q·Λ;
 3. the gradient, g·m·((1/T)·∂J/∂a + w_h·(S − onehot)), in dz's dtype:
    ∂J/∂a = −Q·expm1(δ) (forward KL), −Q·(δ + J) (reverse KL), −(1−β)·Q·(Λ + K) (JSD).
 
@@ -44,10 +46,10 @@ from ..specs import linear_jsd as spec
 from .narrow_cast import round_bf16_bits
 
 # Partial sums per (row, segment), fp32: pass-1 stats then the two pass-2 sums.
-NUM_FIELDS = 12
+NUM_FIELDS = 13
 _NF = tl.constexpr(NUM_FIELDS)
 (F_MA, F_SA, F_MB, F_SB, F_U, F_MD, F_W, F_MZ, F_SZ, F_ZY, F_K,
- F_J) = (tl.constexpr(i) for i in range(NUM_FIELDS))
+ F_J, F_QS) = (tl.constexpr(i) for i in range(NUM_FIELDS))
 KIND_FORWARD_KL, KIND_REVERSE_KL, KIND_JSD = 0, 1, 2
 # The thresholds of the accurate forms, shared with the JAX kernels (see the spec): FAR (b − a
 # beyond which expm1 would overflow and c = L_b − L_a, Λ = log β + δ are exact enough), SMALL
@@ -249,11 +251,14 @@ def _log_p_over_m(delta, lam, beta, omb, FORM: tl.constexpr):
 @triton.jit
 def _seg_jsd_sums(s_row, t_row, col0, col1, inv_t, l_a, c, beta, omb, FORM: tl.constexpr,
                   BLOCK: tl.constexpr):
-    """Pass 2 (0 < β < 1) over [col0, col1): −Σ Q·Λ (→ K) and Σ β·P·log(P/M) − (1−β)·Q·Λ
-    (→ J); ``omb`` = 1 − β, computed on the host (in fp32, 1 − β would lose it as β → 1)."""
+    """Pass 2 (0 < β < 1) over [col0, col1): −Σ Q·Λ and Σ Q (K is their ratio: Q carries the
+    rounding of L_a as a factor common to the row, which K must not; see
+    ``_jax_jsd.jsd_k``) and Σ β·P·log(P/M) − (1−β)·Q·Λ (→ J); ``omb`` = 1 − β, computed on
+    the host (in fp32, 1 − β would lose it as β → 1)."""
     offs = tl.arange(0, BLOCK)
     k = tl.sum(tl.zeros([BLOCK], dtype=tl.float32), 0)
     j = k
+    qs = k
     for start in range(col0, col1, BLOCK):
         cols = start + offs
         cmask = cols < col1
@@ -261,9 +266,10 @@ def _seg_jsd_sums(s_row, t_row, col0, col1, inv_t, l_a, c, beta, omb, FORM: tl.c
         q, p, delta, lam = _jsd_terms(a, b, l_a, c, beta, omb, FORM)
         qlam = q * lam
         k -= tl.sum(tl.where(cmask, qlam, 0.0), 0)
+        qs += tl.sum(tl.where(cmask, q, 0.0), 0)
         lpm = _log_p_over_m(delta, lam, beta, omb, FORM)
         j += tl.sum(tl.where(cmask, beta * p * lpm - omb * qlam, 0.0), 0)
-    return k, j
+    return k, j, qs
 
 
 @triton.jit
@@ -405,20 +411,22 @@ def _row_segment(row, seg, s_ptr, s_stride, t_ptr, t_stride, dz_ptr, dz_stride, 
             jj = zero
             if KIND == 2:
                 if PHASE != 3:
-                    k_seg, j_seg = _seg_jsd_sums(s_row, t_row, col0, col1, inv_t, l_a, c, beta,
-                                                 omb, FORM, BLOCK)
+                    k_seg, j_seg, q_seg = _seg_jsd_sums(s_row, t_row, col0, col1, inv_t, l_a,
+                                                        c, beta, omb, FORM, BLOCK)
                     if SEGS > 1:
                         tl.store(part + seg * _NF + F_K, k_seg)
                         tl.store(part + seg * _NF + F_J, j_seg)
+                        tl.store(part + seg * _NF + F_QS, q_seg)
                     else:
-                        kk = k_seg
+                        kk = k_seg / q_seg
                         jj = j_seg
                 if sync:
                     ok = ok & _wait_row(sync_ptr + 2 + row64, sync_ptr + 1, 2 * SEGS,
                                         MAX_SPIN)
                 if PHASE != 2:
                     if SEGS > 1:
-                        kk = tl.sum(_load_field(part, F_K, segs_idx, smask, 0.0), 0)
+                        kk = tl.sum(_load_field(part, F_K, segs_idx, smask, 0.0), 0) / \
+                            tl.sum(_load_field(part, F_QS, segs_idx, smask, 0.0), 0)
                         jj = tl.sum(_load_field(part, F_J, segs_idx, smask, 0.0), 0)
             elif KIND == 0:
                 jj = w_row - c               # KL(P‖Q) = Σ P·(b − a) − (L_b − L_a)
