@@ -166,10 +166,12 @@ def stats_finish(carry, *, kind, hard, t_one):
     l_b = m_b + jnp.log(s_b)
     c = jnp.where((md < FAR) & (jnp.abs(l_b - l_a) < GAP), log1p(u / s_a), l_b - l_a)
     l_z = l_a if (t_one or not hard) else m_z + jnp.log(s_z)
+    # normalized by the sums themselves: e^(m − L) would carry L's rounding, which the reverse
+    # KL's gradient −Q·(δ + KL) then fails to cancel where δ + KL is small (as jsd_k for JSD)
     if kind == "forward_kl":
-        kl = w * jnp.exp(m_b - l_b) - c        # Σ P·(b − a) − (L_b − L_a)
+        kl = w / s_b - c                       # Σ P·(b − a) − (L_b − L_a)
     elif kind == "reverse_kl":
-        kl = w * jnp.exp(m_a - l_a) + c        # Σ Q·(a − b) + (L_b − L_a)
+        kl = w / s_a + c                       # Σ Q·(a − b) + (L_b − L_a)
     else:
         kl = jnp.zeros_like(l_a)
     return l_a, c, l_z, z_y, kl

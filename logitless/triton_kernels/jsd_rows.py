@@ -170,15 +170,17 @@ def _combine_stats(part, segs_idx, smask, KIND: tl.constexpr, HARD: tl.constexpr
     ka = tl.exp(m_a - ma)
     kb = tl.exp(m_b - mb)
     sa = tl.sum(s_a * ka, 0)
+    sb = tl.sum(s_b * kb, 0)
     l_a = ma + tl.log(sa)
-    l_b = mb + tl.log(tl.sum(s_b * kb, 0))
+    l_b = mb + tl.log(sb)
     md = tl.max(_load_field(part, F_MD, segs_idx, smask, -float("inf")), 0)
     c = _row_gap(l_a, l_b, tl.sum(u * ka, 0) / sa, md)
     w_row = l_a * 0.0
+    # normalized by the sums themselves, not by e^(m − L): see the single-segment case
     if KIND == 0:
-        w_row = tl.sum(_load_field(part, F_W, segs_idx, smask, 0.0) * tl.exp(m_b - l_b), 0)
+        w_row = tl.sum(_load_field(part, F_W, segs_idx, smask, 0.0) * kb, 0) / sb
     elif KIND == 1:
-        w_row = tl.sum(_load_field(part, F_W, segs_idx, smask, 0.0) * tl.exp(m_a - l_a), 0)
+        w_row = tl.sum(_load_field(part, F_W, segs_idx, smask, 0.0) * ka, 0) / sa
     l_z = l_a
     z_y = l_a * 0.0
     if HARD:
@@ -395,10 +397,12 @@ def _row_segment(row, seg, s_ptr, s_stride, t_ptr, t_stride, dz_ptr, dz_stride, 
                 l_a = m_a + tl.log(s_a)
                 l_b = m_b + tl.log(s_b)
                 c = _row_gap(l_a, l_b, u / s_a, md)
+                # Σ e^(a−m)·(a − b) / Σ e^(a−m) exactly: e^(m − L) would carry L's rounding,
+                # which the reverse KL's gradient −Q·(δ + KL) then fails to cancel
                 if KIND == 0:
-                    w_row = w * tl.exp(m_b - l_b)
+                    w_row = w / s_b
                 elif KIND == 1:
-                    w_row = w * tl.exp(m_a - l_a)
+                    w_row = w / s_a
                 else:
                     w_row = zero
                 z_y_row = z_y
