@@ -6,6 +6,9 @@ kernels run for real.
 """
 import os
 import sys
+import zlib
+
+import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
@@ -38,3 +41,14 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     # again at the end: CI logs are often cut to their tail, and a failure needs the seed
     terminalreporter.write_line(f"logitless test seed: {harness.SEED} "
                                 f"(LOGITLESS_TEST_SEED={harness.SEED} replays this run)")
+
+
+@pytest.fixture(autouse=True)
+def _seed_global_rngs(request):
+    """Each test's global torch RNG (CPU and CUDA) starts from the session seed and the test's
+    own id: a draw without an explicit generator is fresh per session, replayed by
+    LOGITLESS_TEST_SEED, and independent of which tests ran before (and on which worker)."""
+    if "torch" in sys.modules:
+        sys.modules["torch"].manual_seed(
+            (harness.SEED + zlib.crc32(request.node.nodeid.encode())) % (1 << 63))
+    yield

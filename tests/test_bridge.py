@@ -522,10 +522,11 @@ def test_stream_race_jax_producer_torch_consumer(sync):
 
 # ------------------------------------------------- backend="pallas" from PyTorch (the op)
 @pytest.mark.parametrize("layout", ["vh", "hv"])
-def test_pallas_backend_reads_inputs_in_place(gen, layout):
+def test_pallas_backend_reads_inputs_in_place(gen, layout, monkeypatch):
     """x, W (either layout: a (V, H) weight or the transpose of an (H, V) one) and the bias
-    reach JAX without a copy -- the saved tensors of the op are the caller's memory -- and the
-    result is the one the plain PyTorch backend gives."""
+    reach JAX without a copy -- the arrays JAX is handed and the op's saved tensors are the
+    caller's memory -- and the result is the one the plain PyTorch backend gives."""
+    import logitless.bridge.autograd as ba
     import logitless.torch as lt
     n, h, v = 13, 16, 67
     x = rand(gen, n, h).requires_grad_()
@@ -533,10 +534,20 @@ def test_pallas_backend_reads_inputs_in_place(gen, layout):
     w = (w_store if layout == "vh" else w_store.t()).requires_grad_()
     b = rand(gen, v).requires_grad_()
     y = torch.randint(0, v, (n,), generator=gen).to(torch.int32)
+    handed = []  # the buffers of the JAX arrays the bridge passes on
+    real = ba._Bridge.forward
+
+    def spy(ctx, call, *tensors):
+        handed.extend(a.unsafe_buffer_pointer() for a in call.diff + call.other)
+        return real(ctx, call, *tensors)
+
+    monkeypatch.setattr(ba._Bridge, "forward", staticmethod(spy))
     loss, lse = lt.linear_cross_entropy(x, w, y, linear_bias=b, return_lse=True,
                                         backend="pallas")
+    mine = {x.data_ptr(), w_store.data_ptr(), b.data_ptr(), y.data_ptr()}
+    assert mine <= set(handed), (mine, handed)
     saved = {t.data_ptr() for t in loss.grad_fn.saved_tensors}
-    assert {x.data_ptr(), w_store.data_ptr(), b.data_ptr(), y.data_ptr()} <= saved
+    assert mine <= saved
     ref, ref_lse = lt.linear_cross_entropy(x, w, y, linear_bias=b, return_lse=True,
                                            backend="torch")
     g = torch.autograd.grad(loss + lse.sum(), (x, w, b))

@@ -18,6 +18,7 @@ import pytest
 import torch
 from torch import nn
 
+from harness import SEED
 from helpers import run_gloo_ranks
 
 WORLD = 2
@@ -28,7 +29,7 @@ class LM(nn.Module):
     def __init__(self):
         super().__init__()
         import logitless.torch as lt
-        torch.manual_seed(4321)  # the same weights in every process
+        torch.manual_seed(SEED + 4321)  # the same weights in every process
         self.inp = nn.Linear(H, H)
         self.mlp = lt.TiledMLP(lt.SwiGLUMLP(H, I), num_shards=3)
         self.head = nn.Linear(H, V, bias=False)
@@ -44,7 +45,7 @@ class LM(nn.Module):
 
 
 def _data(rank):
-    g = torch.Generator().manual_seed(50 + rank)
+    g = torch.Generator().manual_seed(SEED + 50 + rank)
     x = torch.randn(B, T, H, generator=g)
     y = torch.randint(0, V, (B, T), generator=g)
     y[torch.rand(B, T, generator=g) < 0.2 + 0.3 * rank] = -100  # unequal token counts

@@ -504,8 +504,8 @@ def test_jax_unhashable_and_closure_fns_are_not_confused():
     """The compiled tiled function is cached on ``fn``: an unhashable callable still works
     (uncached), and two closures of equal code but different captured values each get their
     own result (a closure is keyed by identity, never by its code)."""
-    params = {"w": jax.random.normal(jax.random.PRNGKey(1), (16, 16))}
-    x = jax.random.normal(jax.random.PRNGKey(2), (21, 16))
+    params = {"w": jax.random.normal(jax.random.PRNGKey(SEED + 1), (16, 16))}
+    x = jax.random.normal(jax.random.PRNGKey(SEED + 2), (21, 16))
 
     @dataclasses.dataclass  # eq without frozen: __hash__ is None
     class Unhashable:
@@ -530,8 +530,8 @@ def test_jax_fns_with_changing_state_or_traced_closures():
     changes between calls is traced anew (a cache keyed by identity replayed the first call's
     value), and a closure over a value traced by an enclosing jit works (a cached program
     leaked that tracer)."""
-    params = {"w": jax.random.normal(jax.random.PRNGKey(3), (16, 16))}
-    x = jax.random.normal(jax.random.PRNGKey(4), (21, 16))
+    params = {"w": jax.random.normal(jax.random.PRNGKey(SEED + 3), (16, 16))}
+    x = jax.random.normal(jax.random.PRNGKey(SEED + 4), (21, 16))
 
     class Scaled:  # hashable by identity, mutable
         scale = 1.0

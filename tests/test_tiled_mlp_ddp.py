@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from harness import SEED
 from helpers import run_gloo_ranks
 
 WORLD = 2
@@ -64,7 +65,7 @@ class Model(nn.Module):
     def __init__(self, kind):
         super().__init__()
         import logitless.torch as lt
-        torch.manual_seed(1234)  # the same weights in every process and for every kind
+        torch.manual_seed(SEED + 1234)  # the same weights in every process and for every kind
         self.kind = kind
         self.inp = nn.Linear(H, H)
         self.mlp = PlainMLP() if kind in ("generic", "per-shard") else lt.SwiGLUMLP(H, I, bias=True)
@@ -80,7 +81,7 @@ class Model(nn.Module):
 
 
 def _batches(rank):
-    g = torch.Generator().manual_seed(100 + rank)  # different data on each rank
+    g = torch.Generator().manual_seed(SEED + 100 + rank)  # different data on each rank
     return [torch.randn(B, T, H, generator=g) for _ in range(2)]
 
 

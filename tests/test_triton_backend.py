@@ -70,14 +70,19 @@ def test_non_contiguous_inputs(low_memory):
 
 
 def test_bf16_accumulator_option_is_close_but_fp32_is_default():
+    """The default sums dW over 16 chunks in fp32 and rounds once: its error is that of one
+    chunk (one GEMM, one rounding); the bf16 accumulator's is visibly larger. (Loose bounds
+    alone let a default that had become bf16 pass.)"""
     x, w, y = _data(64, 48, 257, dtype=torch.bfloat16, seed=2)
     ref = _loss_and_grads(x.float(), w.float(), y, backend="torch")
-    fp32 = _loss_and_grads(x, w, y, backend="triton", chunk_size=16)
-    bf16 = _loss_and_grads(x, w, y, backend="triton", chunk_size=16,
+    one = _loss_and_grads(x, w, y, backend="triton", chunk_size=64)
+    fp32 = _loss_and_grads(x, w, y, backend="triton", chunk_size=4)
+    bf16 = _loss_and_grads(x, w, y, backend="triton", chunk_size=4,
                            grad_accum_dtype=torch.bfloat16)
     err = lambda g: ((g.float() - ref[2]).norm() / ref[2].norm()).item()
     assert fp32[2].dtype == bf16[2].dtype == torch.bfloat16
-    assert err(fp32[2]) < 1e-2 and err(bf16[2]) < 3e-2
+    assert err(fp32[2]) <= 1.1 * err(one[2]), (err(fp32[2]), err(one[2]))
+    assert 1.3 * err(fp32[2]) < err(bf16[2]) < 3e-2, (err(bf16[2]), err(fp32[2]))
     torch.testing.assert_close(fp32[1], bf16[1])  # dX does not involve the accumulator
 
 

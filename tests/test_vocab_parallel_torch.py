@@ -163,7 +163,7 @@ def _check_errors(rank, world, group):
 def _check_module_and_count(rank, world, group):
     """The module form with process_group, and global_token_count, against local math."""
     import logitless.torch as lt
-    g = torch.Generator().manual_seed(7)
+    g = torch.Generator().manual_seed(harness.SEED + 7)
     x = torch.randn(9, 8, generator=g)
     w = torch.randn(4 * world, 8, generator=g)
     y = torch.randint(0, 4 * world, (9,), generator=g)
@@ -189,7 +189,7 @@ def _check_uneven_budget_and_autocast(rank, world, group):
     (a gloo abort, an NCCL hang). (2) Under autocast, class weights with label smoothing and a
     large common logit offset: the fp32 loss math must not be re-cast to bf16 by autocast."""
     import logitless.torch as lt
-    g = torch.Generator().manual_seed(11)
+    g = torch.Generator().manual_seed(harness.SEED + 11)
     v, n = 6 * world + 1, 40
     x = torch.randn(n, 8, generator=g, dtype=torch.float64)
     w = torch.randn(v, 8, generator=g, dtype=torch.float64)
