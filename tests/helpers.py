@@ -89,26 +89,38 @@ def jaxpr_eqns(jaxpr):
 
 
 # ============================================================================== GPU
-def check_cuda_graph_training(head, loss_fn):
-    """A training step of ``head`` (zero_grad, ``loss_fn(head.weight)``, backward, an SGD
-    step): three eager steps, then three replays of the step captured in a CUDA graph, each
-    series from the same start: the losses and the final weight must agree."""
+def check_cuda_graph_training(head, loss_fn, batches):
+    """A training step of ``head`` (zero_grad, ``loss_fn(head.weight, *inputs)``, backward, an
+    SGD step) over ``batches`` (tuples of tensors of equal shapes, copied into static input
+    buffers before each step): eagerly, then by replaying the step captured once in a CUDA
+    graph, each series from the same start. The losses and the final weight must agree. The
+    batches should differ in what a capture could bake in (their values, which tokens are
+    ignored, an all-ignored one), so that nothing derived on the host at capture time passes."""
     import torch
     weight = head.weight
     opt = torch.optim.SGD(head.parameters(), lr=0.1)
+    static = [t.clone() for t in batches[0]]
+
+    def load(batch):
+        for buf, t in zip(static, batch):
+            buf.copy_(t)
 
     def step():
         opt.zero_grad(set_to_none=False)
-        loss = loss_fn(weight)
+        loss = loss_fn(weight, *static)
         loss.backward()
         opt.step()
         return loss
 
     w0 = weight.detach().clone()
-    eager = [step().detach().clone() for _ in range(3)]
+    eager = []
+    for batch in batches:
+        load(batch)
+        eager.append(step().detach().clone())
     w_eager = weight.detach().clone()
     with torch.no_grad():
         weight.copy_(w0)
+    load(batches[0])
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):  # warm-up outside capture, as CUDA graphs require
@@ -122,11 +134,27 @@ def check_cuda_graph_training(head, loss_fn):
     with torch.no_grad():
         weight.copy_(w0)
     replayed = []
-    for _ in range(3):
+    for batch in batches:
+        load(batch)
         graph.replay()
         replayed.append(static_loss.detach().clone())
     torch.testing.assert_close(torch.stack(replayed), torch.stack(eager), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(weight, w_eager, rtol=1e-5, atol=1e-6)
+
+
+def graph_batches(n, h, v, *, dtype, generator, extra=()):
+    """Three (hidden, targets, *extra) batches for :func:`check_cuda_graph_training`: fresh
+    values, ~20% then 100% of the tokens ignored (-100). ``extra`` are shapes of further
+    float inputs (e.g. a teacher's hidden states)."""
+    import torch
+    out = []
+    for ignored in (0.0, 0.2, 1.0):
+        hid = torch.randn(n, h, generator=generator).to("cuda", dtype)
+        y = torch.randint(0, v, (n,), generator=generator)
+        y[torch.rand(n, generator=generator) < ignored] = -100
+        more = [torch.randn(*s, generator=generator).to("cuda", dtype) for s in extra]
+        out.append((hid, y.to("cuda"), *more))
+    return out
 
 
 @contextlib.contextmanager

@@ -774,16 +774,16 @@ def test_gpu_64bit_offsets_in_one_logits_buffer():
 def test_gpu_cuda_graph_training_step():
     torch = _torch()
     import logitless.torch as lt
-    torch.manual_seed(SEED)
+    from helpers import graph_batches
+    g = torch.Generator().manual_seed(SEED)
     n, hs, ht, v = 512, 128, 96, 40099
-    hidden = torch.randn(n, hs, device="cuda")
-    teacher_hidden = torch.randn(n, ht, device="cuda")
-    teacher = torch.randn(v, ht, device="cuda") * 0.1
-    y = torch.randint(0, v, (n,), device="cuda")
+    teacher = (torch.randn(v, ht, generator=g) * 0.1).cuda()
     head = torch.nn.Linear(hs, v, bias=False, device="cuda")
-    check_cuda_graph_training(head, lambda w: lt.linear_jsd(
-        hidden, w, teacher_hidden, teacher, y, backend="triton", chunk_size=200, beta=0.4,
-        temperature=2.0))
+    for backend in ("triton", "torch"):
+        check_cuda_graph_training(head, lambda w, hidden, y, teacher_hidden: lt.linear_jsd(
+            hidden, w, teacher_hidden, teacher, y, backend=backend, chunk_size=200, beta=0.4,
+            temperature=2.0, hard_loss_weight=0.1),
+            graph_batches(n, hs, v, dtype=torch.float32, generator=g, extra=[(n, ht)]))
 
 
 @gpu
@@ -795,11 +795,12 @@ def test_gpu_no_host_sync(reduction):
     xs, ws, xt, wt, y = _data(300, 64, 48, 30000, dtype="bfloat16", seed=12)
     xs.requires_grad_()
     ws.requires_grad_()
-    kw = dict(backend="triton", chunk_size=128, hard_loss_weight=0.1, temperature=2.0)
-    lt.linear_jsd(xs, ws, xt, wt, y, reduction=reduction, **kw).sum().backward()  # compile
-    with no_host_sync():
-        lt.linear_jsd(xs, ws, xt, wt, y, reduction=reduction, **kw).sum().backward()
-    assert torch.isfinite(xs.grad.float()).all()
+    for backend in ("triton", "torch"):
+        kw = dict(backend=backend, chunk_size=128, hard_loss_weight=0.1, temperature=2.0)
+        lt.linear_jsd(xs, ws, xt, wt, y, reduction=reduction, **kw).sum().backward()  # compile
+        with no_host_sync():
+            lt.linear_jsd(xs, ws, xt, wt, y, reduction=reduction, **kw).sum().backward()
+        assert torch.isfinite(xs.grad.float()).all()
 
 
 @gpu
