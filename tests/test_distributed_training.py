@@ -4,7 +4,8 @@ A tiny LM (input projection, a tiled SwiGLU MLP, an LM head whose loss is the fu
 ``linear_cross_entropy``) trains on different data on each rank with the global-token mean
 recipe (``reduction="sum"`` / ``global_token_count`` × world size, since DDP and FSDP2 average
 gradients over ranks). Its gradients must equal those of the same model run in one process on
-the concatenated batch with ``reduction="mean"``:
+the concatenated batch with ``reduction="mean"``. All of it runs twice: with the ``torch``
+loss backend and SwiGLU formula, and with the Triton loss and SwiGLU kernels (interpreted):
 
 * FSDP2 (``fully_shard``, DTensor parameters), the ``TiledMLP`` module sharded on its own and
   the root sharded: gradients (``full_tensor()``) equal; the fused SwiGLU path runs because
@@ -26,8 +27,9 @@ H, I, V, B, T = 16, 24, 37, 2, 10
 
 
 class LM(nn.Module):
-    def __init__(self):
+    def __init__(self, backend="torch"):
         super().__init__()
+        self.backend = backend
         import logitless.torch as lt
         torch.manual_seed(SEED + 4321)  # the same weights in every process
         self.inp = nn.Linear(H, H)
@@ -38,9 +40,10 @@ class LM(nn.Module):
         import logitless.torch as lt
         h = self.mlp(self.inp(x))
         if count is None:
-            return lt.linear_cross_entropy(h, self.head.weight, y, backend="torch", chunk_size=7)
-        loss = lt.linear_cross_entropy(h, self.head.weight, y, reduction="sum", backend="torch",
-                                       chunk_size=7)
+            return lt.linear_cross_entropy(h, self.head.weight, y, backend=self.backend,
+                                           chunk_size=7)
+        loss = lt.linear_cross_entropy(h, self.head.weight, y, reduction="sum",
+                                       backend=self.backend, chunk_size=7)
         return loss / count * world
 
 
@@ -52,12 +55,12 @@ def _data(rank):
     return x, y
 
 
-def _reference():
+def _reference(backend):
     """One process, the whole batch, the global mean."""
     data = [_data(r) for r in range(WORLD)]
     x = torch.cat([d[0] for d in data])
     y = torch.cat([d[1] for d in data])
-    model = LM()
+    model = LM(backend)
     model(x, y).backward()
     return {n: p.grad.clone() for n, p in model.named_parameters()}
 
@@ -69,11 +72,13 @@ def _step(model, rank):
     model(x, y, count, WORLD).backward()
 
 
-def _worker(rank, world):
-    res = {"reference": _reference()}
+def _worker(rank, world, backend):
+    from logitless import tiled_mlp_torch
+    res = {"reference": _reference(backend), "backend": backend,
+           "triton_swiglu": tiled_mlp_torch._use_triton(torch.ones(1))}
     # --- DDP
     from torch.nn.parallel import DistributedDataParallel as DDP
-    ddp = DDP(LM())
+    ddp = DDP(LM(backend))
     _step(ddp, rank)
     res["ddp"] = {n[len("module."):]: p.grad.clone() for n, p in ddp.named_parameters()}
     # --- FSDP2
@@ -81,7 +86,7 @@ def _worker(rank, world):
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
     mesh = init_device_mesh("cpu", (world,))
-    model = LM()
+    model = LM(backend)
     fully_shard(model.mlp, mesh=mesh)
     fully_shard(model, mesh=mesh)
     res["fsdp_param_is_dtensor"] = isinstance(model.head.weight, DTensor)
@@ -99,10 +104,13 @@ def _worker(rank, world):
     return res
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    # workers run the torch SwiGLU formula (fast on CPU), not the Triton interpreter
-    return run_gloo_ranks(_worker, WORLD, tmp_path_factory.mktemp("dp"))
+@pytest.fixture(scope="module", params=["torch", "triton"])
+def results(request, tmp_path_factory):
+    # "torch": the torch SwiGLU formula and loss backend (fast on CPU); "triton": the Triton
+    # SwiGLU and fused loss kernels (interpreted on CPU, real on a GPU box's CPU ranks too)
+    backend = request.param
+    return run_gloo_ranks(_worker, WORLD, tmp_path_factory.mktemp(f"dp-{backend}"), backend,
+                          triton_interpret=backend == "triton")
 
 
 def _rel_err(a, b):
@@ -112,6 +120,8 @@ def _rel_err(a, b):
 @pytest.mark.parametrize("kind", ["ddp", "fsdp"])
 def test_data_parallel_grads_equal_single_process(results, kind):
     for rank, r in enumerate(results):
+        # the "triton" run's workers really run the Triton SwiGLU (the loss's is explicit)
+        assert r["triton_swiglu"] == (r["backend"] == "triton"), r["triton_swiglu"]
         ref = r["reference"]
         assert set(r[kind]) == set(ref), (sorted(r[kind]), sorted(ref))
         for n, g in r[kind].items():
