@@ -45,7 +45,7 @@ import triton.language as tl
 from ..specs import linear_jsd as spec
 from .narrow_cast import round_bf16_bits
 
-# Partial sums per (row, segment), fp32: pass-1 stats then the two pass-2 sums.
+# Partial sums per (row, segment), fp32: pass-1 stats then the three pass-2 sums.
 NUM_FIELDS = 13
 _NF = tl.constexpr(NUM_FIELDS)
 (F_MA, F_SA, F_MB, F_SB, F_U, F_MD, F_W, F_MZ, F_SZ, F_ZY, F_K,
