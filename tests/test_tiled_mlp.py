@@ -503,6 +503,12 @@ def test_jax_jit_grad_vmap_of_any_fn_equal_untiled():
         assert rel_err(a, b) <= FLOOR["float32"], rel_err(a, b)
 
 
+def _mm(a, b):
+    # full fp32: XLA's DEFAULT precision on a GPU rounds fp32 operands TF32-like, and tiled vs
+    # untiled sums would then differ by ~2e-5, past the fp32 floor
+    return jnp.dot(a, b, precision=jax.lax.Precision.HIGHEST)
+
+
 def test_jax_unhashable_and_closure_fns_are_not_confused():
     """The compiled tiled function is cached on ``fn``: an unhashable callable still works
     (uncached), and two closures of equal code but different captured values each get their
@@ -515,9 +521,9 @@ def test_jax_unhashable_and_closure_fns_are_not_confused():
         scale: float
 
         def __call__(self, p, x):
-            return jnp.tanh(x @ p["w"]) * self.scale
+            return jnp.tanh(_mm(x, p["w"])) * self.scale
 
-    fns = [Unhashable(2.0)] + [(lambda s: lambda p, x: jnp.tanh(x @ p["w"]) * s)(s)
+    fns = [Unhashable(2.0)] + [(lambda s: lambda p, x: jnp.tanh(_mm(x, p["w"])) * s)(s)
                                for s in (2.0, 3.0)]
     for fn in fns:
         for _ in range(2):
@@ -540,7 +546,7 @@ def test_jax_fns_with_changing_state_or_traced_closures():
         scale = 1.0
 
         def __call__(self, p, x):
-            return jnp.tanh(x @ p["w"]) * self.scale
+            return jnp.tanh(_mm(x, p["w"])) * self.scale
 
     fn = Scaled()
     first = lj.tiled_mlp(fn, params, x, num_shards=3)
@@ -548,7 +554,7 @@ def test_jax_fns_with_changing_state_or_traced_closures():
     assert rel_err(lj.tiled_mlp(fn, params, x, num_shards=3), 3.0 * first) <= FLOOR["float32"]
 
     def loss(p, x, scale, tiled):
-        f = lambda p, x: jnp.tanh(x @ p["w"]) * scale  # scale is traced under jit
+        f = lambda p, x: jnp.tanh(_mm(x, p["w"])) * scale  # scale is traced under jit
         return jnp.sum((lj.tiled_mlp(f, p, x, num_shards=3) if tiled else f(p, x)) ** 2)
 
     grad = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=3)
