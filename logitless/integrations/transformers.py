@@ -222,7 +222,7 @@ def causal_lm_loss(hidden, lm_head_weight, shift_labels, *, bias=None, num_items
         x = x.to(w.dtype)
     reduction = "mean" if num_items_in_batch is None else "sum"
     # transformers flattens shift_labels (``view(-1)``), so a (B·T,) tensor is accepted too
-    y = shift_labels.reshape(x.shape[:-1]) if shift_labels.numel() == x[..., 0].numel() \
+    y = shift_labels.reshape(x.shape[:-1]) if shift_labels.numel() == x.shape[:-1].numel() \
         else shift_labels
     loss = lt.linear_cross_entropy(x, w, y.to(x.device), linear_bias=b,
                                    reduction=reduction, ignore_index=ignore_index,
