@@ -76,18 +76,6 @@ def on_device(t: torch.Tensor):
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
-_SIDE_STREAMS = {}
-
-
-def side_stream(device, priority: int = 0) -> "torch.cuda.Stream":
-    """One side stream per (device, priority), reused across calls: row kernels run there
-    while the next logits GEMMs run on the current stream."""
-    key = (torch.device(device).index, priority)
-    if key not in _SIDE_STREAMS:
-        _SIDE_STREAMS[key] = torch.cuda.Stream(device=device, priority=priority)
-    return _SIDE_STREAMS[key]
-
-
 def autocast_off(device: torch.device):
     """A context without autocast on ``device``: the backends pick their own dtypes (fp32
     GEMMs for fp32 statistics), which autocast would otherwise recast inside them."""

@@ -63,13 +63,6 @@ LONG_ROW_BLOCK = 32768
 LONG_ROW_PROGRAMS_PER_SM = 1
 PROGRAMS_PER_SM = 4
 
-# Experimental (fast forward, cuBLAS logits, CUDA): split each chunk's logits GEMM into this many
-# row slices and run the row kernel of one slice on a side stream while the next slice's GEMM
-# runs; 0 = off. The row kernel's grid is then scaled by OVERLAP_GRID.
-OVERLAP_SPLIT = 0
-OVERLAP_GRID = 1.0
-SIDE_PRIORITY = 0
-
 # grad_mode of the forward op
 NO_GRAD, FULL_GRAD, DX_ONLY = 0, 1, 2
 # logits_gemm of the forward op: who computes the forward's logits (see logits_gemm.py)
@@ -96,7 +89,7 @@ def _interpret() -> bool:
 
 # ----------------------------------------------------------------------------- launching
 def _rows(buf, n_rows, n_cols, col_offset, y, cw, omega_sum, lse, loss, g, h, opts_t, v, cfg,
-          compute_lse, write_grad, stats=None, grid_scale=1.0):
+          compute_lse, write_grad, stats=None):
     """Run the row kernel over ``buf[:n_rows, :n_cols]`` (see cross_entropy_rows); ``stats``:
     the logits GEMM's per-tile (max, Σexp), ``[n_rows, n_tiles]`` each, for lse."""
     ignore_index, eps, z_loss, softcap = opts_t
@@ -108,7 +101,7 @@ def _rows(buf, n_rows, n_cols, col_offset, y, cw, omega_sum, lse, loss, g, h, op
     if buf.is_cuda:
         sms = torch.cuda.get_device_properties(buf.device).multi_processor_count
         per_sm = LONG_ROW_PROGRAMS_PER_SM if long_row else PROGRAMS_PER_SM
-        grid = (min(n_rows, max(1, int(sms * per_sm * grid_scale))),)
+        grid = (min(n_rows, max(1, int(sms * per_sm))),)
     else:  # interpreter: programs run one after another; small blocks only cost Python time
         grid = (n_rows,)
         block = cfg.block_v or min(1024, next_power_of_2(n_cols))
@@ -179,37 +172,19 @@ def _forward(x, w, bias, y, cw, omega_sum, opts_t, cfg, grad_mode, needs, accum_
         sms = (torch.cuda.get_device_properties(dev).multi_processor_count if x.is_cuda else 3)
     else:
         buf = torch.empty(rows, v, dtype=x.dtype, device=dev)
-    side = (common.side_stream(dev, SIDE_PRIORITY)
-            if OVERLAP_SPLIT > 1 and x.is_cuda and not own_gemm and not _interpret() else None)
     for s in range(0, n, cfg.chunk):
         e = min(s + cfg.chunk, n)
         stats = None
-        if side is not None:
-            main = torch.cuda.current_stream(dev)
-            step = -(-(e - s) // OVERLAP_SPLIT)
-            step = -(-step // 128) * 128
-            for ss in range(s, e, step):
-                ee = min(ss + step, e)
-                _logits(x[ss:ee], w, bias, buf[ss - s: ee - s])
-                side.wait_stream(main)
-                with torch.cuda.stream(side):
-                    _rows(buf[ss - s: ee - s], ee - ss, v, 0, y[ss:ee], cw, omega_sum,
-                          lse[ss:ee], token_loss[ss:ee], g, None, opts_t, v, cfg,
-                          compute_lse=True, write_grad=need_dx or need_dw or need_db,
-                          grid_scale=OVERLAP_GRID)
-            main.wait_stream(side)
-            blk = buf[: e - s]
-        elif own_gemm:
+        if own_gemm:
             blk = buf[: e - s]
             stats = (stat_pair[0][: e - s], stat_pair[1][: e - s])
             stats_gemm.logits_with_stats(x[s:e], w, bias, blk, stats[0], stats[1], opts_t[3],
                                           _interpret(), sms)
         else:
             blk = _logits(x[s:e], w, bias, buf[: e - s])
-        if side is None:
-            _rows(blk, e - s, v, 0, y[s:e], cw, omega_sum, lse[s:e], token_loss[s:e],
-                  g, None, opts_t, v, cfg, compute_lse=True,
-                  write_grad=need_dx or need_dw or need_db, stats=stats)
+        _rows(blk, e - s, v, 0, y[s:e], cw, omega_sum, lse[s:e], token_loss[s:e],
+              g, None, opts_t, v, cfg, compute_lse=True,
+              write_grad=need_dx or need_dw or need_db, stats=stats)
         if need_dx:
             torch.mm(blk, w, out=dx[s:e])
         _accumulate(dw, db, blk, x[s:e], first=s == 0)

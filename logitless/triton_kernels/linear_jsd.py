@@ -32,7 +32,6 @@ them. Only the gradients autograd needs are computed (a frozen student head: no 
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from typing import Optional, Tuple
 
@@ -47,7 +46,7 @@ from . import jsd_rows
 from .narrow_cast import accumulate_split_, accumulator_pair, finish_, hand_over_once
 
 TUNING = ("chunk_size", "logits_chunk_size", "memory_budget", "fp32_logits", "grad_accum_dtype",
-          "block_v", "segment_size", "num_warps", "programs_per_sm", "row_sync", "overlap")
+          "block_v", "segment_size", "num_warps", "programs_per_sm", "row_sync")
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 FAST_BUDGET = 896 << 20     # dz [C, V] + two fp32 logits [C/4, V]: C = 1792 at V = 128256, bf16
@@ -81,7 +80,6 @@ class Config:
     num_warps: int
     grid: int             # persistent programs (fused kernel); 0 = one per SM x programs_per_sm
     row_sync: int         # 1 fused with per-row barriers, 0 or -1 (default) one launch per pass
-    overlap: bool = False  # row kernel on a side stream, overlapping the next logits GEMMs
 
 
 # ----------------------------------------------------------------------------- launching
@@ -126,9 +124,6 @@ def _row_kernel(zs, zt, dz, y, g, loss, opts_t, v, cfg: Config, write_loss, writ
         else:
             meta_p = meta
         jsd_rows.jsd_rows_kernel[(rows * segs,)](*args, PHASE=phase, **meta_p)
-
-
-SIDE_PRIORITY = 0  # stream priority of the row kernel's side stream (lower = higher priority)
 
 
 def _max_resident_segments(device) -> int:
@@ -186,40 +181,20 @@ def _sweep(xs, ws, xt, wt, y, g, opts_t, cfg: Config, want_loss, want_grad, accu
                               zero=n == 0)
     ldt = torch.float32 if cfg.fp32_logits else dt
     c = min(cfg.sub_chunk, n)
-    side = common.side_stream(dev, SIDE_PRIORITY) if (cfg.overlap and xs.is_cuda and not _interpret()) else None
-    # With a side stream, two logits buffer pairs: the row kernel reads one while the next
-    # sub-chunk's GEMMs write the other.
-    bufs = [(_rows_buffer(c, v, ldt, dev),
-             _rows_buffer(c, v, ldt if cfg.fp32_logits else xt.dtype, dev))
-            for _ in range(2 if side is not None else 1)]
-    freed = [None] * len(bufs)  # side-stream event: the row kernel is done with that pair
-    main = torch.cuda.current_stream(dev) if side is not None else None
+    zs_buf = _rows_buffer(c, v, ldt, dev)
+    zt_buf = _rows_buffer(c, v, ldt if cfg.fp32_logits else xt.dtype, dev)
     dz_buf = _rows_buffer(min(cfg.chunk, n), v, dt, dev) if want_grad else None
-    k = 0
     for s in range(0, n, cfg.chunk):
         e = min(s + cfg.chunk, n)
         for ss in range(s, e, cfg.sub_chunk):
             ee = min(ss + cfg.sub_chunk, e)
-            zs_buf, zt_buf = bufs[k % len(bufs)]
-            if freed[k % len(bufs)] is not None:
-                main.wait_event(freed[k % len(bufs)])
             zs = _logits(xs[ss:ee], ws, zs_buf[: ee - ss], cfg.fp32_logits)
             zt = _logits(xt[ss:ee], wt, zt_buf[: ee - ss], cfg.fp32_logits)
-            # on the side stream, after everything queued so far (these logits, and the
-            # previous chunk's dX/dW GEMMs, which read dz_buf)
-            if side is not None:
-                side.wait_stream(main)
-            with (torch.cuda.stream(side) if side is not None else contextlib.nullcontext()):
-                _row_kernel(zs, zt, None if dz_buf is None else dz_buf[ss - s: ee - s],
-                            None if y is None else y[ss:ee],
-                            None if not want_grad else (g if g.numel() == 1 else g[ss:ee]),
-                            None if token_loss is None else token_loss[ss:ee], opts_t, v, cfg,
-                            write_loss=want_loss, write_grad=want_grad)
-                if side is not None:
-                    freed[k % len(bufs)] = side.record_event()
-            k += 1
-        if side is not None:
-            main.wait_stream(side)
+            _row_kernel(zs, zt, None if dz_buf is None else dz_buf[ss - s: ee - s],
+                        None if y is None else y[ss:ee],
+                        None if not want_grad else (g if g.numel() == 1 else g[ss:ee]),
+                        None if token_loss is None else token_loss[ss:ee], opts_t, v, cfg,
+                        write_loss=want_loss, write_grad=want_grad)
         dz = dz_buf[: e - s] if want_grad else None
         if want_grad and need_dx:
             if dx_fp32:
@@ -248,9 +223,8 @@ def _accum(dtype, accum_fp32, fused=False):
     return "fp32" if (accum_fp32 and dtype != torch.float32) else "input"
 
 
-def _cfg(chunk, sub_chunk, fp32_logits, block, segment, num_warps, grid, row_sync, overlap):
-    return Config(chunk, sub_chunk, fp32_logits, block, segment, num_warps, grid, row_sync,
-                  overlap)
+def _cfg(chunk, sub_chunk, fp32_logits, block, segment, num_warps, grid, row_sync):
+    return Config(chunk, sub_chunk, fp32_logits, block, segment, num_warps, grid, row_sync)
 
 
 # ----------------------------------------------------------------------------- custom ops
@@ -259,15 +233,14 @@ def _fwd_op(xs: torch.Tensor, ws: torch.Tensor, xt: torch.Tensor, wt: torch.Tens
             y: Optional[torch.Tensor], reduction: int, beta: float, temperature: float,
             ignore_index: int, hard_w: float, grad_mode: int, need_dx: bool, need_dw: bool,
             chunk: int, sub_chunk: int, fp32_logits: bool, accum_fp32: bool, block: int,
-            segment: int, num_warps: int, grid: int, row_sync: int, overlap: bool
+            segment: int, num_warps: int, grid: int, row_sync: int
             ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                        torch.Tensor]:
     """-> (loss, Σm or 1, dX part a, dX part b, dW part a, dW part b): the gradients (for an
     upstream 1, with 1/Σm folded in unless fp16) only with ``grad_mode`` (mean/sum) and only
     those needed, in fp32 split pairs for half-precision inputs (see :func:`_sweep`)."""
     with common.on_device(xs):
-        cfg = _cfg(chunk, sub_chunk, fp32_logits, block, segment, num_warps, grid, row_sync,
-                   overlap)
+        cfg = _cfg(chunk, sub_chunk, fp32_logits, block, segment, num_warps, grid, row_sync)
         n = xs.shape[0]
         opts_t = _opts_tuple(beta, temperature, ignore_index, hard_w)
         denom = torch.ones((), dtype=torch.float32, device=xs.device)
@@ -286,7 +259,7 @@ def _fwd_op(xs: torch.Tensor, ws: torch.Tensor, xt: torch.Tensor, wt: torch.Tens
 @_fwd_op.register_fake
 def _(xs, ws, xt, wt, y, reduction, beta, temperature, ignore_index, hard_w, grad_mode, need_dx,
       need_dw, chunk, sub_chunk, fp32_logits, accum_fp32, block, segment, num_warps, grid,
-      row_sync, overlap):
+      row_sync):
     n, hs, v = xs.shape[0], xs.shape[1], ws.shape[0]
     f32 = dict(dtype=torch.float32)
     loss = xs.new_empty(n, **f32) if reduction == REDUCTIONS["none"] else xs.new_empty((), **f32)
@@ -305,14 +278,12 @@ def _bwd_op(xs: torch.Tensor, ws: torch.Tensor, xt: torch.Tensor, wt: torch.Tens
             y: Optional[torch.Tensor], g: torch.Tensor, beta: float, temperature: float,
             ignore_index: int, hard_w: float, need_dx: bool, need_dw: bool, chunk: int,
             sub_chunk: int, fp32_logits: bool, accum_fp32: bool, block: int, segment: int,
-            num_warps: int, grid: int, row_sync: int, overlap: bool
-            ) -> Tuple[torch.Tensor, torch.Tensor]:
+            num_warps: int, grid: int, row_sync: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """Recomputing backward for per-token upstream gradients ``g`` (N,): (dX, dW), each empty
     unless needed. g is in dz already, so dX is written (rounded) once; dW is narrowed from
     fp32 without a scale."""
     with common.on_device(xs):
-        cfg = _cfg(chunk, sub_chunk, fp32_logits, block, segment, num_warps, grid, row_sync,
-                   overlap)
+        cfg = _cfg(chunk, sub_chunk, fp32_logits, block, segment, num_warps, grid, row_sync)
         v, hs = ws.shape
         _, dx, _, dw_a, dw_b = _sweep(xs, ws, xt, wt, y, g, _opts_tuple(beta, temperature,
                                                                        ignore_index, hard_w),
@@ -324,7 +295,7 @@ def _bwd_op(xs: torch.Tensor, ws: torch.Tensor, xt: torch.Tensor, wt: torch.Tens
 
 @_bwd_op.register_fake
 def _(xs, ws, xt, wt, y, g, beta, temperature, ignore_index, hard_w, need_dx, need_dw, chunk,
-      sub_chunk, fp32_logits, accum_fp32, block, segment, num_warps, grid, row_sync, overlap):
+      sub_chunk, fp32_logits, accum_fp32, block, segment, num_warps, grid, row_sync):
     return (xs.new_empty(xs.shape) if need_dx else xs.new_empty(0),
             xs.new_empty(ws.shape) if need_dw else xs.new_empty(0))
 
@@ -332,14 +303,14 @@ def _(xs, ws, xt, wt, y, g, beta, temperature, ignore_index, hard_w, need_dx, ne
 def _setup_context(ctx, inputs, output):
     (xs, ws, xt, wt, y, reduction, beta, temperature, ignore_index, hard_w, grad_mode, _need_dx,
      _need_dw, chunk, sub_chunk, fp32_logits, accum_fp32, block, segment, num_warps, grid,
-     row_sync, overlap) = inputs
+     row_sync) = inputs
     loss, denom, dx_a, dx_b, dw_a, dw_b = output
     ctx.save_for_backward(xs, ws, xt, wt, y, denom, dx_a, dx_b, dw_a, dw_b)
     ctx.args = dict(reduction=reduction, beta=beta, temperature=temperature,
                     ignore_index=ignore_index, hard_w=hard_w, grad_mode=grad_mode, chunk=chunk,
                     sub_chunk=sub_chunk, fp32_logits=fp32_logits, accum_fp32=accum_fp32,
                     block=block, segment=segment, num_warps=num_warps, grid=grid,
-                    row_sync=row_sync, overlap=overlap)
+                    row_sync=row_sync)
     ctx.set_materialize_grads(False)
 
 
@@ -350,7 +321,7 @@ def _finish(a, b, scale, shape, dtype):
 def _backward(ctx, g_loss, _g_denom, _g_dxa, _g_dxb, _g_dwa, _g_dwb):
     a = ctx.args
     need_x, need_w = ctx.needs_input_grad[:2]
-    none = (None,) * 21
+    none = (None,) * 20
     if torch.is_grad_enabled():
         raise RuntimeError(common.NO_DOUBLE_BACKWARD.format(op="linear_jsd"))
     if g_loss is None or not (need_x or need_w):
@@ -372,7 +343,7 @@ def _backward(ctx, g_loss, _g_denom, _g_dxa, _g_dxb, _g_dwa, _g_dwb):
     gx, gw = _bwd_op(xs, ws, xt, wt, y, g_loss.float().contiguous(), a["beta"],
                      a["temperature"], a["ignore_index"], a["hard_w"], need_x, need_w,
                      a["chunk"], a["sub_chunk"], a["fp32_logits"], a["accum_fp32"], a["block"],
-                     a["segment"], a["num_warps"], a["grid"], a["row_sync"], a["overlap"])
+                     a["segment"], a["num_warps"], a["grid"], a["row_sync"])
     return (gx if need_x else None, gw if need_w else None) + none
 
 
@@ -390,7 +361,7 @@ def _check_pow2(name, value, lo):
 def linear_jsd(p: jsd_common.Prepared, opts: spec.LinearJSDOptions, *, chunk_size=None,
                logits_chunk_size=None, memory_budget=None, fp32_logits=True,
                grad_accum_dtype=torch.float32, block_v=None, segment_size=None, num_warps=None,
-               programs_per_sm=None, row_sync=None, overlap=False):
+               programs_per_sm=None, row_sync=None):
     """Returns the loss reduced per ``opts.reduction`` (flat ``(N,)`` for "none").
 
     Tuning: ``chunk_size`` (tokens per dX/dW chunk), ``logits_chunk_size`` (tokens per logits
@@ -413,8 +384,6 @@ def linear_jsd(p: jsd_common.Prepared, opts: spec.LinearJSDOptions, *, chunk_siz
                          f"testing); student_input is on {xs.device}")
     if not isinstance(fp32_logits, bool):
         raise TypeError(f"fp32_logits must be a bool, got {fp32_logits!r}")
-    if not isinstance(overlap, bool):
-        raise TypeError(f"overlap must be a bool, got {overlap!r}")
     if row_sync is not None and not isinstance(row_sync, bool):
         raise TypeError(f"row_sync must be None or a bool, got {row_sync!r}")
     if grad_accum_dtype not in (torch.float32, xs.dtype):
@@ -465,5 +434,5 @@ def linear_jsd(p: jsd_common.Prepared, opts: spec.LinearJSDOptions, *, chunk_siz
         xs, p.ws, p.xt, p.wt, y, REDUCTIONS[opts.reduction], opts.beta, opts.temperature,
         opts.ignore_index, opts.hard_loss_weight, grad_mode, need_dx, need_dw, chunk, sub,
         fp32_logits, grad_accum_dtype == torch.float32, block, segment, num_warps or GPU_WARPS,
-        grid, -1 if row_sync is None else int(row_sync), overlap)
+        grid, -1 if row_sync is None else int(row_sync))
     return loss
