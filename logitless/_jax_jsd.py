@@ -159,13 +159,14 @@ def stats_update(carry, a, b, zs, cmask, is_target, *, kind, hard, t_one):
 
 
 def stats_finish(carry, *, kind, hard, t_one):
-    """-> (L_a, c, L_z, z_y, kl): c = L_b − L_a (accurate), kl the row's KL (nats) for the KL
-    kinds, else 0."""
+    """-> (m_a, log s_a, m_b, log s_b, c, L_z, z_y, kl): L_a = m_a + log s_a and L_b kept as
+    their two parts (see :func:`log_q`), c = L_b − L_a (accurate), kl the row's KL (nats) for
+    the KL kinds, else 0."""
     m_a, s_a, m_b, s_b, u, md, w, m_z, s_z, z_y = carry
-    l_a = m_a + jnp.log(s_a)
-    l_b = m_b + jnp.log(s_b)
-    c = jnp.where((md < FAR) & (jnp.abs(l_b - l_a) < GAP), log1p(u / s_a), l_b - l_a)
-    l_z = l_a if (t_one or not hard) else m_z + jnp.log(s_z)
+    ls_a, ls_b = jnp.log(s_a), jnp.log(s_b)
+    gap = (m_b - m_a) + (ls_b - ls_a)
+    c = jnp.where((md < FAR) & (jnp.abs(gap) < GAP), log1p(u / s_a), gap)
+    l_z = m_a + ls_a if (t_one or not hard) else m_z + jnp.log(s_z)
     # normalized by the sums themselves: e^(m − L) would carry L's rounding, which the reverse
     # KL's gradient −Q·(δ + KL) then fails to cancel where δ + KL is small (as jsd_k for JSD)
     if kind == "forward_kl":
@@ -173,8 +174,8 @@ def stats_finish(carry, *, kind, hard, t_one):
     elif kind == "reverse_kl":
         kl = w / s_a + c                       # Σ Q·(a − b) + (L_b − L_a)
     else:
-        kl = jnp.zeros_like(l_a)
-    return l_a, c, l_z, z_y, kl
+        kl = jnp.zeros_like(m_a)
+    return m_a, ls_a, m_b, ls_b, c, l_z, z_y, kl
 
 
 def stats_merge(parts, *, kind, hard, t_one):
@@ -193,9 +194,16 @@ def stats_merge(parts, *, kind, hard, t_one):
             jnp.sum(u * ra, axis=0), jnp.max(md, axis=0), w, mz, s_z, jnp.sum(z_y, axis=0))
 
 
-def _jsd_terms(a, b, l_a, c, beta):
+def log_q(a, m_a, ls_a):
+    """log Q = (a − m_a) − log s_a, not a − L_a: L_a ≈ m_a is O(10) at a confident head, and
+    its rounding (ulp(m_a) ~1e-6) would be a factor on every Q, while a − m_a is exact at the
+    maximum and log s_a, the log of a sum >= 1, is small there (the split log_softmax makes)."""
+    return (a - m_a[:, None]) - ls_a[:, None]
+
+
+def _jsd_terms(a, b, m_a, ls_a, c, beta):
     """Q, P, δ = log P − log Q and Λ = log Q − log M negated, per element (0 < β < 1)."""
-    lq = a - l_a[:, None]
+    lq = log_q(a, m_a, ls_a)
     delta = (b - a) - c[:, None]
     q = jnp.exp(lq)
     p = jnp.exp(lq + delta)
@@ -217,11 +225,11 @@ def _jsd_terms(a, b, l_a, c, beta):
     return q, p, delta, lam
 
 
-def jsd_sums_update(carry, a, b, l_a, c, cmask, *, beta):
+def jsd_sums_update(carry, a, b, m_a, ls_a, c, cmask, *, beta):
     """Pass 2 (0 < β < 1) over a column block: −Σ Q·Λ and ΣQ (K = KL(Q‖M) is their ratio,
     :func:`jsd_k`), and J = Σ β·P·log(P/M) − (1−β)·Q·Λ."""
     k, j, qs = carry
-    q, p, delta, lam = _jsd_terms(a, b, l_a, c, beta)
+    q, p, delta, lam = _jsd_terms(a, b, m_a, ls_a, c, beta)
     qlam = q * lam
     live = True if cmask is None else cmask[None, :]
     k = k - jnp.sum(jnp.where(live, qlam, 0.0), axis=1)
@@ -250,21 +258,24 @@ def _log_p_over_m(delta, lam, beta):
     return -jnp.where(nd > FAR, far, log1p((1.0 - beta) * expm1(jnp.minimum(nd, FAR))))
 
 
-def grad_block(a, b, zs, is_target, l_a, c, l_z, kk, coef, hard_coef, *, kind, beta,
-               temperature, hard, t_one):
+def grad_block(a, b, zs, is_target, m_a, ls_a, m_b, ls_b, c, l_z, kk, coef, hard_coef, *,
+               kind, beta, temperature, hard, t_one):
     """Pass 3: the student logit gradient of a column block, coef·(1/T)·∂J/∂a +
     hard_coef·(S − onehot), with coef = g·m per row (and hard_coef = coef·w_h); kk the row's
     KL (reverse KL) or K (JSD)."""
-    lq = a - l_a[:, None]
+    lq = log_q(a, m_a, ls_a)
     delta = (b - a) - c[:, None]
     if kind == "forward_kl":
         q = jnp.exp(lq)
-        d = jnp.where(jnp.abs(delta) < SMALL, -q * expm1(delta), q - jnp.exp(lq + delta))
+        # Q − P: as −Q·expm1(δ) where P ≈ Q; elsewhere P from the teacher's own statistics
+        # (e^(lq + δ) would add the rounding of b − a and of c)
+        d = jnp.where(jnp.abs(delta) < SMALL, -q * expm1(delta),
+                      q - jnp.exp(log_q(b, m_b, ls_b)))
     elif kind == "reverse_kl":
         q = jnp.exp(lq)
         d = -q * (delta + kk[:, None])
     else:
-        q, _, _, lam = _jsd_terms(a, b, l_a, c, beta)
+        q, _, _, lam = _jsd_terms(a, b, m_a, ls_a, c, beta)
         d = -(1.0 - beta) * q * (lam + kk[:, None])
     d = d * (coef / temperature)[:, None]
     if hard:

@@ -39,17 +39,19 @@ class XlaHead(jc.Head):
                      if y is not None else jnp.zeros(zs.shape, bool))
         kw = dict(kind=self.kind, hard=hard, t_one=self.t_one)
         stats = jc.stats_update(jc.stats_init(zs.shape[0]), a, b, zs, None, is_target, **kw)
-        l_a, c, l_z, z_y, kl = jc.stats_finish(stats, **kw)
+        m_a, ls_a, m_b, ls_b, c, l_z, z_y, kl = jc.stats_finish(stats, **kw)
         if self.kind == "jsd":
-            zero = jnp.zeros_like(l_a)
-            k, jj, qs = jc.jsd_sums_update((zero,) * 3, a, b, l_a, c, None, beta=self.beta)
+            zero = jnp.zeros_like(m_a)
+            k, jj, qs = jc.jsd_sums_update((zero,) * 3, a, b, m_a, ls_a, c, None,
+                                           beta=self.beta)
             kk = jc.jsd_k(k, qs)
         else:
             kk = jj = kl
         loss = jc.row_loss(jj, l_z, z_y, self.hard_w, hard)
         if grad_dtype is None:
             return loss
-        dz = jc.grad_block(a, b, zs, is_target, l_a, c, l_z, kk, coef, coef * self.hard_w,
+        dz = jc.grad_block(a, b, zs, is_target, m_a, ls_a, m_b, ls_b, c, l_z, kk, coef,
+                           coef * self.hard_w,
                            beta=self.beta, temperature=self.temperature, **kw)
         return loss, dz.astype(grad_dtype)
 

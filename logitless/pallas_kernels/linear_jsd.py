@@ -64,7 +64,7 @@ LOGITS_SHARE = 1
 # (``jc.stats_merge``); pass 2 (0 < β < 1) writes each segment's K, J and ΣQ sums; pass 3 writes
 # dz. Every segment starts on a live column (there are ⌈V / segment⌉ of them), so its running
 # maxima are finite after its first block and a masked block after it adds nothing.
-_ROWVALS = 5  # l_a, c, l_z, kk, coef per row for pass 3
+_ROWVALS = 8  # m_a, log s_a, m_b, log s_b, c, l_z, kk, coef per row for pass 3
 
 
 def _segment(zs_ref, zt_ref, y_ref, *, v, block_rows, block_v, seg_blocks):
@@ -117,11 +117,12 @@ def _stats_kernel(zs_ref, zt_ref, *refs, has_y, inv_t, seg_blocks, kw, **tile):
 
 def _sums_kernel(zs_ref, zt_ref, row_ref, out_ref, *, inv_t, seg_blocks, beta, **tile):
     rows, rmask, block = _segment(zs_ref, zt_ref, None, seg_blocks=seg_blocks, **tile)
-    l_a, c = (_load_row_values(row_ref, k, rows, rmask) for k in range(2))
+    m_a, ls_a, c = (_load_row_values(row_ref, k, rows, rmask) for k in range(3))
 
     def body(t, carry):
         zs, zt, cmask, _, _, _ = block(t)
-        return jc.jsd_sums_update(carry, zs * inv_t, zt * inv_t, l_a, c, cmask, beta=beta)
+        return jc.jsd_sums_update(carry, zs * inv_t, zt * inv_t, m_a, ls_a, c, cmask,
+                                  beta=beta)
 
     zero = jnp.zeros((tile["block_rows"],), jnp.float32)
     _store_parts(out_ref, lax.fori_loop(launch.I0, np.int32(seg_blocks), body, (zero,) * 3),
@@ -133,13 +134,13 @@ def _grad_kernel(zs_ref, zt_ref, *refs, has_y, inv_t, seg_blocks, beta, temperat
     y_ref = refs[0] if has_y else None
     row_ref, dz_ref = refs[-2], refs[-1]
     rows, rmask, block = _segment(zs_ref, zt_ref, y_ref, seg_blocks=seg_blocks, **tile)
-    l_a, c, l_z, kk, coef = (_load_row_values(row_ref, k, rows, rmask)
-                             for k in range(_ROWVALS))
+    m_a, ls_a, m_b, ls_b, c, l_z, kk, coef = (_load_row_values(row_ref, k, rows, rmask)
+                                               for k in range(_ROWVALS))
 
     def body(t, carry):
         zs, zt, _, is_target, span, m2 = block(t)
-        dz = jc.grad_block(zs * inv_t, zt * inv_t, zs, is_target, l_a, c, l_z, kk, coef,
-                           coef * hard_w, beta=beta, temperature=temperature, **kw)
+        dz = jc.grad_block(zs * inv_t, zt * inv_t, zs, is_target, m_a, ls_a, m_b, ls_b, c, l_z,
+                           kk, coef, coef * hard_w, beta=beta, temperature=temperature, **kw)
         plgpu.store(dz_ref.at[rows, span], dz.astype(dz_ref.dtype), mask=m2)
         return carry
 
@@ -190,10 +191,11 @@ class PallasHead(jc.Head):
                     [zs, zt] + ys, parts(n_stats), "logitless_linear_jsd_stats")
         stats = jc.stats_merge(tuple(stats.reshape(n_seg, n_stats, n_rows).transpose(1, 0, 2)),
                                **kw)
-        l_a, c, l_z, z_y, kl = jc.stats_finish(stats, **kw)
+        m_a, ls_a, m_b, ls_b, c, l_z, z_y, kl = jc.stats_finish(stats, **kw)
         if self.kind == "jsd":
             sums = run(functools.partial(_sums_kernel, beta=self.beta, **tile),
-                       [zs, zt, jnp.stack([l_a, c])], parts(3), "logitless_linear_jsd_sums")
+                       [zs, zt, jnp.stack([m_a, ls_a, c])], parts(3),
+                       "logitless_linear_jsd_sums")
             k, jj, qs = jnp.sum(sums.reshape(n_seg, 3, n_rows), axis=0)
             kk = jc.jsd_k(k, qs)
         else:
@@ -205,7 +207,7 @@ class PallasHead(jc.Head):
         dz = run(functools.partial(_grad_kernel, has_y=y is not None, beta=self.beta,
                                    temperature=self.temperature, hard_w=self.hard_w, kw=kw,
                                    **tile),
-                 [zs, zt] + ys + [jnp.stack([l_a, c, l_z, kk, coef])],
+                 [zs, zt] + ys + [jnp.stack([m_a, ls_a, m_b, ls_b, c, l_z, kk, coef])],
                  jax.ShapeDtypeStruct(zs.shape, grad_dtype), "logitless_linear_jsd_grad",
                  aliases={0: 0} if in_place else None)
         return loss, dz

@@ -144,9 +144,19 @@ def _seg_stats(s_row, t_row, col0, col1, y_local, inv_t, KIND: tl.constexpr,
 
 
 @triton.jit
-def _row_gap(l_a, l_b, u_over_s, md):
-    """c = L_b − L_a: log1p(E_Q[expm1(b − a)]) while the heads are close, else the difference."""
-    return tl.where((md < FAR) & (tl.abs(l_b - l_a) < GAP), _log1p(u_over_s), l_b - l_a)
+def _row_gap(m_a, ls_a, m_b, ls_b, u_over_s, md):
+    """c = L_b − L_a: log1p(E_Q[expm1(b − a)]) while the heads are close, else the difference
+    (of the maxima and of the log-sums apart: m_b − m_a is exact where it is small)."""
+    gap = (m_b - m_a) + (ls_b - ls_a)
+    return tl.where((md < FAR) & (tl.abs(gap) < GAP), _log1p(u_over_s), gap)
+
+
+@triton.jit
+def _log_q(a, m_a, ls_a):
+    """log Q = (a − m_a) − log s_a, not a − L_a: at a confident head L_a ≈ m_a is O(10) and its
+    rounding (ulp ~1e-6) would be a factor on every Q, while a − m_a is exact at the maximum
+    and log s_a, the log of a sum >= 1, is small there (the split log_softmax makes)."""
+    return (a - m_a) - ls_a
 
 
 @triton.jit
@@ -158,7 +168,8 @@ def _load_field(part, field, segs_idx, smask, other):
 @triton.jit
 def _combine_stats(part, segs_idx, smask, KIND: tl.constexpr, HARD: tl.constexpr,
                    T_ONE: tl.constexpr):
-    """A row's (L_a, L_b, c, w·, L_z, z_y) from its segments' pass-1 partials; w· is the row's
+    """A row's (m_a, log s_a, m_b, log s_b, c, w·, L_z, z_y) from its segments' pass-1
+    partials (L_a = m_a + log s_a and L_b kept apart: see ``_log_q``); w· is the row's
     Σ P·(b − a) (forward KL) or Σ Q·(a − b) (reverse KL), 0 otherwise."""
     m_a = _load_field(part, F_MA, segs_idx, smask, -float("inf"))
     s_a = _load_field(part, F_SA, segs_idx, smask, 0.0)
@@ -171,18 +182,18 @@ def _combine_stats(part, segs_idx, smask, KIND: tl.constexpr, HARD: tl.constexpr
     kb = tl.exp(m_b - mb)
     sa = tl.sum(s_a * ka, 0)
     sb = tl.sum(s_b * kb, 0)
-    l_a = ma + tl.log(sa)
-    l_b = mb + tl.log(sb)
+    lsa = tl.log(sa)
+    lsb = tl.log(sb)
     md = tl.max(_load_field(part, F_MD, segs_idx, smask, -float("inf")), 0)
-    c = _row_gap(l_a, l_b, tl.sum(u * ka, 0) / sa, md)
-    w_row = l_a * 0.0
+    c = _row_gap(ma, lsa, mb, lsb, tl.sum(u * ka, 0) / sa, md)
+    w_row = ma * 0.0
     # normalized by the sums themselves, not by e^(m − L): see the single-segment case
     if KIND == 0:
         w_row = tl.sum(_load_field(part, F_W, segs_idx, smask, 0.0) * kb, 0) / sb
     elif KIND == 1:
         w_row = tl.sum(_load_field(part, F_W, segs_idx, smask, 0.0) * ka, 0) / sa
-    l_z = l_a
-    z_y = l_a * 0.0
+    l_z = ma + lsa
+    z_y = ma * 0.0
     if HARD:
         z_y = tl.sum(_load_field(part, F_ZY, segs_idx, smask, 0.0), 0)
         if not T_ONE:
@@ -190,7 +201,7 @@ def _combine_stats(part, segs_idx, smask, KIND: tl.constexpr, HARD: tl.constexpr
             mz = tl.max(m_z, 0)
             l_z = mz + tl.log(tl.sum(_load_field(part, F_SZ, segs_idx, smask, 0.0) *
                                      tl.exp(m_z - mz), 0))
-    return l_a, l_b, c, w_row, l_z, z_y
+    return ma, lsa, mb, lsb, c, w_row, l_z, z_y
 
 
 @triton.jit
@@ -204,10 +215,10 @@ def _far(beta, omb, FORM: tl.constexpr):
 
 
 @triton.jit
-def _jsd_terms(a, b, l_a, c, beta, omb, FORM: tl.constexpr):
+def _jsd_terms(a, b, m_a, ls_a, c, beta, omb, FORM: tl.constexpr):
     """Per element (0 < β < 1): Q, P, δ = log P − log Q and Λ = log Q − log M negated.
     ``FORM``: spec.beta_form(β), a compile-time switch."""
-    lq = a - l_a
+    lq = _log_q(a, m_a, ls_a)
     delta = (b - a) - c
     q = tl.exp(lq)
     p = tl.exp(lq + delta)
@@ -251,8 +262,8 @@ def _log_p_over_m(delta, lam, beta, omb, FORM: tl.constexpr):
 
 
 @triton.jit
-def _seg_jsd_sums(s_row, t_row, col0, col1, inv_t, l_a, c, beta, omb, FORM: tl.constexpr,
-                  BLOCK: tl.constexpr):
+def _seg_jsd_sums(s_row, t_row, col0, col1, inv_t, m_a, ls_a, c, beta, omb,
+                  FORM: tl.constexpr, BLOCK: tl.constexpr):
     """Pass 2 (0 < β < 1) over [col0, col1): −Σ Q·Λ and Σ Q (K is their ratio: Q carries the
     rounding of L_a as a factor common to the row, which K must not; see
     ``_jax_jsd.jsd_k``) and Σ β·P·log(P/M) − (1−β)·Q·Λ (→ J); ``omb`` = 1 − β, computed on
@@ -265,7 +276,7 @@ def _seg_jsd_sums(s_row, t_row, col0, col1, inv_t, l_a, c, beta, omb, FORM: tl.c
         cols = start + offs
         cmask = cols < col1
         a, b, zs = _load_block(s_row, t_row, cols, cmask, inv_t)
-        q, p, delta, lam = _jsd_terms(a, b, l_a, c, beta, omb, FORM)
+        q, p, delta, lam = _jsd_terms(a, b, m_a, ls_a, c, beta, omb, FORM)
         qlam = q * lam
         k -= tl.sum(tl.where(cmask, qlam, 0.0), 0)
         qs += tl.sum(tl.where(cmask, q, 0.0), 0)
@@ -275,8 +286,8 @@ def _seg_jsd_sums(s_row, t_row, col0, col1, inv_t, l_a, c, beta, omb, FORM: tl.c
 
 
 @triton.jit
-def _seg_grad(s_row, t_row, dz_row, col0, col1, y_local, inv_t, l_a, c, l_z, kk, beta, omb,
-              coef, hard_coef, poison, KIND: tl.constexpr, HARD: tl.constexpr,
+def _seg_grad(s_row, t_row, dz_row, col0, col1, y_local, inv_t, m_a, ls_a, m_b, ls_b, c, l_z,
+              kk, beta, omb, coef, hard_coef, poison, KIND: tl.constexpr, HARD: tl.constexpr,
               T_ONE: tl.constexpr, ROUND_BF16: tl.constexpr, FORM: tl.constexpr,
               BLOCK: tl.constexpr):
     """Pass 3 over [col0, col1): dz = coef·∂J/∂a + hard_coef·(S − [v = y]) (+ poison), with
@@ -287,17 +298,18 @@ def _seg_grad(s_row, t_row, dz_row, col0, col1, y_local, inv_t, l_a, c, l_z, kk,
         cmask = cols < col1
         a, b, zs = _load_block(s_row, t_row, cols, cmask, inv_t)
         if KIND == 0:
-            lq = a - l_a
+            lq = _log_q(a, m_a, ls_a)
             delta = (b - a) - c
             q = tl.exp(lq)
-            # Q − P, as −Q·expm1(δ) where P ≈ Q (no cancellation)
-            d = tl.where(tl.abs(delta) < SMALL, -q * _expm1(delta), q - tl.exp(lq + delta))
+            # Q − P: as −Q·expm1(δ) where P ≈ Q (no cancellation); elsewhere P from the
+            # teacher's own statistics (e^(lq + δ) would add the rounding of b − a and of c)
+            d = tl.where(tl.abs(delta) < SMALL, -q * _expm1(delta),
+                         q - tl.exp(_log_q(b, m_b, ls_b)))
         elif KIND == 1:
-            lq = a - l_a
-            q = tl.exp(lq)
+            q = tl.exp(_log_q(a, m_a, ls_a))
             d = -q * (((b - a) - c) + kk)
         else:
-            q, p, delta, lam = _jsd_terms(a, b, l_a, c, beta, omb, FORM)
+            q, p, delta, lam = _jsd_terms(a, b, m_a, ls_a, c, beta, omb, FORM)
             d = -omb * q * (lam + kk)
         d = coef * d
         if HARD:
@@ -391,12 +403,12 @@ def _row_segment(row, seg, s_ptr, s_stride, t_ptr, t_stride, dz_ptr, dz_stride, 
             ok = ok & _wait_row(sync_ptr + 2 + row64, sync_ptr + 1, SEGS, MAX_SPIN)
         if PHASE != 1:
             if SEGS > 1:
-                l_a, l_b, c, w_row, l_z, z_y_row = _combine_stats(part, segs_idx, smask, KIND,
-                                                                  HARD, T_ONE)
+                m_a, ls_a, m_b, ls_b, c, w_row, l_z, z_y_row = _combine_stats(
+                    part, segs_idx, smask, KIND, HARD, T_ONE)
             else:
-                l_a = m_a + tl.log(s_a)
-                l_b = m_b + tl.log(s_b)
-                c = _row_gap(l_a, l_b, u / s_a, md)
+                ls_a = tl.log(s_a)
+                ls_b = tl.log(s_b)
+                c = _row_gap(m_a, ls_a, m_b, ls_b, u / s_a, md)
                 # Σ e^(a−m)·(a − b) / Σ e^(a−m) exactly: e^(m − L) would carry L's rounding,
                 # which the reverse KL's gradient −Q·(δ + KL) then fails to cancel
                 if KIND == 0:
@@ -406,7 +418,7 @@ def _row_segment(row, seg, s_ptr, s_stride, t_ptr, t_stride, dz_ptr, dz_stride, 
                 else:
                     w_row = zero
                 z_y_row = z_y
-                l_z = l_a
+                l_z = m_a + ls_a
                 if HARD:
                     if not T_ONE:
                         l_z = m_z + tl.log(s_z)
@@ -415,8 +427,8 @@ def _row_segment(row, seg, s_ptr, s_stride, t_ptr, t_stride, dz_ptr, dz_stride, 
             jj = zero
             if KIND == 2:
                 if PHASE != 3:
-                    k_seg, j_seg, q_seg = _seg_jsd_sums(s_row, t_row, col0, col1, inv_t, l_a,
-                                                        c, beta, omb, FORM, BLOCK)
+                    k_seg, j_seg, q_seg = _seg_jsd_sums(s_row, t_row, col0, col1, inv_t, m_a,
+                                                        ls_a, c, beta, omb, FORM, BLOCK)
                     if SEGS > 1:
                         tl.store(part + seg * _NF + F_K, k_seg)
                         tl.store(part + seg * _NF + F_J, j_seg)
@@ -448,9 +460,9 @@ def _row_segment(row, seg, s_ptr, s_stride, t_ptr, t_stride, dz_ptr, dz_stride, 
                         tl.store(loss_ptr + row64, loss + nan)
                 if WRITE_GRAD:
                     g = tl.load(g_ptr + row64 * g_stride).to(tl.float32)
-                    _seg_grad(s_row, t_row, dz_row, col0, col1, y_local, inv_t, l_a, c, l_z,
-                              kk, beta, omb, g * inv_t, g * hard_w, nan, KIND, HARD, T_ONE,
-                              ROUND_BF16, FORM, BLOCK)
+                    _seg_grad(s_row, t_row, dz_row, col0, col1, y_local, inv_t, m_a, ls_a, m_b,
+                              ls_b, c, l_z, kk, beta, omb, g * inv_t, g * hard_w, nan, KIND,
+                              HARD, T_ONE, ROUND_BF16, FORM, BLOCK)
     else:
         if PHASE == 0 or PHASE == 3:
             if WRITE_LOSS:
