@@ -282,7 +282,8 @@ def bench_floor(shape: Shape, xs, ws, xt, wt, *, device, reps, warmup, seed):
         del gmat
         common.free_memory(device)
     return {"status": "ok", "ms": t.median_ms, "tflops": common.tflops(flops, t.median_ms),
-            "timing": t.as_dict(), "through": "torch.mm (cuBLAS)",
+            "timing": t.as_dict(),
+            "through": "torch.mm (cuBLAS)" if device.startswith("cuda") else "torch.mm",
             "gemms": ["x_s @ W_s.T", "x_t @ W_t.T", "G @ W_s", "G.T @ x_s"]}
 
 
@@ -533,8 +534,9 @@ def format_report(result: Dict[str, Any]) -> str:
              f"{env['packages'].get('jax')}; median of {cfg['reps']}; seed {cfg['seed']}"]
     for res in result["results"]:
         s, fl, xf = res["shape"], res.get("floor", {}), res.get("xla_floor", {})
+        through = "cuBLAS" if env.get("gpu_name") else "torch.mm"
         floor = (f"floor {common.fmt_ms(fl['ms'])} ms = {fl['tflops']:.3g} TFLOP/s (4 GEMMs, "
-                 f"cuBLAS)" if fl.get("ms") else f"floor {fl.get('status')}: {fl.get('error')}")
+                 f"{through})" if fl.get("ms") else f"floor {fl.get('status')}: {fl.get('error')}")
         if xf.get("ms"):
             floor += f"; XLA floor {common.fmt_ms(xf['ms'])} ms"
         lines += ["", f"{s['name']}  N={s['n']} H_s={s['h_s']} H_t={s['h_t']} V={s['v']}  {floor}"]
