@@ -63,11 +63,14 @@ def check_concrete_labels(labels, v: int, ignore_index: int) -> None:
 
 
 def prepare(x, linear_weight, labels, linear_bias, weight, *, ignore_index: int,
-            weight_layout: str = "vh", check_range: bool = True) -> Prepared:
+            weight_layout: str = "vh", check_range: bool = True,
+            vocab_axis=None) -> Prepared:
     """Check types, dtypes and shapes (errors name the argument); flatten to 2-D.
 
     Concrete (untraced) labels are range-checked here, eagerly (this reads them on the host);
     traced labels are not, and the backends turn an out-of-range target into a NaN loss.
+    Inside ``shard_map`` the arrays are cast to vary over the same manual axes
+    (:func:`match_varying`; ``vocab_axis``, the vocab-parallel axis, excepted).
     """
     _require_array("x", x)
     _require_array("linear_weight", linear_weight)
@@ -95,12 +98,107 @@ def prepare(x, linear_weight, labels, linear_bias, weight, *, ignore_index: int,
                                 weight_layout=weight_layout, names=("x", "labels"))
     if check_range:
         check_concrete_labels(labels, problem.v, ignore_index)
+    x, linear_weight, labels, linear_bias, weight = match_varying(
+        x, linear_weight, labels, linear_bias, weight, exclude=vocab_axis)
     return Prepared(
         x=jnp.reshape(x, (problem.n, problem.h)), w=jnp.asarray(linear_weight),
         y=labels_int32(jnp.reshape(labels, (problem.n,)), ignore_index),
         bias=None if linear_bias is None else jnp.asarray(linear_bias),
         class_weight=None if weight is None else jnp.asarray(weight, jnp.float32),
         layout=weight_layout, problem=problem)
+
+
+# ------------------------------------------------------- shard_map and mesh-axis typing
+# Inside ``jax.shard_map`` (check_vma=True, the default) every value carries the manual mesh
+# axes it varies over, and a custom_vjp's cotangent must have its primal's type. A replicated
+# weight used with data-parallel tokens has a dW that varies over the data axis: the weight is
+# cast to varying first (``lax.pcast``), whose transpose is the psum that makes the summed dW.
+def varying_axes(a) -> frozenset:
+    """The manual mesh axes ``a`` varies over (empty outside ``shard_map`` / with
+    check_vma=False, and for None)."""
+    if a is None:
+        return frozenset()
+    mat = getattr(jax.typeof(a), "manual_axis_type", None)
+    return frozenset(getattr(mat, "varying", ()))
+
+
+def _axis_names(axis_name) -> frozenset:
+    if axis_name is None:
+        return frozenset()
+    return frozenset(axis_name) if isinstance(axis_name, (tuple, list)) else \
+        frozenset([axis_name])
+
+
+def to_varying(a, axes):
+    """``a`` (or None) cast to vary over ``axes`` too (no-op where it does already)."""
+    missing = frozenset(axes) - varying_axes(a)
+    if a is None or not missing:
+        return a
+    if not hasattr(lax, "pcast"):  # a JAX without it has no varying types to match
+        return a
+    return lax.pcast(a, tuple(sorted(missing, key=str)), to="varying")
+
+
+def match_varying(*arrays, exclude=None):
+    """``arrays`` (None kept) all cast to vary over the union of their varying axes, minus
+    ``exclude`` (a vocab-parallel axis: x and labels stay invariant over it, as its psums
+    make dX)."""
+    axes = frozenset().union(*map(varying_axes, arrays)) - _axis_names(exclude)
+    return tuple(to_varying(a, axes) for a in arrays) if axes else arrays
+
+
+def zeros_like_axes(shape, dtype, like):
+    """``jnp.zeros`` varying over the axes ``like`` varies over: a loop carry that the loop
+    body fills with values computed from ``like`` must start with their type."""
+    return to_varying(jnp.zeros(shape, dtype), varying_axes(like))
+
+
+def _explicit_mesh(args):
+    """(mesh, its Explicit axes, whether it is the context mesh) for the mesh that shards
+    ``args`` with Explicit axes (part of the arrays' types): the context mesh
+    (``jax.sharding.set_mesh``) if one is set, else that of an argument's sharding;
+    (None, (), False) when there is none."""
+    get = getattr(jax.sharding, "get_abstract_mesh", None)
+    cur = None if get is None else get()
+    if cur is not None and not getattr(cur, "empty", True):
+        return cur, tuple(getattr(cur, "explicit_axes", ())), True
+    for a in jax.tree_util.tree_leaves(args):
+        try:  # a concrete array's sharding has its devices (an eager call needs them)
+            sharding = a.sharding if isinstance(a, jax.Array) and not _is_traced(a) else \
+                jax.typeof(a).sharding
+        except (TypeError, AttributeError):
+            continue
+        mesh = getattr(sharding, "mesh", None)
+        axes = tuple(getattr(mesh, "explicit_axes", ()) or ())
+        if axes:
+            return mesh, axes, False
+    return None, (), False
+
+
+def spec_of(a, ndim=None) -> tuple:
+    """``a``'s PartitionSpec entries, ``ndim`` of them (``a.ndim`` by default; None pads)."""
+    try:
+        spec = tuple(getattr(getattr(jax.typeof(a), "sharding", None), "spec", None) or ())
+    except TypeError:  # not an array: the op's own checks name it
+        spec = ()
+    ndim = np.ndim(a) if ndim is None else ndim
+    return (spec + (None,) * ndim)[:ndim]
+
+
+def on_auto_axes(fn, args, out_specs):
+    """``fn(*args)``, under ``jax.sharding.auto_axes`` over the Explicit mesh axes when some
+    shard ``args``: the ops' chunk loops slice and update token ranges, which an Explicit
+    token sharding forbids (dynamic_update_slice of a sharded carry, slices of Pallas refs);
+    inside, the compiler partitions the body as it does any jit's (GSPMD). ``out_specs``: a
+    thunk returning the outputs' PartitionSpecs (a pytree like them), called only then."""
+    mesh, axes, in_context = _explicit_mesh(args)
+    if not axes or not hasattr(jax.sharding, "auto_axes"):
+        return fn(*args)
+    out = out_specs()
+    if not in_context:  # no mesh set: auto_axes takes it from the out shardings
+        out = jax.tree_util.tree_map(lambda spec: jax.sharding.NamedSharding(mesh, spec), out,
+                                     is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec))
+    return jax.sharding.auto_axes(fn, axes=axes, out_sharding=out)(*args)
 
 
 def labels_int32(y, ignore_index: int):
@@ -308,7 +406,7 @@ def _forward(st: _Static, x, w, bias, y, cw):
         return (lax.dynamic_update_slice_in_dim(tok, l_c, start, 0),
                 lax.dynamic_update_slice_in_dim(lse, lse_c, start, 0))
 
-    zeros = jnp.zeros((n,), jnp.float32)
+    zeros = zeros_like_axes((n,), jnp.float32, x)
     tok, lse = _walk_chunks(st, n, body, (zeros, zeros))
     return tok, lse, omega
 
@@ -358,12 +456,12 @@ def _grads(st: _Static, x, w, bias, y, cw, coefs):
         return (lax.dynamic_update_slice_in_dim(tok, l_c, start, 0),
                 lax.dynamic_update_slice_in_dim(lse, lse_c, start, 0), dx, dw, db)
 
-    zeros = jnp.zeros((n,), jnp.float32)
-    dx0 = jnp.zeros(x.shape, x.dtype) if need_dx else None
+    zeros = zeros_like_axes((n,), jnp.float32, x)
+    dx0 = zeros_like_axes(x.shape, x.dtype, x) if need_dx else None
     tok, lse, dx, dw, db = _walk_chunks(st, n, body, (zeros, zeros, dx0, None, None))
     if n == 0:  # no tokens at all
-        dw = jnp.zeros(w.shape, jnp.float32) if need_dw else None
-        db = jnp.zeros(bias.shape, jnp.float32) if need_db else None
+        dw = zeros_like_axes(w.shape, jnp.float32, x) if need_dw else None
+        db = zeros_like_axes(bias.shape, jnp.float32, x) if need_db else None
     return tok, lse, dx, dw, db
 
 

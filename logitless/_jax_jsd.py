@@ -79,6 +79,7 @@ def prepare(xs, ws, xt, wt, y, opts: spec.LinearJSDOptions, weight_layout="vh") 
                                 weight_layout=weight_layout)
     if y is not None:
         common.check_concrete_labels(y, problem.v, opts.ignore_index)
+    xs, ws, xt, wt, y = common.match_varying(xs, ws, xt, wt, y)  # inside shard_map
     n = problem.n
     # the teacher needs no stop_gradient: the custom_vjp gives it no cotangent, and as the
     # caller's very arrays the unfused path's residuals stay the inputs (no copy out of a jit)
@@ -372,7 +373,7 @@ def _forward(st: _Static, xs, ws, xt, wt, y):
         return lax.dynamic_update_slice_in_dim(tok, st.head.loss(zs, zt, _y_chunk(ys, start, size)),
                                                start, 0)
 
-    tok = common.walk(n_p, st.sub_chunk, body, jnp.zeros((n_p,), jnp.float32))
+    tok = common.walk(n_p, st.sub_chunk, body, common.zeros_like_axes((n_p,), jnp.float32, xs))
     return tok[:n] * m, m
 
 
@@ -402,7 +403,8 @@ def _grads(st: _Static, xs, ws, xt, wt, y, g, dx_dtype):
             return (lax.dynamic_update_slice_in_dim(tok, l_c, s0, 0),
                     lax.dynamic_update_slice_in_dim(dz, dz_c, s0 - start, 0))
 
-        dz = jnp.zeros((size, st.v), xs.dtype)  # every row is overwritten by a sub-chunk
+        # every row is overwritten by a sub-chunk
+        dz = common.zeros_like_axes((size, st.v), xs.dtype, xs)
         tok, dz = common.walk(size, min(st.sub_chunk, size), sub_body, (tok, dz), start0=start)
         if need_dx:
             dx = lax.dynamic_update_slice_in_dim(
@@ -412,11 +414,11 @@ def _grads(st: _Static, xs, ws, xt, wt, y, g, dx_dtype):
             dw = dw_c if dw is None else dw + dw_c  # the first chunk assigns: no zero-fill
         return tok, dx, dw
 
-    dx0 = jnp.zeros(xs.shape, dx_dtype) if need_dx else None
+    dx0 = common.zeros_like_axes(xs.shape, dx_dtype, xs) if need_dx else None
     tok, dx, dw = common.walk(n_p, st.plan.chunk, body,
-                              (jnp.zeros((n_p,), jnp.float32), dx0, None))
+                              (common.zeros_like_axes((n_p,), jnp.float32, xs), dx0, None))
     if n == 0 and need_dw:  # no tokens at all
-        dw = jnp.zeros(ws.shape, jnp.float32)
+        dw = common.zeros_like_axes(ws.shape, jnp.float32, xs)
     return tok[:n] * m, None if dx is None else dx[:n], dw
 
 
@@ -528,7 +530,25 @@ def linear_jsd(student_input, student_weight, teacher_input, teacher_weight, tar
     heads as ``(H, V)`` (Flax ``Dense`` kernels) without transposing them. Concrete targets
     outside ``[0, V)`` (other than ``ignore_index``) raise ``ValueError`` up front; traced ones
     make the loss and gradients NaN. ``backend``: ``None`` ("pallas" on a GPU, else "xla"),
-    ``"pallas"`` or ``"xla"``; ``**tuning``: that backend's chunk / block keywords.
+    ``"pallas"`` or ``"xla"``.
+
+    ``**tuning``: the chosen backend's keywords (any other is a TypeError); every default
+    ``None`` means the value in brackets.
+
+    * ``backend="xla"``: ``chunk_size=None`` (tokens per dX / dW chunk) and
+      ``logits_chunk_size=None`` (tokens per logits GEMM), both from ``memory_budget=None``
+      (1 GiB: the chunk's float32 logits and working arrays).
+    * ``backend="pallas"``: ``chunk_size=None``, ``logits_chunk_size=None`` (the chunk),
+      ``memory_budget=None`` (2.5 GiB: the chunk's gradient and two float32 logits buffers),
+      ``block_rows=None`` (1) × ``block_v=None`` (2048, shrunk to V) the kernels' tile,
+      powers of two; ``num_warps=None`` (4), ``num_stages=None`` (2); ``segment_size=None``
+      (8192 columns per program); ``fp32_logits=True`` (False: logits in the input dtype,
+      less memory, ~1e-2 less accurate bf16 gradients); ``interpret=None`` (True unless
+      JAX's default backend is a GPU).
+
+    Sharding, gradient accumulation: as :func:`logitless.jax.linear_cross_entropy` (works
+    inside ``shard_map`` and with Explicit mesh axes; in a ``lax.scan`` over micro-batches,
+    wrap the loss in ``jax.checkpoint``: "mean"/"sum" keep dX and a float32 dW per step).
     """
     opts = spec.LinearJSDOptions(
         beta=beta, temperature=temperature, reduction=reduction,
@@ -547,9 +567,19 @@ def run(xs, ws, xt, wt, target, opts: spec.LinearJSDOptions, weight_layout, back
     if unknown:
         raise TypeError(f"unknown tuning keyword(s) {unknown} for backend={name!r}; "
                         f"it accepts {list(impl.TUNING)}")
-    p = dataclasses.replace(prepare(xs, ws, xt, wt, target, opts, weight_layout),
-                            needs=tuple(needs))
-    loss = impl.linear_jsd(p, opts, **tuning)
-    if opts.reduction == "none":
-        loss = jnp.reshape(loss, p.problem.batch_shape)
-    return loss
+
+    def body(xs, ws, xt, wt, target):
+        p = dataclasses.replace(prepare(xs, ws, xt, wt, target, opts, weight_layout),
+                                needs=tuple(needs))
+        loss = impl.linear_jsd(p, opts, **tuning)
+        if opts.reduction == "none":
+            loss = jnp.reshape(loss, p.problem.batch_shape)
+        return loss
+
+    def out_specs():  # with an Explicit mesh: per-token losses sharded like the tokens
+        if opts.reduction != "none":
+            return jax.sharding.PartitionSpec()
+        tok = common.spec_of(target) if target is not None else common.spec_of(xs)[:-1]
+        return jax.sharding.PartitionSpec(*tok)
+
+    return common.on_auto_axes(body, (xs, ws, xt, wt, target), out_specs)

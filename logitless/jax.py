@@ -14,6 +14,7 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from . import _jax_common as common
 from .specs.linear_cross_entropy import LinearCrossEntropyOptions
@@ -72,14 +73,35 @@ def linear_cross_entropy(x, linear_weight, labels, *, linear_bias=None, weight=N
         weight_layout: ``"vh"`` for a ``(V, H)`` weight, ``"hv"`` for ``(H, V)``.
         backend: ``None`` ("pallas" when JAX's default backend is a GPU, else "xla"),
             ``"pallas"`` (Pallas kernels; interpreted on CPU) or ``"xla"`` (chunked plain JAX).
-        **tuning: chunk and block sizes of the chosen backend as plain keywords (e.g.
-            ``chunk_size``, ``memory_budget``; "pallas" also ``block_rows``, ``block_v``,
-            ``num_warps``, ``num_stages``, ``grid_size``, ``fp32_logits``, ``interpret``);
-            unknown keywords are a TypeError.
         axis_name: vocab (tensor) parallelism inside ``shard_map``: ``linear_weight`` (and
             ``linear_bias``, ``weight``) are this device's equal slice of V along the mesh axis
             ``axis_name``; ``x`` and ``labels`` (global indices) are the same on every device of
             it. Runs :mod:`logitless.vocab_parallel_jax` (backend ``None``/"xla").
+        **tuning: the chosen backend's keywords (any other is a TypeError); every default
+            ``None`` means the value in brackets.
+
+            * ``backend="xla"`` (and ``axis_name``): ``chunk_size=None`` (tokens per chunk;
+              from ``memory_budget``), ``memory_budget=None`` (1 GiB: bytes of one chunk's
+              float32 logits and gradient, 8 bytes per [chunk, V] element).
+            * ``backend="pallas"``: ``chunk_size=None``, ``memory_budget=None`` (1 GiB: the one
+              [chunk, V] logits buffer in the input dtype), ``block_rows=None`` (1) ×
+              ``block_v=None`` (16384, shrunk to V) the kernel's tile, powers of two;
+              ``num_warps=None`` (16), ``num_stages=None`` (2); ``grid_size=None`` (programs
+              of the persistent grid: SMs on a GPU, one per row block when interpreted);
+              ``fp32_logits=False`` (True: float32 logits, the gradient in a second buffer);
+              ``interpret=None`` (True unless JAX's default backend is a GPU).
+
+    Sharding: inside ``jax.shard_map`` (``check_vma`` on or off) data parallelism works as
+    for any JAX op: a weight replicated over a data axis gets the sum of the shards' dW. With
+    Explicit mesh axes (``jax.sharding.set_mesh``, or arrays sharded on such a mesh) the op
+    runs under ``jax.sharding.auto_axes``, per-token outputs sharded like ``labels``.
+    ``backend="pallas"`` interpreted (off a GPU) cannot run inside ``shard_map`` with
+    ``check_vma=True`` (``NotImplementedError``), and has no second-order derivatives.
+
+    Gradient accumulation: under ``jax.grad`` of a ``lax.scan`` over micro-batches, the fused
+    forward ("mean"/"sum" without ``return_lse``) keeps its dX and float32 dW as residuals of
+    every step (K steps: K float32 [V, H] buffers). Wrap the loss in ``jax.checkpoint``
+    inside the scan body to keep one (8 steps, V=8192, H=256: 96 -> 16 MiB of temporaries).
 
     Returns:
         The loss (float32), or ``(loss, lse)`` with ``return_lse=True``. Logits and their
@@ -106,11 +128,20 @@ def _run(x, linear_weight, labels, linear_bias, weight, opts, weight_layout, bac
     if unknown:
         raise TypeError(f"unknown tuning keyword(s) {unknown} for backend={name!r}; "
                         f"it accepts {list(impl.TUNING)}")
-    prepared = common.prepare(x, linear_weight, labels, linear_bias, weight,
-                              ignore_index=opts.ignore_index, weight_layout=weight_layout)
-    prepared = dataclasses.replace(prepared, needs=tuple(needs))
-    loss, lse = impl.linear_cross_entropy(prepared, opts, **tuning)
-    return _shaped(loss, lse, prepared, opts)
+
+    def body(x, linear_weight, labels, linear_bias, weight):
+        prepared = common.prepare(x, linear_weight, labels, linear_bias, weight,
+                                  ignore_index=opts.ignore_index, weight_layout=weight_layout)
+        prepared = dataclasses.replace(prepared, needs=tuple(needs))
+        loss, lse = impl.linear_cross_entropy(prepared, opts, **tuning)
+        return _shaped(loss, lse, prepared, opts)
+
+    def out_specs():  # with an Explicit mesh: per-token outputs sharded like the labels
+        tok = P(*common.spec_of(labels))
+        loss = tok if opts.reduction == "none" else P()
+        return (loss, tok) if opts.return_lse else loss
+
+    return common.on_auto_axes(body, (x, linear_weight, labels, linear_bias, weight), out_specs)
 
 
 def _shaped(loss, lse, prepared, opts):
@@ -134,7 +165,7 @@ def _vocab_parallel(x, linear_weight, labels, linear_bias, weight, opts, weight_
     # V = V_local · axis size, traced ones become NaN in the vocab-parallel math
     prepared = common.prepare(x, linear_weight, labels, linear_bias, weight,
                               ignore_index=opts.ignore_index, weight_layout=weight_layout,
-                              check_range=False)
+                              check_range=False, vocab_axis=axis_name)
     size = vp._axis_size(axis_name)
     if isinstance(size, int):
         common.check_concrete_labels(labels, prepared.problem.v * size, opts.ignore_index)

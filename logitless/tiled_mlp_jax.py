@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from . import _jax_common as common
 from .pallas_kernels import swiglu as _pallas
 from .specs import tiled_mlp as spec
 
@@ -76,7 +77,7 @@ def _tiled(fn, plan: spec.ShardPlan, x_shape, accum_fp32: bool, out_shape, out_d
             return lax.dynamic_update_slice_in_dim(
                 y2, jnp.reshape(ys, (size, h_out)).astype(out_dtype), start, 0)
 
-        y2 = _walk(plan, None, body, jnp.zeros((n, h_out), out_dtype))
+        y2 = _walk(plan, None, body, common.zeros_like_axes((n, h_out), out_dtype, x2))
         return jnp.reshape(y2, tuple(x_shape[:-1]) + (h_out,))
 
     @jax.custom_vjp
@@ -106,8 +107,8 @@ def _tiled(fn, plan: spec.ShardPlan, x_shape, accum_fp32: bool, out_shape, out_d
 
         def first(start, size):
             acc, dxs = step(start, size, None)
-            return acc, lax.dynamic_update_slice_in_dim(jnp.zeros((n, hidden), x2.dtype),
-                                                        dxs.astype(x2.dtype), start, 0)
+            dx2 = common.zeros_like_axes((n, hidden), x2.dtype, x2)
+            return acc, lax.dynamic_update_slice_in_dim(dx2, dxs.astype(x2.dtype), start, 0)
 
         def body(start, size, carry):
             acc, dx2 = carry
@@ -197,7 +198,9 @@ def tiled_mlp(fn, params, x, *, num_shards: Optional[int] = None,
             leaf's dtype; ``jnp.float32`` sums half-precision ones in fp32 and rounds once
             (more accurate, fp32 accumulators in the backward's temp memory).
 
-    Works under ``jax.jit``, ``jax.grad``, ``jax.vjp`` and ``jax.vmap``.
+    Works under ``jax.jit``, ``jax.grad``, ``jax.vjp`` and ``jax.vmap``, inside
+    ``jax.shard_map`` (parameters replicated over a data axis get the sum of the shards'
+    gradients) and with Explicit mesh axes (the shard loop runs under ``auto_axes``).
     """
     if not callable(fn):
         raise TypeError(f"fn must be callable as fn(params, x), got {type(fn).__name__}")
@@ -223,9 +226,22 @@ def tiled_mlp(fn, params, x, *, num_shards: Optional[int] = None,
                          f"an output of shape {list(out_spec.shape)}")
     if plan.n == 0:
         return fn(params, x)
-    return _tiled_fn(fn, plan, tuple(x.shape), grad_accum_dtype is not None,
-                     tuple(out_spec.shape), jnp.dtype(out_spec.dtype),
-                     _is_plain_swiglu(fn, params))(params, x)
+    tiled = _tiled_fn(fn, plan, tuple(x.shape), grad_accum_dtype is not None,
+                      tuple(out_spec.shape), jnp.dtype(out_spec.dtype),
+                      _is_plain_swiglu(fn, params))
+
+    def run(params, x):
+        # inside shard_map: x and every parameter vary over the same mesh axes (the custom
+        # VJP's cotangents have their primals' types; the casts' transposes psum dparams over
+        # data-parallel axes, dx over axes only the parameters are split on)
+        leaves, tree = jax.tree_util.tree_flatten(params)
+        *leaves, x = common.match_varying(*leaves, x)
+        return tiled(jax.tree_util.tree_unflatten(tree, leaves), x)
+
+    # an Explicit token sharding: the shard loop runs under auto_axes, the output sharded
+    # like x's tokens
+    return common.on_auto_axes(
+        run, (params, x), lambda: jax.sharding.PartitionSpec(*common.spec_of(x)[:-1], None))
 
 
 # ----------------------------------------------------------------------------- SwiGLU
@@ -285,7 +301,10 @@ def swiglu(gate, up, *, backend: Optional[str] = None, **tuning):
     ``num_warps``, ``interpret``) or ``"xla"`` (the same math in jnp, fused by XLA).
     """
     if _resolve_backend(backend) == "pallas":
-        return _pallas.swiglu(gate, up, **tuning)
+        # elementwise: under an Explicit sharding the kernel runs on auto axes, the result
+        # sharded like gate
+        return common.on_auto_axes(lambda g, u: _pallas.swiglu(g, u, **tuning), (gate, up),
+                                   lambda: jax.sharding.PartitionSpec(*common.spec_of(gate)))
     if tuning:
         raise TypeError(f"backend='xla' takes no tuning keywords, got {sorted(tuning)}")
     _pallas.check_pair(gate, up)

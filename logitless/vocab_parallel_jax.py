@@ -101,7 +101,7 @@ def _global_terms(st, x, w, bias, y, cw):
                        jnp.dot(c, cw, precision=lax.Precision.HIGHEST))  # full fp32
         return lse_l, cy_l, wc_l
 
-    zeros = jnp.zeros((n,), jnp.float32)
+    zeros = common.zeros_like_axes((n,), jnp.float32, w)  # the chunks' values vary like w
     lse_l, cy_l, wc_l = common._walk_chunks(st, n, body, (zeros, zeros, zeros))
     cy_l = jnp.where(own, cy_l, 0.0)
     wy_l = zeros if cw is None else jnp.where(own, cw[y_loc], 0.0)
@@ -163,10 +163,11 @@ def _grads(st, x, w, bias, y, cw, lse, omega, big_omega, g_tok, h_tok):
             db = db_c if db is None else db + db_c
         return dx, dw, db
 
-    dx, dw, db = common._walk_chunks(st, n, body, (jnp.zeros(x.shape, x.dtype), None, None))
+    dx0 = common.zeros_like_axes(x.shape, x.dtype, x)  # psum-ed over the axis: varies like x
+    dx, dw, db = common._walk_chunks(st, n, body, (dx0, None, None))
     if dw is None:  # no tokens
-        dw = jnp.zeros(w.shape, jnp.float32)
-        db = None if bias is None else jnp.zeros(bias.shape, jnp.float32)
+        dw = common.zeros_like_axes(w.shape, jnp.float32, w)
+        db = None if bias is None else common.zeros_like_axes(bias.shape, jnp.float32, w)
     return dx, dw, db
 
 

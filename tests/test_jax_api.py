@@ -266,6 +266,23 @@ def test_pallas_fp32_logits_skips_the_logits_rounding():
         _assert_close(got, ref[key], tol=1e-2)  # bf16 gradients: ~3e-3
 
 
+def test_pallas_second_order_derivatives_raise_a_clear_error():
+    """The Pallas kernels have no JVP rule: jax.hessian / grad of grad name the backend to use
+    instead of failing inside Pallas (first-order gradients: the shared harness)."""
+    x, w, y, b = _problem(n=11, h=8, v=17, bias=True, salt=5)
+    lce = lambda b: lj.linear_cross_entropy(x, w, y, linear_bias=b, backend="pallas",
+                                            chunk_size=4)
+    msg = r"backend='pallas' has no second-order derivatives.*use backend='xla'"
+    with pytest.raises(NotImplementedError, match=msg):
+        jax.hessian(lce)(b)
+    jsd = lambda xs: lj.linear_jsd(xs, w, x, w[::-1], y, backend="pallas", chunk_size=4)
+    with pytest.raises(NotImplementedError, match=msg):
+        jax.grad(lambda xs: jnp.sum(jax.grad(jsd)(xs) ** 2))(x)
+    act = lambda g: jnp.sum(lj.swiglu(g, x, backend="pallas") ** 2)
+    with pytest.raises(NotImplementedError, match=msg):
+        jax.grad(lambda g: jnp.sum(jax.grad(act)(g) ** 2))(x)
+
+
 # ------------------------------------------------------------------------ bad arguments
 def _args():
     x, w, y, b = _problem(n=5, h=4, v=7, bias=True, salt=6)

@@ -92,16 +92,52 @@ def check_interpret_x64(head, write_grad: bool) -> None:
             "jax_enable_x64 on (a Pallas interpreter limitation); use backend='xla' there")
 
 
+def typed_call(kernel, inputs, out_shape, *, interpret: bool, name: str, **params):
+    """``pl.pallas_call(kernel, out_shape=..., interpret=..., name=..., **params)(*inputs)``
+    for any trace it may meet:
+
+    * inside ``shard_map`` (check_vma=True) Pallas needs each output's varying mesh axes: the
+      inputs are cast to vary over the union of theirs and the outputs get that type;
+    * the first-order gradients never differentiate a kernel (the ops' custom VJPs call the
+      kernels in their rules); only second-order derivatives (``jax.hessian``, grad of grad)
+      do, where Pallas' own JVP fails ("JVP with aliasing not supported", or a bare
+      AssertionError): a JVP rule that raises a clear error instead.
+    """
+    inputs = common.match_varying(*inputs)
+    axes = common.varying_axes(inputs[0]) if inputs else frozenset()
+    if interpret and axes:
+        # JAX's own interpreter (jax 0.10, 0.11) pads the varying inputs with invariant
+        # values and fails when lowered ("Primitive pad requires varying manual axes to match")
+        raise NotImplementedError(
+            f"{name}: backend='pallas' in interpret mode (off a GPU) cannot run inside "
+            "jax.shard_map with check_vma=True (the default) on values that vary over mesh "
+            f"axes {sorted(axes, key=str)}: a Pallas interpreter limitation; use "
+            "backend='xla' there, or shard_map(..., check_vma=False)")
+    mat = getattr(jax.typeof(inputs[0]), "manual_axis_type", None) if inputs else None
+    if mat is not None:
+        out_shape = jax.tree_util.tree_map(
+            lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, manual_axis_type=mat), out_shape)
+
+    @jax.custom_jvp
+    def run(*args):
+        return pl.pallas_call(kernel, out_shape=out_shape, interpret=interpret, name=name,
+                              **params)(*args)
+
+    @run.defjvp
+    def _no_jvp(primals, tangents):
+        raise NotImplementedError(
+            f"{name}: backend='pallas' has no second-order derivatives (jax.hessian, grad of "
+            "grad, jvp of a gradient): its kernels have no JVP rule; use backend='xla'")
+
+    return run(*inputs)
+
+
 def call(head, kernel, inputs, out_shape, *, grid: tuple, aliases, name: str):
     """``pallas_call`` of ``kernel`` on ``grid`` with the head's Triton settings."""
-    return pl.pallas_call(
-        kernel, out_shape=out_shape, grid=grid,
-        input_output_aliases=aliases,
-        interpret=head.interpret,
-        compiler_params=plgpu.CompilerParams(num_warps=head.num_warps,
-                                             num_stages=head.num_stages),
-        name=name,
-    )(*inputs)
+    return typed_call(kernel, inputs, out_shape, grid=grid, input_output_aliases=aliases,
+                      interpret=head.interpret, name=name,
+                      compiler_params=plgpu.CompilerParams(num_warps=head.num_warps,
+                                                           num_stages=head.num_stages))
 
 
 def store_grad_backwards(dz_ref, rows, rmask, n_vblocks: int, grad_block) -> None:

@@ -23,6 +23,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from ..specs.tiling import ceil_div, next_power_of_2
+from ._launch import typed_call
 
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 # GPU: 4096-element tiles, 4 warps (32 elements per thread). Interpreted: the grid is a
@@ -95,13 +96,13 @@ class Config:
         n_rows, n_cols = args[-1].shape
         br, bc = self.blocks(n_rows, n_cols)
         out = jax.ShapeDtypeStruct((n_rows, n_cols), args[-1].dtype)
-        return pl.pallas_call(
-            functools.partial(kernel, block_rows=br, block_cols=bc),
-            out_shape=out if n_out == 1 else (out,) * n_out,
+        return typed_call(
+            functools.partial(kernel, block_rows=br, block_cols=bc), args,
+            out if n_out == 1 else (out,) * n_out,
             grid=(ceil_div(n_rows, br), ceil_div(n_cols, bc)),
             input_output_aliases=aliases or {}, interpret=self.interpret,
             compiler_params=plgpu.CompilerParams(num_warps=self.num_warps, num_stages=1),
-            name=name)(*args)
+            name=name)
 
 
 def _fwd2d(cfg: Config, g, u):
