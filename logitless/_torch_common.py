@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
+import warnings
 from typing import Optional
 
 import torch
@@ -109,8 +111,34 @@ def _refuse_dtensor(name, t):
             "process_group=")
 
 
-def prepare(input, linear_weight, target, linear_bias, weight, *, weight_layout="vh") -> Prepared:
-    """Check types, dtypes, devices and shapes (errors name the argument); flatten to 2-D."""
+def refuse_forward_ad(op: str, *named) -> None:
+    """NotImplementedError if a tensor of ``named`` ((name, tensor or None) pairs) carries a
+    forward-mode tangent (``torch.func.jvp``, ``jacfwd``, ``torch.autograd.forward_ad``): the
+    ops register only a backward, and forward AD through them would silently give a zero
+    tangent. Outside a dual level ``unpack_dual`` returns at once (a fraction of a µs)."""
+    for name, t in named:
+        if t is not None and torch.autograd.forward_ad.unpack_dual(t).tangent is not None:
+            raise NotImplementedError(
+                f"{op} does not support forward-mode AD (torch.func.jvp, jacfwd, "
+                f"torch.autograd.forward_ad): {name} carries a tangent. Its fused backward is "
+                "reverse mode only; use torch.func.vjp / jacrev, or compute it unfused.")
+
+
+def widen_targets(y: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """Targets as int64 unless already int32/int64 holding ``ignore_index``: compared in their
+    own dtype, uint8 targets would wrap -100 to 156 (a valid class ignored, an out-of-range
+    one accepted) and int32 ones could not hold an ignore_index beyond int32."""
+    if y.dtype == torch.int64:
+        return y
+    if y.dtype == torch.int32 and -2**31 <= ignore_index < 2**31:
+        return y
+    return y.long()
+
+
+def prepare(input, linear_weight, target, linear_bias, weight, *, weight_layout="vh",
+            ignore_index=-100) -> Prepared:
+    """Check types, dtypes, devices and shapes (errors name the argument); flatten to 2-D;
+    widen targets (:func:`widen_targets`)."""
     _require_tensor("input", input)
     _require_tensor("linear_weight", linear_weight)
     _require_tensor("target", target)
@@ -129,6 +157,9 @@ def prepare(input, linear_weight, target, linear_bias, weight, *, weight_layout=
         raise TypeError(
             f"target must hold integer class indices (e.g. torch.long), got {target.dtype}; "
             "class-probability targets are not supported")
+    target = widen_targets(target, ignore_index)
+    refuse_forward_ad("linear_cross_entropy", ("input", input), ("linear_weight", linear_weight),
+                      ("linear_bias", linear_bias))
     if weight is not None and not weight.is_floating_point():
         raise TypeError(f"weight (class weights) must be a floating tensor, got {weight.dtype}")
     if weight is not None and weight.requires_grad and torch.is_grad_enabled():
@@ -261,3 +292,52 @@ def token_weight_total(y, class_weight, ignore_index: int, dtype):
 def mean_denominator(total):
     """Σω, or 1 where Σω = 0 so that an all-ignored batch gives loss 0 and zero grads."""
     return torch.where(total != 0, total, torch.ones_like(total))  # Σω < 0 divides too
+
+
+# ------------------------------------------------------------------------ keyword arguments
+# Keywords of the JAX front doors with no PyTorch counterpart, and what to do instead.
+JAX_WEIGHT_LAYOUT = {"weight_layout": "weight_layout is a logitless.jax keyword; here weights "
+                                      "are (V, H): pass an (H, V) one transposed (weight.T)"}
+JAX_ONLY_KEYWORDS = {**JAX_WEIGHT_LAYOUT,
+                     "axis_name": "axis_name is a logitless.jax keyword; PyTorch's vocabulary "
+                                  "parallelism takes process_group="}
+_WARNED = set()  # (op, keyword, backend) already warned about: once per process
+
+
+def check_keyword_names(op: str, given, named, tuning_names,
+                        jax_only=JAX_ONLY_KEYWORDS) -> None:
+    """TypeError, worded as Python's, for the first of ``given`` (keyword names) that is
+    neither a parameter (``named``) nor any backend's tuning keyword (``tuning_names``); a
+    hint names the closest one, or what replaces a JAX-only keyword (``jax_only``). Runs
+    before any shape check, so that a misspelled keyword is what the error is about."""
+    for k in given:
+        if k in tuning_names:
+            continue
+        if k in jax_only:
+            hint = f" ({jax_only[k]})"
+        else:
+            close = difflib.get_close_matches(k, list(named) + sorted(tuning_names), n=1)
+            hint = (f" (did you mean {close[0]!r}?)" if close else
+                    f" (tuning keywords: {sorted(tuning_names)})")
+        raise TypeError(f"{op}() got an unexpected keyword argument {k!r}{hint}")
+
+
+def tuning_for_backend(op: str, backend: str, accepted, tuning: dict, explicit: bool) -> dict:
+    """The keywords of ``tuning`` that ``backend`` takes. Another backend's keywords are an
+    error when the backend was named; with ``backend=None`` they are dropped with a warning
+    (once per process), so that a GPU script (e.g. ``low_memory=True`` for Triton) runs as a
+    CPU smoke test on the backend picked there."""
+    extra = [k for k in tuning if k not in accepted]
+    if not extra:
+        return tuning
+    if explicit:
+        raise TypeError(f"unknown tuning keyword(s) {sorted(extra)} for backend={backend!r}; "
+                        f"it accepts {list(accepted)}")
+    if not torch.compiler.is_compiling():
+        for k in extra:
+            if (op, k, backend) not in _WARNED:
+                _WARNED.add((op, k, backend))
+                warnings.warn(f"{op}: backend=None picked backend={backend!r} here, which "
+                              f"takes no tuning keyword {k!r}: ignored", UserWarning,
+                              stacklevel=3)
+    return {k: v for k, v in tuning.items() if k in accepted}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 from typing import Optional
 
 import torch
@@ -44,9 +45,29 @@ def _resolve(backend: Optional[str], device: torch.device, dtype: torch.dtype):
     if backend is None:  # Triton on CUDA for the dtypes it has kernels for (not float64)
         backend = ("triton" if (device.type == "cuda" and "triton" in _LOADED and
                                 dtype != torch.float64) else "torch")
+    _check_backend(backend)
+    return backend, _load(backend)
+
+
+def _check_backend(backend):
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be None or one of {sorted(_BACKENDS)}, got {backend!r}")
-    return backend, _load(backend)
+
+
+# The Triton backend's tuning keywords where Triton is not installed (see logitless.torch's
+# _TRITON_TUNING); tests/test_torch_errors.py checks it against the module's TUNING.
+_TRITON_TUNING = ("chunk_size", "logits_chunk_size", "memory_budget", "fp32_logits",
+                  "grad_accum_dtype", "block_v", "segment_size", "num_warps", "programs_per_sm",
+                  "row_sync")
+
+
+def _tuning_names(backend: Optional[str]):
+    """Tuning keywords ``backend`` may take (for ``None``: "torch"'s and "triton"'s)."""
+    if backend is not None and backend not in ("torch", "triton"):
+        _check_backend(backend)
+        return frozenset(_load(backend).TUNING)
+    triton_names = _LOADED["triton"].TUNING if "triton" in _LOADED else _TRITON_TUNING
+    return frozenset(_LOADED["torch"].TUNING) | frozenset(triton_names)
 
 
 # ------------------------------------------------------------------------------ arguments
@@ -84,6 +105,9 @@ def prepare(student_input, student_weight, teacher_input, teacher_weight, target
     if target is not None and (target.dtype == torch.bool or target.is_floating_point()
                                or target.is_complex()):
         raise TypeError(f"target must hold integer class indices (e.g. torch.long), got {target.dtype}")
+    if target is not None:
+        target = common.widen_targets(target, opts.ignore_index)
+    common.refuse_forward_ad("linear_jsd", *args)
     dev = student_input.device
     for name, t in args[1:] + (("target", target),):
         if t is not None and t.device != dev:
@@ -155,11 +179,33 @@ def linear_jsd(student_input, student_weight, teacher_input, teacher_weight, tar
             per token (raw logits, no temperature), as distillation recipes mix both.
         backend: ``None`` (Triton on CUDA, except float64; else ``"torch"``), ``"triton"``, ``"torch"``
             (chunked plain PyTorch) or ``"pallas"`` (the JAX/Pallas port through DLPack).
-        **tuning: chunk and block sizes of the chosen backend as keywords (e.g.
-            ``chunk_size``, ``memory_budget``); unknown keywords are an error.
+        **tuning: the chosen backend's chunk sizes and options as keywords (listed below).
+            A keyword no backend takes is a TypeError. With ``backend=None``, one of the
+            backend *not* picked is dropped with a warning; with a named backend it is a
+            TypeError.
+
+    Tuning keywords (defaults in parentheses; ``None`` means derived from the budget or
+    the shapes):
+
+    * ``backend="torch"`` (:func:`logitless.torch_jsd.linear_jsd`): ``chunk_size`` (None:
+      from ``memory_budget``), tokens per chunk; ``memory_budget`` (None: 1 GiB), bytes for
+      one chunk's fp32 temporaries.
+    * ``backend="triton"`` (:func:`logitless.triton_kernels.linear_jsd.linear_jsd`, whose
+      docstring details them): ``chunk_size`` (None: from ``memory_budget``);
+      ``logits_chunk_size`` (None: ``chunk_size / 4`` rounded down to a multiple of 128);
+      ``memory_budget`` (None: 896 MiB); ``fp32_logits`` (True);
+      ``grad_accum_dtype`` (``torch.float32``, or the input dtype);
+      ``block_v`` (None: 2048 on a GPU); ``segment_size`` (None: 8192 on a GPU);
+      ``num_warps`` (None: 8); ``programs_per_sm`` (None: 2);
+      ``row_sync`` (None: one launch per pass).
+    * ``backend="pallas"``: the keywords of :func:`logitless.jax.linear_jsd`'s ``"pallas"``
+      backend (``logitless.pallas_kernels.linear_jsd.TUNING``).
 
     Under ``torch.autocast`` the four hidden-state / head tensors are cast to the autocast
     dtype first, as ``F.linear`` would cast them.
+
+    Forward-mode AD (``torch.func.jvp``, ``jacfwd``) is refused (NotImplementedError);
+    ``torch.func.vmap`` of the forward works (per sample).
 
     Returns:
         The loss (float32; float64 for float64 inputs): a scalar, or per-token for "none".
@@ -168,21 +214,26 @@ def linear_jsd(student_input, student_weight, teacher_input, teacher_weight, tar
         beta=beta, temperature=temperature, reduction=reduction,
         ignore_index=-100 if ignore_index is None else ignore_index,
         hard_loss_weight=hard_loss_weight)
+    if tuning:
+        common.check_keyword_names("linear_jsd", tuning, _PARAMETERS, _tuning_names(backend),
+                                   common.JAX_WEIGHT_LAYOUT)
     student_input, student_weight, teacher_input, teacher_weight = common.autocast_inputs(
         student_input, student_weight, teacher_input, teacher_weight)
     prepared = prepare(student_input, student_weight, teacher_input, teacher_weight, target, opts)
     name, impl = _resolve(backend, prepared.xs.device, prepared.xs.dtype)
-    unknown = sorted(set(tuning) - set(impl.TUNING))
-    if unknown:
-        raise TypeError(f"unknown tuning keyword(s) {unknown} for backend={name!r}; "
-                        f"it accepts {list(impl.TUNING)}")
-    if prepared.y is not None:
+    if tuning:
+        tuning = common.tuning_for_backend("linear_jsd", name, impl.TUNING, tuning,
+                                           explicit=backend is not None)
+    if prepared.y is not None and not getattr(impl, "CHECKS_TARGETS", False):
         common.check_targets(prepared.y, prepared.problem.v, opts.ignore_index)
     with common.autocast_off(prepared.xs.device):
         loss = impl.linear_jsd(prepared, opts, **tuning)
     if opts.reduction == "none":
         loss = loss.reshape(prepared.problem.batch_shape)
     return loss
+
+
+_PARAMETERS = tuple(p for p in inspect.signature(linear_jsd).parameters if p != "tuning")
 
 
 class LinearJSDLoss(torch.nn.Module):
@@ -192,6 +243,12 @@ class LinearJSDLoss(torch.nn.Module):
     def __init__(self, *, beta=0.5, temperature=1.0, ignore_index=-100, reduction="mean",
                  hard_loss_weight=0.0, backend=None, **tuning):
         super().__init__()
+        if tuning:  # misspelled or foreign keywords fail here, not at the first forward
+            common.check_keyword_names(type(self).__name__, tuning, _PARAMETERS,
+                                       _tuning_names(backend), common.JAX_WEIGHT_LAYOUT)
+            if backend is not None:
+                common.tuning_for_backend(type(self).__name__, backend, _load(backend).TUNING,
+                                          tuning, explicit=True)
         self.options = spec.LinearJSDOptions(
             beta=beta, temperature=temperature, reduction=reduction,
             ignore_index=-100 if ignore_index is None else ignore_index,

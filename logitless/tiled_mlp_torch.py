@@ -20,7 +20,9 @@ Two implementations behind one entry point:
   (``addmm`` into the accumulator: the parameter dtype by default; with the fp32 option, fp32
   straight from bf16 operands on CUDA): no per-shard gradient temporaries. 11 GEMMs instead
   of the generic path's 12. It runs for a plain ``SwiGLUMLP`` whose parameters match ``x``'s
-  dtype and device, outside autocast; anything else takes the generic path.
+  dtype and device; under autocast, ``x`` and the parameters are first cast as ``F.linear``
+  would cast them (gradients reach the fp32 parameters through the casts, summed over shards
+  in fp32) and the fused ops run with autocast off. Anything else takes the generic path.
 
 ``grad_accum_dtype``: the dtype in which half-precision parameter gradients are summed over
 shards. ``None`` (default) sums in each parameter's dtype, as PyTorch does across
@@ -29,7 +31,8 @@ micro-batches and as peers' tiled MLPs do: one rounding per shard, no extra memo
 of fp32 accumulators, 2 bytes per parameter more than the gradients themselves (352 MB for a
 Llama-3-8B layer). One shard needs no accumulator.
 Nothing here synchronizes with the host: the shard plan depends on shapes only.
-The MLP must be position-wise and deterministic (no dropout): backward recomputes it.
+The MLP must be position-wise. Backward recomputes it from the forward's RNG state (CPU, and
+CUDA for ``x``'s device), restored as ``torch.utils.checkpoint`` does, so dropout masks match.
 """
 from __future__ import annotations
 
@@ -123,6 +126,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         raise TypeError(f"up dtype {up.dtype} does not match gate dtype {gate.dtype}")
     if up.device != gate.device:
         raise ValueError(f"up is on {up.device} but gate is on {gate.device}")
+    common.refuse_forward_ad("swiglu", ("gate", gate), ("up", up))
     if _use_triton(gate):
         return _triton_swiglu.swiglu(gate, up)
     return _SwiGLUTorch.apply(gate, up)
@@ -315,6 +319,9 @@ def _fused_swiglu_parts(mlp) -> Optional[tuple]:
     return tuple(m.weight for m in lins) + tuple(m.bias for m in lins)
 
 
+_FUSED_NAMES = tuple(f"{m}_proj.{p}" for p in ("weight", "bias") for m in ("gate", "up", "down"))
+
+
 # ----------------------------------------------------------------------------- generic path
 class _GenericRun:
     """Static configuration of one generic tiled call (held by the autograd context)."""
@@ -322,11 +329,16 @@ class _GenericRun:
     def __init__(self, mlp, names, plan, x_shape, accum_fp32, autocast):
         self.mlp, self.names, self.plan = mlp, names, plan
         self.x_shape, self.accum_fp32, self.autocast = tuple(x_shape), accum_fp32, autocast
+        self.rng = None  # (CPU state, CUDA state or None) at the forward's first shard
 
     def shard_view(self, x2, s, e):
         return x2[s:e].view(spec.shard_shape(self.x_shape, e - s))
 
     def forward(self, x):
+        # as torch.utils.checkpoint: the recompute replays the forward's random draws
+        # (dropout masks) from the same RNG state, shard after shard in the same order
+        self.rng = (torch.get_rng_state(),
+                    torch.cuda.get_rng_state(x.device) if x.is_cuda else None)
         x2 = x.reshape(self.plan.n, self.x_shape[-1])
         y2 = None
         for s, e in self.plan.bounds():
@@ -353,8 +365,13 @@ class _GenericRun:
         wanted = [aliases[n] for n, need in zip(self.names, need_params) if need]
         dx2 = torch.empty_like(x2) if need_x else None
         dev = x.device.type
-        with torch.enable_grad(), torch.autocast(dev, enabled=self.autocast[0],
-                                                 dtype=self.autocast[1]):
+        cpu_rng, cuda_rng = self.rng
+        with torch.random.fork_rng(devices=[x.device] if x.is_cuda else []), \
+                torch.enable_grad(), torch.autocast(dev, enabled=self.autocast[0],
+                                                    dtype=self.autocast[1]):
+            torch.set_rng_state(cpu_rng)
+            if cuda_rng is not None:
+                torch.cuda.set_rng_state(cuda_rng, x.device)
             # no tokens: one empty shard, so that parameters get zero gradients as autograd
             # through the untiled module gives them (None only for ones the MLP never uses)
             for s, e in (list(self.plan.bounds()) or [(0, 0)]):
@@ -422,8 +439,9 @@ def tiled_mlp(mlp: nn.Module, x: torch.Tensor, *, num_shards: Optional[int] = No
     """``mlp(x)`` computed shard by shard over the tokens, recomputed in backward.
 
     Args:
-        mlp: a position-wise, deterministic ``nn.Module`` (``[..., n, H] -> [..., n, H_out]``).
-            A :class:`SwiGLUMLP` runs the fused path; anything else the generic one.
+        mlp: a position-wise ``nn.Module`` (``[..., n, H] -> [..., n, H_out]``). A
+            :class:`SwiGLUMLP` runs the fused path; anything else the generic one, whose
+            backward recomputes it under the forward's RNG state (dropout masks match).
         x: ``[..., T, H]`` (e.g. ``[B, T, H]`` or ``[T, H]``). The ``B·T`` tokens are split
             into ``num_shards`` shards of ``ceil(B·T / num_shards)`` consecutive tokens (the
             last one shorter); the MLP sees each as ``[1, …, 1, n, H]``.
@@ -434,6 +452,8 @@ def tiled_mlp(mlp: nn.Module, x: torch.Tensor, *, num_shards: Optional[int] = No
 
     Returns:
         ``[..., T, H_out]``. Each parameter's gradient reaches autograd once per backward.
+
+    Forward-mode AD (``torch.func.jvp``) is refused: backward is reverse mode only.
     """
     if not isinstance(mlp, nn.Module):
         raise TypeError(f"mlp must be a torch.nn.Module, got {type(mlp).__name__}")
@@ -443,13 +463,22 @@ def tiled_mlp(mlp: nn.Module, x: torch.Tensor, *, num_shards: Optional[int] = No
         raise TypeError(f"x must be a floating tensor, got {x.dtype}")
     plan = spec.plan_shards(x.shape, num_shards)
     accum_fp32 = _check_accum(grad_accum_dtype)
+    common.refuse_forward_ad("tiled_mlp", ("x", x))
     dev = x.device.type
     autocast = torch.is_autocast_enabled(dev)
-    parts = None if autocast else _fused_swiglu_parts(mlp)
-    if parts is not None and all(p is None or (p.dtype == x.dtype and p.device == x.device)
-                                 for p in parts):
-        y2 = _tiled_swiglu_fwd(x.reshape(plan.n, x.shape[-1]), *parts, plan.shard, accum_fp32)
-        return y2.view(x.shape[:-1] + (y2.shape[-1],))
+    parts = _fused_swiglu_parts(mlp)
+    if parts is not None:
+        common.refuse_forward_ad("tiled_mlp", *zip(_FUSED_NAMES, parts))
+        # under autocast, as nn.Linear would see them (a no-op outside autocast)
+        xf, *cast = common.autocast_inputs(x, *parts)
+        # parameters cast down by autocast (fp32 masters) sum their shard gradients in fp32:
+        # "each parameter's dtype", and one rounding as the untiled autocast MLP has
+        wide = any(p is not None and c.dtype != p.dtype for p, c in zip(parts, cast))
+        if all(p is None or (p.dtype == xf.dtype and p.device == xf.device) for p in cast):
+            with common.autocast_off(xf.device):
+                y2 = _tiled_swiglu_fwd(xf.reshape(plan.n, x.shape[-1]), *cast, plan.shard,
+                                       accum_fp32 or wide)
+            return y2.view(x.shape[:-1] + (y2.shape[-1],))
     named = list(mlp.named_parameters())
     run = _GenericRun(mlp, [n for n, _ in named], plan, x.shape, accum_fp32,
                       (autocast, torch.get_autocast_dtype(dev) if autocast else None))

@@ -8,6 +8,7 @@ z-loss, softcap, ``return_lse`` and a choice of backend. Every backend implement
 from __future__ import annotations
 
 import importlib
+import inspect
 from typing import Optional
 
 import torch
@@ -51,9 +52,30 @@ def _load(name: str):
 def _resolve(backend: Optional[str], device: torch.device, dtype: torch.dtype):
     if backend is None:  # Triton on CUDA for the dtypes it has kernels for (not float64)
         backend = "triton" if (_triton_usable(device) and dtype != torch.float64) else "torch"
+    _check_backend(backend)
+    return backend, _load(backend)
+
+
+def _check_backend(backend):
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be None or one of {sorted(_BACKENDS)}, got {backend!r}")
-    return backend, _load(backend)
+
+
+# The Triton backend's tuning keywords where Triton is not installed (its module cannot be
+# imported to read them): a GPU script's keywords are then still known, warned about and
+# dropped on CPU. tests/test_torch_errors.py checks it against the module's TUNING.
+_TRITON_TUNING = ("low_memory", "chunk_size", "vocab_chunk_size", "memory_budget",
+                  "grad_accum_dtype", "block_v", "num_warps", "logits_gemm")
+
+
+def _tuning_names(backend: Optional[str]):
+    """Tuning keywords ``backend`` may take (for ``None``, those of every backend it may
+    pick: "torch" and "triton")."""
+    if backend is not None and backend not in ("torch", "triton"):
+        _check_backend(backend)
+        return frozenset(_load(backend).TUNING)
+    triton_names = _LOADED["triton"].TUNING if "triton" in _LOADED else _TRITON_TUNING
+    return frozenset(_LOADED["torch"].TUNING) | frozenset(triton_names)
 
 
 # Load the cheap backends now so that a first call under torch.compile needs no import;
@@ -92,8 +114,10 @@ def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weig
             ``target``; it is differentiable.
         backend: ``None`` (Triton on CUDA, except float64; else ``"torch"``), ``"triton"``, ``"torch"``
             (chunked plain PyTorch) or ``"pallas"`` (the JAX/Pallas port through DLPack).
-        **tuning: chunk and block sizes of the chosen backend as plain keywords (e.g.
-            ``chunk_size``, ``memory_budget``); unknown keywords are an error.
+        **tuning: the chosen backend's chunk sizes and options as plain keywords (listed
+            below). A keyword no backend takes is a TypeError. With ``backend=None``, one of
+            the backend *not* picked (e.g. ``low_memory=True`` where no GPU makes it pick
+            "torch") is dropped with a warning; with a named backend it is a TypeError.
         process_group: vocab (tensor) parallelism: ``linear_weight``, ``linear_bias`` and
             ``weight`` are this rank's contiguous slice of the vocabulary, ``input`` and
             ``target`` (global class indices) are the same on every rank of the group; the
@@ -106,8 +130,36 @@ def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weig
             it); ``allow_retain_graph=True`` needs the ``"torch"`` backend, which recomputes
             (the fused backends finish their saved gradients in place).
 
+    Tuning keywords (defaults in parentheses; ``None`` means derived from the budget or
+    the shapes):
+
+    * ``backend="torch"`` (:func:`logitless.torch_chunked.linear_cross_entropy`):
+      ``chunk_size`` (None: from ``memory_budget``), tokens per chunk;
+      ``memory_budget`` (None: 1 GiB), bytes for one chunk's fp32 logits and their gradient.
+    * ``backend="triton"`` (:func:`logitless.triton_kernels.linear_cross_entropy.linear_cross_entropy`,
+      whose docstring details them): ``low_memory`` (False); ``chunk_size`` (None: from
+      ``memory_budget``), tokens per chunk; ``vocab_chunk_size`` (None: from
+      ``memory_budget``), vocabulary rows per chunk of the low-memory dW sweep;
+      ``memory_budget`` (None: 896 MiB, or 256 MiB with ``low_memory=True``), bytes for one
+      logits block; ``grad_accum_dtype`` (``torch.float32``, or the input dtype);
+      ``block_v`` (None: from the row length), ``num_warps`` (None: from the block);
+      ``logits_gemm`` (``"cublas"``, or ``"triton"``).
+    * ``backend="pallas"``: the keywords of :func:`logitless.jax.linear_cross_entropy`'s
+      ``"pallas"`` backend (``logitless.pallas_kernels.linear_cross_entropy.TUNING``).
+    * with ``process_group``: ``chunk_size``, ``memory_budget`` (as ``"torch"``).
+
     Under ``torch.autocast``, ``input``, ``linear_weight`` and ``linear_bias`` are cast to
     the autocast dtype first, as ``F.linear`` would cast them (gradients reach the originals).
+
+    Forward-mode AD (``torch.func.jvp``, ``jacfwd``) is refused (NotImplementedError): the
+    op has a reverse-mode backward only. ``torch.func.vmap`` of the forward works (per
+    sample).
+
+    Activation checkpointing: inside a *non-reentrant* ``torch.utils.checkpoint`` (the
+    default ``use_reentrant=False``), the fast Triton path's first, discarded forward still
+    computes the full gradients (2 extra GEMMs and a transient fp32 ``[V, H]`` buffer) as
+    the real forward does. Use ``use_reentrant=True``, ``low_memory=True``, or keep the loss
+    outside the checkpointed block.
 
     Returns:
         The loss (float32; float64 for float64 inputs), or ``(loss, lse)`` with
@@ -116,8 +168,12 @@ def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weig
     opts = LinearCrossEntropyOptions(
         reduction=reduction, ignore_index=-100 if ignore_index is None else ignore_index,
         label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap, return_lse=return_lse)
+    if tuning:
+        common.check_keyword_names("linear_cross_entropy", tuning, _PARAMETERS,
+                                   _tuning_names(backend))
     input, linear_weight, linear_bias = common.autocast_inputs(input, linear_weight, linear_bias)
-    prepared = common.prepare(input, linear_weight, target, linear_bias, weight)
+    prepared = common.prepare(input, linear_weight, target, linear_bias, weight,
+                              ignore_index=opts.ignore_index)
     if process_group is not None or vocab_start_index is not None or vocab_size is not None:
         return _vocab_parallel(prepared, opts, backend, process_group, vocab_start_index,
                                vocab_size, tuning)
@@ -125,14 +181,18 @@ def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weig
     if getattr(options, "allow_retain_graph", False) and name != "torch":
         raise ValueError(f"options.allow_retain_graph=True needs backend='torch' (it recomputes "
                          f"in backward); backend={name!r} runs its backward once")
-    unknown = sorted(set(tuning) - set(impl.TUNING))
-    if unknown:
-        raise TypeError(f"unknown tuning keyword(s) {unknown} for backend={name!r}; "
-                        f"it accepts {list(impl.TUNING)}")
-    common.check_targets(prepared.y, prepared.problem.v, opts.ignore_index)
+    if tuning:
+        tuning = common.tuning_for_backend("linear_cross_entropy", name, impl.TUNING, tuning,
+                                           explicit=backend is not None)
+    if not getattr(impl, "CHECKS_TARGETS", False):  # else inside its op (vmap runs it per sample)
+        common.check_targets(prepared.y, prepared.problem.v, opts.ignore_index)
     with common.autocast_off(prepared.x.device):
         loss, lse = impl.linear_cross_entropy(prepared, opts, **tuning)
     return _shaped(loss, lse, prepared, opts)
+
+
+_PARAMETERS = tuple(p for p in inspect.signature(linear_cross_entropy).parameters
+                    if p != "tuning")
 
 
 def _shaped(loss, lse, prepared, opts):
@@ -150,15 +210,20 @@ def _vocab_parallel(prepared, opts, backend, process_group, vocab_start_index, v
     if backend not in (None, "torch"):
         raise ValueError(f"process_group (vocab parallelism) runs on backend None or 'torch', "
                          f"got backend={backend!r}")
-    unknown = sorted(set(tuning) - set(vp.TUNING))
-    if unknown:
-        raise TypeError(f"unknown tuning keyword(s) {unknown} with process_group; "
-                        f"it accepts {list(vp.TUNING)}")
+    _vocab_parallel_tuning(tuning)
     shard = vp.resolve_shard(process_group, prepared.problem.v, vocab_start_index, vocab_size)
     common.check_targets(prepared.y, shard.v, opts.ignore_index)
     with common.autocast_off(prepared.x.device):
         loss, lse = vp.vocab_parallel_linear_cross_entropy(prepared, opts, shard, **tuning)
     return _shaped(loss, lse, prepared, opts)
+
+
+def _vocab_parallel_tuning(tuning):
+    from . import vocab_parallel_torch as vp
+    unknown = sorted(set(tuning) - set(vp.TUNING))
+    if unknown:
+        raise TypeError(f"unknown tuning keyword(s) {unknown} with process_group; "
+                        f"it accepts {list(vp.TUNING)}")
 
 
 class LinearCrossEntropyLoss(torch.nn.Module):
@@ -169,6 +234,14 @@ class LinearCrossEntropyLoss(torch.nn.Module):
                  z_loss=0.0, softcap=None, return_lse=False, backend=None, process_group=None,
                  vocab_start_index=None, vocab_size=None, **tuning):
         super().__init__()
+        if tuning:  # misspelled or foreign keywords fail here, not at the first forward
+            common.check_keyword_names(type(self).__name__, tuning, _PARAMETERS,
+                                       _tuning_names(backend))
+            if process_group is not None:
+                _vocab_parallel_tuning(tuning)
+            elif backend is not None:
+                common.tuning_for_backend(type(self).__name__, backend, _load(backend).TUNING,
+                                          tuning, explicit=True)
         self.register_buffer("weight", weight)
         self.options = LinearCrossEntropyOptions(
             reduction=reduction, ignore_index=-100 if ignore_index is None else ignore_index,

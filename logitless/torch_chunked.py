@@ -17,6 +17,10 @@ from .specs import linear_cross_entropy as spec
 from .specs.tiling import plan_token_chunks
 
 TUNING = ("chunk_size", "memory_budget")
+# The front door leaves the target range check to the forward op (below): inside the op it
+# runs on plain per-sample tensors under torch.func.vmap, whose fallback has no rule for the
+# device assert.
+CHECKS_TARGETS = True
 
 
 def _acc_dtype(x):
@@ -107,6 +111,7 @@ def _fwd_op(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], y: t
             label_smoothing: float, z_loss: float, softcap: float, chunk: int
             ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> (loss, lse, Σω or 1)."""
+    common.check_targets(y, w.shape[0], ignore_index)
     return _forward(x, w, bias, y, cw, _opts(reduction, ignore_index, label_smoothing, z_loss,
                                              softcap), _plan(x, w, chunk))
 
@@ -168,7 +173,11 @@ torch.library.register_autograd("logitless::chunked_linear_cross_entropy_fwd",
 
 def linear_cross_entropy(p: common.Prepared, opts: spec.LinearCrossEntropyOptions, *,
                          chunk_size=None, memory_budget=None):
-    """Returns ``(loss, lse)``: loss reduced per ``opts.reduction`` (flat for "none"), lse (N,)."""
+    """Returns ``(loss, lse)``: loss reduced per ``opts.reduction`` (flat for "none"), lse (N,).
+
+    Tuning: ``chunk_size`` (None: from ``memory_budget``; tokens per chunk),
+    ``memory_budget`` (None: 1 GiB, ``specs.tiling.DEFAULT_BUDGET_BYTES``; bytes for one
+    chunk's fp32 logits and their gradient)."""
     bytes_per = 2 * torch.finfo(_acc_dtype(p.x)).bits // 8  # fp32 logits + their gradient
     plan = plan_token_chunks(p.problem.n, p.problem.v, bytes_per_element=bytes_per,
                              budget_bytes=memory_budget, chunk_size=chunk_size)

@@ -18,6 +18,10 @@ from .specs import linear_jsd as spec
 from .specs.tiling import plan_token_chunks
 
 TUNING = ("chunk_size", "memory_budget")
+# The front door leaves the target range check to the forward op (below): inside the op it
+# runs on plain per-sample tensors under torch.func.vmap, whose fallback has no rule for the
+# device assert.
+CHECKS_TARGETS = True
 # Live [chunk, V] float32 temporaries of one chunk (two logits blocks, log-probabilities,
 # probabilities, log ratios and their far-apart forms, the gradient): the plan budgets this many
 # per token and vocab entry. Counted at its peak (live tensors under a dispatch mode, eighth
@@ -161,6 +165,8 @@ def _fwd_op(xs: torch.Tensor, ws: torch.Tensor, xt: torch.Tensor, wt: torch.Tens
             y: Optional[torch.Tensor], reduction: int, beta: float, temperature: float,
             ignore_index: int, hard_w: float, chunk: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """-> (loss, Σm or 1)."""
+    if y is not None:
+        common.check_targets(y, ws.shape[0], ignore_index)
     return _forward(xs, ws, xt, wt, y, _opts(reduction, beta, temperature, ignore_index, hard_w),
                     _plan(xs, ws, chunk))
 
@@ -217,7 +223,11 @@ torch.library.register_autograd("logitless::chunked_linear_jsd_fwd", _autograd_b
 
 def linear_jsd(p: jsd_common.Prepared, opts: spec.LinearJSDOptions, *, chunk_size=None,
                memory_budget=None):
-    """Returns the loss reduced per ``opts.reduction`` (flat ``(N,)`` for "none")."""
+    """Returns the loss reduced per ``opts.reduction`` (flat ``(N,)`` for "none").
+
+    Tuning: ``chunk_size`` (None: from ``memory_budget``; tokens per chunk),
+    ``memory_budget`` (None: 1 GiB, ``specs.tiling.DEFAULT_BUDGET_BYTES``; bytes for one
+    chunk's fp32 temporaries)."""
     bytes_per = _TEMPORARIES * torch.finfo(_acc_dtype(p.xs)).bits // 8
     plan = plan_token_chunks(p.problem.n, p.problem.v, bytes_per_element=bytes_per,
                              budget_bytes=memory_budget, chunk_size=chunk_size)

@@ -9,6 +9,7 @@ autograd / jnp with autodiff), never below the dtype's floor. The DDP test is in
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import subprocess
@@ -439,6 +440,86 @@ def test_torch_compile_fullgraph_traces_the_fused_path():
     torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
     for n in want[2]:
         torch.testing.assert_close(got[2][n], want[2][n], rtol=0, atol=0)
+
+
+class _DropoutMLP(nn.Module):
+    def __init__(self, h, i, bias=True, dtype=None):
+        super().__init__()
+        self.up, self.down = nn.Linear(h, i, bias=bias, dtype=dtype), nn.Linear(i, h, dtype=dtype)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x):
+        return self.down(self.drop(F.gelu(self.up(x))))
+
+
+def test_generic_path_replays_the_forward_dropout_masks():
+    """Backward recomputes each shard with the RNG state of the forward (as
+    torch.utils.checkpoint does): the gradients are those of the masks the forward drew,
+    i.e. of the module run shard by shard untiled from the same seed; the RNG stream after
+    backward is as if backward had drawn nothing."""
+    m, x = _small(_DropoutMLP, seed=11)
+    shards = 3  # 42 tokens: 14 each
+    torch.manual_seed(SEED + 1)
+    y, dx, grads = _grads(m, x, lambda x: lt.tiled_mlp(m, x, num_shards=shards))
+    after = torch.rand(4, device=DEV)
+    torch.manual_seed(SEED + 1)
+    want = _grads(m, x, lambda x: torch.cat([m(t) for t in x.reshape(1, 42, 16).chunk(shards, 1)],
+                                            1).reshape(x.shape))
+    assert torch.equal(torch.rand(4, device=DEV), after)
+    assert_fp32_close(y, want[0])
+    assert_fp32_close(dx, want[1])
+    for n in grads:
+        assert_fp32_close(grads[n], want[2][n])
+    with torch.no_grad():
+        assert rel_err(y.double().cpu().numpy(), m.eval()(x).double().cpu().numpy()) > 0.1
+
+
+def test_fused_path_under_autocast_traces_fullgraph(monkeypatch):
+    """Under autocast a SwiGLUMLP keeps the fused path (x and the weights cast as F.linear
+    would, gradients reaching the fp32 parameters); torch.compile(fullgraph=True) traces it,
+    and it matches the untiled MLP under the same autocast."""
+    from logitless import tiled_mlp_torch as tmt
+    calls = []
+    real = tmt._TiledFunction.apply
+    monkeypatch.setattr(tmt._TiledFunction, "apply", lambda *a: calls.append(1) or real(*a))
+    m, x = _small(seed=12)
+    wrapper = lt.TiledMLP(m, num_shards=3)
+    with torch.autocast(DEV, dtype=torch.bfloat16):
+        want = _grads(m, x, m)
+        got = _grads(m, x, wrapper)
+        torch._dynamo.reset()
+        compiled = _grads(m, x, torch.compile(wrapper, backend="aot_eager", fullgraph=True))
+    assert calls == []  # fused, not generic
+    assert got[0].dtype == torch.bfloat16 and got[1].dtype == torch.float32
+    # float64 reference on the operands autocast gives F.linear (rounded to bf16)
+    m64 = copy.deepcopy(m).double()
+    with torch.no_grad():
+        for p in m64.parameters():
+            p.copy_(p.bfloat16())
+    ref = _grads(m64, x.bfloat16().double(), m64)
+    f = lambda t: t.double().cpu().numpy()
+    for name, a, b, c, r in [("y", got[0], want[0], compiled[0], ref[0]),
+                             ("dx", got[1], want[1], compiled[1], ref[1])] + [
+            (n, got[2][n], want[2][n], compiled[2][n], ref[2][n]) for n in want[2]]:
+        assert b.dtype == a.dtype == c.dtype and torch.isfinite(a).all(), name
+        err, naive = rel_err(f(a), f(r)), rel_err(f(b), f(r))
+        assert err <= max(FACTOR * naive, FLOOR["bfloat16"]), (name, err, naive)
+        torch.testing.assert_close(c, a, rtol=0, atol=0)
+
+
+def test_forward_mode_ad_is_refused_not_zero():
+    """jvp / jacfwd through the fused ops (which register only a backward) would give a zero
+    tangent: refused, naming the argument that carries one."""
+    m, x = _small(seed=13)
+    with pytest.raises(NotImplementedError, match=r"tiled_mlp .*forward-mode AD.*\bx\b"):
+        torch.func.jvp(lambda x: lt.tiled_mlp(m, x), (x,), (torch.ones_like(x),))
+    w = m.up_proj.weight.detach()
+    with pytest.raises(NotImplementedError, match=r"tiled_mlp .*: up_proj\.weight carries"):
+        torch.func.jvp(lambda w: torch.func.functional_call(
+            lt.TiledMLP(m), {"mlp.up_proj.weight": w}, (x,)), (w,), (torch.ones_like(w),))
+    g = x[0, :4, :8]
+    with pytest.raises(NotImplementedError, match=r"swiglu .*\bup\b"):
+        torch.func.jvp(lambda u: lt.swiglu(g, u), (g,), (torch.ones_like(g),))
 
 
 @pytest.mark.parametrize("call, exc, message", [

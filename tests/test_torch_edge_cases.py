@@ -2,6 +2,8 @@
 empty batch, frozen heads, autocast, fp16 "mean" sums, gradients taken with
 ``torch.autograd.grad``, double backward, and the tuning keywords' errors. Every case runs the
 Triton backend (interpreted on CPU) against the plain ``torch`` backend or float64 autograd."""
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -363,6 +365,75 @@ def test_triton_tuning_errors_name_the_keyword(kw, name):
         lt.linear_cross_entropy(x, w, y, backend="triton", **kw)
     assert np.isfinite(lt.linear_cross_entropy(x, w, y, backend="triton",
                                                chunk_size=4).item())
+
+
+# ----------------------------------------------------------------------------- function transforms
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_forward_mode_ad_is_refused_not_a_zero_tangent(backend):
+    """The ops register a backward only: jvp / jacfwd through them used to return a zero
+    tangent silently. Refused, naming the op and the argument that carries the tangent."""
+    from torch.autograd import forward_ad as fwAD
+    x, w, b, y = _lce_data(6, 8, 11, seed=30, bias=True)
+    ce = lambda x, w, b: lt.linear_cross_entropy(x, w, y, linear_bias=b, backend=backend)
+    for i, arg in enumerate(("input", "linear_weight", "linear_bias")):
+        primals = [x, w, b]
+        f = lambda t, i=i: ce(*(primals[:i] + [t] + primals[i + 1:]))
+        with pytest.raises(NotImplementedError, match=f"linear_cross_entropy .*{arg} carries"):
+            torch.func.jvp(f, (primals[i],), (torch.ones_like(primals[i]),))
+    with pytest.raises(NotImplementedError, match="linear_cross_entropy .*input carries"):
+        torch.func.jacfwd(lambda x: ce(x, w, b))(x)
+    with fwAD.dual_level(), pytest.raises(NotImplementedError, match="linear_weight carries"):
+        ce(x, fwAD.make_dual(w, torch.ones_like(w)), b)
+    xs, ws, xt, wt, yy = _jsd_data(6, 8, 5, 11, seed=31)
+    args = [xs, ws, xt, wt]
+    for i, arg in enumerate(("student_input", "student_weight", "teacher_input",
+                             "teacher_weight")):
+        f = lambda t, i=i: lt.linear_jsd(*(args[:i] + [t] + args[i + 1:]), yy, backend=backend)
+        with pytest.raises(NotImplementedError, match=f"linear_jsd .*{arg} carries"):
+            torch.func.jvp(f, (args[i],), (torch.ones_like(args[i]),))
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_vmap_runs_per_sample(backend):
+    """torch.func.vmap of the forward: the target check runs inside the ops (the device
+    assert has no batching rule), so vmap's per-sample fallback works, and still raises
+    for an out-of-range target."""
+    from logitless.specs import linear_cross_entropy as spec
+    x, w, _, y = _lce_data(12, 8, 11, seed=32)
+    xb, yb = x.reshape(3, 4, 8), y.reshape(3, 4)
+    ce = lambda x, y: lt.linear_cross_entropy(x, w, y, backend=backend, z_loss=1e-2)
+    want = torch.stack([ce(a, b) for a, b in zip(xb, yb)])
+    torch.testing.assert_close(torch.func.vmap(ce)(xb, yb), want, rtol=1e-6, atol=1e-6)
+    xs, ws, xt, wt, yy = _jsd_data(12, 8, 5, 11, seed=33)
+    jsd = lambda a, b, y: lt.linear_jsd(a, ws, b, wt, y, backend=backend, beta=0.3)
+    batched = [xs.reshape(3, 4, 8), xt.reshape(3, 4, 5), yy.reshape(3, 4)]
+    want = torch.stack([jsd(*t) for t in zip(*batched)])
+    torch.testing.assert_close(torch.func.vmap(jsd)(*batched), want, rtol=1e-6, atol=1e-6)
+    yb[1, 2] = 11
+    with pytest.raises(RuntimeError, match=re.escape(spec.target_range_message(11, -100))):
+        torch.func.vmap(ce)(xb, yb)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_uint8_targets_past_127_are_classes_not_ignored(backend):
+    """Targets are widened before any comparison: in uint8, ignore_index=-100 wraps to 156,
+    which used to ignore class 156 and accept 156 where V = 100."""
+    from logitless.specs import linear_cross_entropy as spec
+    x, w, _, _ = _lce_data(5, 8, 200, seed=34)
+    y = torch.tensor([156, 3, 156, 199, 130], device=DEV)
+    want = F.cross_entropy(x.double() @ w.double().t(), y, reduction="none").float()
+    got = lt.linear_cross_entropy(x, w, y.to(torch.uint8), backend=backend, reduction="none")
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    only_156 = torch.tensor([156, 3, 99, 0, 7], dtype=torch.uint8, device=DEV)
+    with pytest.raises(RuntimeError, match=re.escape(spec.target_range_message(100, -100))):
+        lt.linear_cross_entropy(x, w[:100], only_156, backend=backend)
+    xs, ws, xt, wt, _ = _jsd_data(5, 8, 6, 200, seed=35)
+    jsd = lambda y: lt.linear_jsd(xs, ws, xt, wt, y, backend=backend, reduction="none",
+                                  hard_loss_weight=0.5)
+    torch.testing.assert_close(jsd(y.to(torch.uint8)), jsd(y), rtol=0, atol=0)
+    assert (jsd(y.to(torch.uint8)) != 0).all()
+    with pytest.raises(RuntimeError, match=re.escape(spec.target_range_message(100, -100))):
+        lt.linear_jsd(xs, ws[:100], xt, wt[:100], only_156, backend=backend)
 
 
 # ----------------------------------------------------------------------------- GPU only

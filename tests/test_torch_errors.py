@@ -4,6 +4,7 @@ it must accept: the module, ``ignore_index=None``, non-contiguous tensors, leadi
 Runs ``backend="torch"`` on CPU. A second device for the mismatch checks is "meta", which
 every torch build has and which the front door rejects before any computation."""
 import re
+import warnings
 
 import numpy as np
 import pytest
@@ -182,9 +183,30 @@ def test_target_equal_to_ignore_index_is_fine(ignore_index):
 
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.int16, torch.uint8])
 def test_integer_target_dtypes(dtype):
-    x, w, y = make(3, dtype=torch.float64)
-    want = F.cross_entropy(x @ w.T, y)
-    torch.testing.assert_close(call(x, w, y.to(dtype)), want, rtol=1e-12, atol=1e-12)
+    """Any integer dtype, uint8 past 127 included: compared in uint8, ignore_index=-100 would
+    wrap to 156 and ignore that class."""
+    x, w, y = make(3, v=160, dtype=torch.float64)
+    y[::2], y[1] = 156, 130
+    want = F.cross_entropy(x @ w.T, y, reduction="none")
+    torch.testing.assert_close(call(x, w, y.to(dtype), reduction="none"), want, rtol=1e-12,
+                               atol=1e-12)
+
+
+def test_int32_targets_with_an_ignore_index_beyond_int32():
+    """Compared in int32, ignore_index=2**40 would wrap to 0 and ignore class 0."""
+    x, w, y = make(10, dtype=torch.float64)
+    big = 2**40
+    y[::2] = 0
+    want = F.cross_entropy(x @ w.T, y, ignore_index=big)
+    torch.testing.assert_close(call(x, w, y.int(), ignore_index=big), want, rtol=1e-12,
+                               atol=1e-12)
+    x2, w2, y2 = make(11)
+    y2[::2] = 0
+    xt = torch.randn(N, 3, generator=gen(12))
+    wt = torch.randn(V, 3, generator=gen(13))
+    torch.testing.assert_close(
+        lt.linear_jsd(x2, w2, xt, wt, y2.int(), ignore_index=big, backend="torch"),
+        lt.linear_jsd(x2, w2, xt, wt, y2, ignore_index=big, backend="torch"), rtol=0, atol=0)
 
 
 # ----------------------------------------------------------------------------- accepted forms
@@ -305,3 +327,133 @@ def test_empty_batch(reduction):
     assert torch.all(loss == 0)
     loss.sum().backward()
     assert w.grad is not None and torch.all(w.grad == 0) and x.grad.shape == (0, H)
+
+
+# ----------------------------------------------------------------------------- keywords
+def _jsd_args(salt=20):
+    g = gen(salt)
+    return (torch.randn(N, H, generator=g), torch.randn(V, H, generator=g),
+            torch.randn(N, 3, generator=g), torch.randn(V, 3, generator=g))
+
+
+@pytest.mark.parametrize("op, kw, hint", [
+    ("ce", dict(label_smothing=0.1), "did you mean 'label_smoothing'?"),
+    ("both", dict(ignore_indx=-1), "did you mean 'ignore_index'?"),
+    ("both", dict(chunksize=4), "did you mean 'chunk_size'?"),
+    ("ce", dict(targets=None), "did you mean 'target'?"),
+    ("jsd", dict(temprature=2.0), "did you mean 'temperature'?"),
+    ("both", dict(weight_layout="hv"), "weight_layout is a logitless.jax keyword"),
+    ("ce", dict(axis_name="tp"), "axis_name is a logitless.jax keyword; PyTorch's vocabulary "
+                                 "parallelism takes process_group="),
+])
+def test_misspelled_or_foreign_keywords_come_first_with_a_hint(op, kw, hint):
+    """Checked before the shapes (a bad shape here must not hide the keyword), worded as
+    Python's own TypeError, with the closest name or what replaces a JAX keyword; the
+    modules check at construction."""
+    x, w, y = make()
+    k = next(iter(kw))
+    calls = []
+    if op in ("ce", "both"):
+        calls += [("linear_cross_entropy", lambda: lt.linear_cross_entropy(x, w.t(), y, **kw)),
+                  ("LinearCrossEntropyLoss", lambda: lt.LinearCrossEntropyLoss(**kw))]
+    if op in ("jsd", "both"):
+        args = _jsd_args()[:3] + (w.t(),)
+        calls += [("linear_jsd", lambda: lt.linear_jsd(*args, **kw)),
+                  ("LinearJSDLoss", lambda: lt.LinearJSDLoss(**kw))]
+    for name, fn in calls:
+        with pytest.raises(TypeError, match=re.escape(
+                f"{name}() got an unexpected keyword argument {k!r} ({hint}")):
+            fn()
+
+
+def test_modules_check_tuning_keywords_at_construction():
+    with pytest.raises(TypeError, match=r"\['low_memory'\] for backend='torch'"):
+        lt.LinearCrossEntropyLoss(backend="torch", low_memory=True)
+    with pytest.raises(TypeError, match=r"\['fp32_logits'\] for backend='torch'"):
+        lt.LinearJSDLoss(backend="torch", fp32_logits=False)
+    with pytest.raises(TypeError, match=r"\['low_memory'\] with process_group"):
+        lt.LinearCrossEntropyLoss(process_group=object(), low_memory=True)
+    lt.LinearCrossEntropyLoss(low_memory=True, chunk_size=4)  # backend=None: either's keywords
+    lt.LinearJSDLoss(fp32_logits=False, chunk_size=4)
+    mod = lt.LinearCrossEntropyLoss(backend="triton", low_memory=True)
+    assert mod.tuning == {"low_memory": True}
+
+
+def test_another_backends_keyword_warns_once_and_is_dropped_with_backend_none(monkeypatch):
+    """A GPU script's Triton keyword, smoke-tested on CPU (backend=None picks "torch"):
+    a warning naming the keyword and the backend picked, once; a named backend raises."""
+    from logitless import _torch_common as common
+    monkeypatch.setattr(common, "_WARNED", set())
+    x, w, y = make(14)
+    want = call(x, w, y, chunk_size=2)
+    with pytest.warns(UserWarning, match=r"backend='torch'.*'low_memory'"):
+        got = lt.linear_cross_entropy(x, w, y, low_memory=True, chunk_size=2)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    mod = lt.LinearCrossEntropyLoss(low_memory=True, chunk_size=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once: no second warning
+        torch.testing.assert_close(mod(x, w, y), want, rtol=0, atol=0)
+    with pytest.raises(TypeError, match=r"\['low_memory'\] for backend='torch'"):
+        call(x, w, y, low_memory=True)
+    args = _jsd_args()
+    with pytest.warns(UserWarning, match=r"linear_jsd.*backend='torch'.*'row_sync'"):
+        got = lt.linear_jsd(*args, row_sync=True)
+    torch.testing.assert_close(got, lt.linear_jsd(*args), rtol=0, atol=0)
+    with pytest.raises(TypeError, match=r"\['row_sync'\] for backend='torch'"):
+        lt.linear_jsd(*args, row_sync=True, backend="torch")
+
+
+def test_triton_keyword_names_known_without_triton_match_the_backends():
+    """The front doors' copies of the Triton backends' keywords (used where Triton is not
+    installed) equal the modules' own."""
+    from logitless import _torch_jsd
+    from logitless import torch as front
+    from logitless.triton_kernels import linear_cross_entropy as tce, linear_jsd as tjsd
+    assert front._TRITON_TUNING == tce.TUNING
+    assert _torch_jsd._TRITON_TUNING == tjsd.TUNING
+
+
+def test_docstrings_list_every_tuning_keyword():
+    import pydoc
+    from logitless import torch_chunked, torch_jsd
+    from logitless.triton_kernels import linear_cross_entropy as tce, linear_jsd as tjsd
+    for fn, mods in ((lt.linear_cross_entropy, (torch_chunked, tce)),
+                     (lt.linear_jsd, (torch_jsd, tjsd))):
+        text = pydoc.render_doc(fn, renderer=pydoc.plaintext)
+        for mod in mods:
+            backend_doc = getattr(mod, fn.__name__).__doc__
+            for k in mod.TUNING:
+                assert f"``{k}`` (" in text, (fn.__name__, k)  # with its default
+                assert f"``{k}`` (" in backend_doc, (mod.__name__, k)
+    assert "896 MiB" in tce.linear_cross_entropy.__doc__
+    assert "use_reentrant=True" in lt.linear_cross_entropy.__doc__
+
+
+# ----------------------------------------------------------------------------- shape hints
+@pytest.mark.parametrize("args, hint", [
+    (lambda x, w, y: (x, w.t(), y), "linear_weight looks like (H, V): pass linear_weight.T"),
+    (lambda x, w, y: (x @ w.t(), w, y), "input's last dimension is V: pass hidden states, not logits"),
+    (lambda x, w, y: (w, x, y), "arguments are (input, linear_weight, target): was the weight passed first?"),
+    (lambda x, w, y: (w, x.reshape(2, 10, H), y.reshape(2, 10)),
+     "arguments are (input, linear_weight, target): was the weight passed first?"),
+])
+def test_shape_errors_hint_at_the_usual_mix_up(args, hint):
+    x, w, y = make(15, n=20, v=40)  # V > H, as vocabularies are
+    with pytest.raises(ValueError, match=re.escape(hint)):
+        call(*args(x, w, y))
+
+
+def test_jsd_and_hv_layout_shape_hints():
+    xs, ws, xt, wt = _jsd_args()
+    ws, wt = torch.randn(40, H), torch.randn(40, 3)
+    with pytest.raises(ValueError, match=re.escape(
+            "student_weight looks like (H, V): pass student_weight.T")):
+        lt.linear_jsd(xs, ws.t(), xt, wt)
+    with pytest.raises(ValueError, match=re.escape(
+            "teacher_input's last dimension is V: pass hidden states, not logits")):
+        lt.linear_jsd(xs, ws, xt @ wt.t(), wt)
+    with pytest.raises(ValueError, match=re.escape(
+            "linear_weight looks like (V, H): use weight_layout='vh'")):
+        spec.check_shapes((6, 5), (40, 5), (6,), weight_layout="hv")
+    with pytest.raises(ValueError, match=re.escape("looks like (H, V): pass weight_layout='hv'")):
+        spec.check_shapes((6, 5), (5, 40), (6,), transpose_hint="pass weight_layout='hv'")

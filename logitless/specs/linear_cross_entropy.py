@@ -110,35 +110,60 @@ class Problem:
     batch_shape: Tuple[int, ...]
 
 
+def _hidden_mismatch_hint(x_last: int, weight_shape, weight_layout: str, w_name: str,
+                          x_name: str, transpose_hint: str) -> str:
+    """Why an input's last dim may miss the weight's H, judged from which dim it does match:
+    the weight in the other layout, or logits passed for hidden states (the larger of the
+    weight's dims taken for V, as vocabularies outsize hidden sizes)."""
+    a, b = weight_shape
+    given_h, other = (b, a) if weight_layout == "vh" else (a, b)
+    if x_last != other or x_last == given_h:
+        return ""
+    if other < given_h:  # the dim input matches is the smaller: H, in the other layout
+        return (f"; {w_name} looks like (H, V): {transpose_hint}" if weight_layout == "vh" else
+                f"; {w_name} looks like (V, H): use weight_layout='vh'")
+    return f"; {x_name}'s last dimension is V: pass hidden states, not logits"
+
+
 def check_shapes(input_shape: Sequence[int], weight_shape: Sequence[int],
                  target_shape: Sequence[int], bias_shape: Optional[Sequence[int]] = None,
                  class_weight_shape: Optional[Sequence[int]] = None, *,
-                 weight_layout: str = "vh", names: Sequence[str] = ("input", "target")) -> Problem:
+                 weight_layout: str = "vh", names: Sequence[str] = ("input", "target"),
+                 transpose_hint: str = "pass linear_weight.T") -> Problem:
     """Shape rules shared by every front door; errors name the offending argument.
 
     ``input (..., H)``, ``linear_weight (V, H)`` (or ``(H, V)`` with ``weight_layout="hv"``),
     ``target (...)`` with the leading dims of ``input``, ``linear_bias (V,)``, ``weight (V,)``.
     ``names``: what the front door calls ``input`` and ``target`` (JAX: ``x``, ``labels``).
+    ``transpose_hint``: the advice for an ``(H, V)`` weight given as ``(V, H)`` (JAX's front
+    door can say ``pass weight_layout='hv'``). Messages hint at the usual mix-ups: a
+    transposed weight, logits for hidden states, the weight passed first.
     """
     input_shape, weight_shape, target_shape = tuple(input_shape), tuple(weight_shape), tuple(target_shape)
     x_name, y_name = names
+
+    def swapped():  # only on an error path: under torch.compile a comparison adds guards
+        return (f"; arguments are ({x_name}, linear_weight, {y_name}): was the weight passed "
+                "first?") if weight_shape[:-1] == target_shape else ""
     if weight_layout not in ("vh", "hv"):
         raise ValueError(f"weight_layout must be 'vh' (V, H) or 'hv' (H, V), got {weight_layout!r}")
     if len(input_shape) < 1:
         raise ValueError(f"{x_name} must have at least 1 dimension (..., H), got shape {input_shape}")
     if len(weight_shape) != 2:
-        raise ValueError(f"linear_weight must be 2-D, got shape {weight_shape}")
+        raise ValueError(f"linear_weight must be 2-D, got shape {weight_shape}{swapped()}")
     v, h = weight_shape if weight_layout == "vh" else weight_shape[::-1]
     if input_shape[-1] != h:
         layout = "(V, H)" if weight_layout == "vh" else "(H, V)"
+        hint = _hidden_mismatch_hint(input_shape[-1], weight_shape, weight_layout,
+                                     "linear_weight", x_name, transpose_hint)
         raise ValueError(
             f"hidden size mismatch: {x_name} has H={input_shape[-1]} but linear_weight {layout} "
-            f"has shape {weight_shape}")
+            f"has shape {weight_shape}{hint}")
     if v < 1 or h < 1:
         raise ValueError(f"linear_weight must have V >= 1 and H >= 1, got shape {weight_shape}")
     if target_shape != input_shape[:-1]:
         raise ValueError(f"{y_name} must have shape {x_name}.shape[:-1] = {input_shape[:-1]}, "
-                         f"got {target_shape}")
+                         f"got {target_shape}{swapped()}")
     if bias_shape is not None and tuple(bias_shape) != (v,):
         raise ValueError(f"linear_bias must have shape (V,) = ({v},), got {tuple(bias_shape)}")
     if class_weight_shape is not None and tuple(class_weight_shape) != (v,):

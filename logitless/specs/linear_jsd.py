@@ -76,8 +76,8 @@ from typing import Optional, Sequence, Tuple
 
 import numpy as np
 
-from .linear_cross_entropy import (REDUCTIONS, _check_real, check_targets,
-                                   reduction_denominator)
+from .linear_cross_entropy import (REDUCTIONS, _check_real, _hidden_mismatch_hint,
+                                   check_targets, reduction_denominator)
 
 # Thresholds of the fp32 forms every kernel uses (Triton, Pallas, XLA; the derivation is in
 # logitless/triton_kernels/jsd_rows.py): one definition, so that the backends cannot drift.
@@ -184,14 +184,20 @@ def check_shapes(student_input_shape: Sequence[int], student_weight_shape: Seque
     v, h_s = ws
     if xs[-1] != h_s:
         raise ValueError(f"hidden size mismatch: student_input has H={xs[-1]} but student_weight "
-                         f"{lay} has shape {ws_given}")
+                         f"{lay} has shape {ws_given}"
+                         + _hidden_mismatch_hint(xs[-1], ws_given, weight_layout,
+                                                 "student_weight", "student_input",
+                                                 "pass student_weight.T"))
     if wt[0] != v:
         raise ValueError(f"vocabulary mismatch: student_weight has V={v} but teacher_weight "
                          f"{lay} has shape {wt_given}")
     h_t = wt[1]
     if xt[-1] != h_t:
         raise ValueError(f"hidden size mismatch: teacher_input has H={xt[-1]} but teacher_weight "
-                         f"{lay} has shape {wt_given}")
+                         f"{lay} has shape {wt_given}"
+                         + _hidden_mismatch_hint(xt[-1], wt_given, weight_layout,
+                                                 "teacher_weight", "teacher_input",
+                                                 "pass teacher_weight.T"))
     if xt[:-1] != xs[:-1]:
         raise ValueError(f"teacher_input must have the leading shape of student_input "
                          f"{xs[:-1]}, got {xt[:-1]}")

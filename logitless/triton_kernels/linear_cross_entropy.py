@@ -42,6 +42,10 @@ from .narrow_cast import (accumulate_split_, accumulator_pair, finish_, hand_ove
 
 TUNING = ("low_memory", "chunk_size", "vocab_chunk_size", "memory_budget", "grad_accum_dtype",
           "block_v", "num_warps", "logits_gemm")
+# The front door leaves the target range check to the forward op (_fwd_op): inside the op it
+# runs on plain per-sample tensors under torch.func.vmap, whose fallback has no rule for the
+# device assert.
+CHECKS_TARGETS = True
 
 # One [chunk, V] block of logits: 3584 tokens at V=128256 in bf16. Peak extra memory is the
 # fp32 dW accumulator (4·V·H, narrowed in place into the 2·V·H result) plus this block: 1.97 GB
@@ -269,6 +273,7 @@ def _fwd_op(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], y: t
     the accumulator pair of :func:`.narrow_cast.accumulator_pair` (part b empty unless split).
     ``low_memory`` is for backward (the fast forward never sees it); ``gemm``: a
     ``LOGITS_GEMM`` code."""
+    common.check_targets(y, w.shape[0], ignore_index)
     with common.on_device(x):
         cfg = Config(chunk, vocab_chunk, block_v, num_warps, _check_gemm(gemm, x, w, bias))
         opts_t = _opts_tuple(ignore_index, label_smoothing, z_loss, softcap)
@@ -469,14 +474,17 @@ def linear_cross_entropy(p: common.Prepared, opts: spec.LinearCrossEntropyOption
                          num_warps=None, logits_gemm="cublas"):
     """Returns ``(loss, lse)``; see the module docstring for the two operating points.
 
-    Tuning: ``low_memory`` (bool), ``chunk_size`` (tokens per chunk), ``vocab_chunk_size``
-    (vocabulary rows per chunk of the low-memory dW sweep), ``memory_budget`` (bytes for one
-    logits block; sets both chunk sizes when they are not given), ``grad_accum_dtype``
-    (``torch.float32``, or the weight's dtype to save ``2·V·H`` bytes at some accuracy cost;
+    Tuning (defaults in parentheses): ``low_memory`` (False), ``chunk_size`` (None: from
+    ``memory_budget``; tokens per chunk), ``vocab_chunk_size`` (None: from ``memory_budget``;
+    vocabulary rows per chunk of the low-memory dW sweep), ``memory_budget`` (None: 896 MiB,
+    256 MiB with ``low_memory=True``; bytes for one logits block, which sets both chunk sizes
+    when they are not given), ``grad_accum_dtype`` (``torch.float32``, or the weight's dtype to save ``2·V·H`` bytes at some accuracy cost;
     fast mode only; fp16's fused forward accumulates in fp32 regardless, as its sums are not
-    yet scaled by the upstream gradient and could overflow fp16), ``block_v`` (row-kernel
-    block, a power of 2), ``num_warps``, ``logits_gemm`` (who computes the forward's logits:
-    ``"cublas"``, the default, or ``"triton"``: a GEMM of ours whose epilogue also leaves the
+    yet scaled by the upstream gradient and could overflow fp16), ``block_v`` (None: from the
+    row length, 32768 for rows of 16384 or more, else up to 4096; the row-kernel block, a
+    power of 2), ``num_warps`` (None: 32 for long rows, else block/256 capped to [1, 8]),
+    ``logits_gemm`` (``"cublas"``; who computes the forward's logits:
+    ``"cublas"``, or ``"triton"``: a GEMM of ours whose epilogue also leaves the
     softmax statistics, saving the row kernel one of its two passes over the logits; for
     bf16/fp16, row-major operands with 16-byte aligned rows, no label smoothing. On an H100
     it measured within the run-to-run spread of cuBLAS: see DESIGN.md).

@@ -47,6 +47,10 @@ from .narrow_cast import accumulate_split_, accumulator_pair, finish_, hand_over
 
 TUNING = ("chunk_size", "logits_chunk_size", "memory_budget", "fp32_logits", "grad_accum_dtype",
           "block_v", "segment_size", "num_warps", "programs_per_sm", "row_sync")
+# The front door leaves the target range check to the forward op (_fwd_op): inside the op it
+# runs on plain per-sample tensors under torch.func.vmap, whose fallback has no rule for the
+# device assert.
+CHECKS_TARGETS = True
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 FAST_BUDGET = 896 << 20     # dz [C, V] + two fp32 logits [C/4, V]: C = 1792 at V = 128256, bf16
@@ -239,6 +243,8 @@ def _fwd_op(xs: torch.Tensor, ws: torch.Tensor, xt: torch.Tensor, wt: torch.Tens
     """-> (loss, Σm or 1, dX part a, dX part b, dW part a, dW part b): the gradients (for an
     upstream 1, with 1/Σm folded in unless fp16) only with ``grad_mode`` (mean/sum) and only
     those needed, in fp32 split pairs for half-precision inputs (see :func:`_sweep`)."""
+    if y is not None:
+        common.check_targets(y, ws.shape[0], ignore_index)
     with common.on_device(xs):
         cfg = _cfg(chunk, sub_chunk, fp32_logits, block, segment, num_warps, grid, row_sync)
         n = xs.shape[0]
@@ -364,15 +370,17 @@ def linear_jsd(p: jsd_common.Prepared, opts: spec.LinearJSDOptions, *, chunk_siz
                programs_per_sm=None, row_sync=None):
     """Returns the loss reduced per ``opts.reduction`` (flat ``(N,)`` for "none").
 
-    Tuning: ``chunk_size`` (tokens per dX/dW chunk), ``logits_chunk_size`` (tokens per logits
-    GEMM and row-kernel launch), ``memory_budget`` (bytes for the chunk buffers; sets both
-    when they are not given), ``fp32_logits`` (False: logits in the input dtype, faster and
-    ~1e-2 less accurate), ``grad_accum_dtype`` (``torch.float32``, or the input dtype to save
-    ``2·V·H`` bytes at some accuracy cost), ``block_v`` (row-kernel columns per step, a power
-    of 2), ``segment_size`` (columns of a row per program, a multiple of ``block_v``),
-    ``num_warps``, ``programs_per_sm`` (persistent grid), ``row_sync`` (None or False: one
-    launch per pass, the measured faster default; True: one fused launch with per-row
-    barriers).
+    Tuning (defaults in parentheses): ``chunk_size`` (None: from ``memory_budget``; tokens
+    per dX/dW chunk), ``logits_chunk_size`` (None: ``chunk_size / 4`` rounded down to a
+    multiple of 128, ``/ 2`` without fp32 logits; tokens per logits GEMM and row-kernel
+    launch), ``memory_budget`` (None: 896 MiB; bytes for the chunk buffers, which sets both
+    when they are not given), ``fp32_logits`` (True; False: logits in the input dtype, faster
+    and ~1e-2 less accurate), ``grad_accum_dtype`` (``torch.float32``, or the input dtype to
+    save ``2·V·H`` bytes at some accuracy cost), ``block_v`` (None: 2048 on a GPU; row-kernel
+    columns per step, a power of 2), ``segment_size`` (None: 8192 on a GPU; columns of a row
+    per program, a multiple of ``block_v``), ``num_warps`` (None: 8),
+    ``programs_per_sm`` (None: 2; persistent grid), ``row_sync`` (None or False: one launch per pass, the measured
+    faster default; True: one fused launch with per-row barriers).
     """
     xs = p.xs
     for name, t in (("student_input", xs), ("teacher_input", p.xt)):
