@@ -95,7 +95,8 @@ def prepare(x, linear_weight, labels, linear_bias, weight, *, ignore_index: int,
     problem = spec.check_shapes(x.shape, linear_weight.shape, labels.shape,
                                 None if linear_bias is None else linear_bias.shape,
                                 None if weight is None else weight.shape,
-                                weight_layout=weight_layout, names=("x", "labels"))
+                                weight_layout=weight_layout, names=("x", "labels"),
+                                transpose_hint="pass weight_layout='hv'")
     if check_range:
         check_concrete_labels(labels, problem.v, ignore_index)
     x, linear_weight, labels, linear_bias, weight = match_varying(
