@@ -7,10 +7,15 @@ none (the spec tests), imports this module without the others."""
 from __future__ import annotations
 
 import contextlib
+import json
 import math
+import os
+import subprocess
+import sys
 
 import numpy as np
 
+import harness
 from harness import rel_err
 
 
@@ -213,4 +218,20 @@ def run_gloo_ranks(body, world, out_dir, *args, triton_interpret=False):
            for r in range(world)]
     for r in res:
         assert "crash" not in r, r["crash"]
+    return res
+
+
+def run_jax_worker(script: str, devices: int = 4) -> dict:
+    """Run ``tests/<script>`` in a subprocess with ``devices`` host CPU devices (JAX fixes its
+    device count when it initialises, and this pytest process has initialised it already)
+    and the session's seed; returns the JSON object its last stdout line holds."""
+    env = dict(os.environ, LOGITLESS_TEST_SEED=str(harness.SEED),
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+               JAX_PLATFORMS="cpu")
+    here = os.path.dirname(os.path.abspath(__file__))
+    proc = subprocess.run([sys.executable, os.path.join(here, script)],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert res["devices"] == devices, res
     return res

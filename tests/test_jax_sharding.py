@@ -8,17 +8,12 @@ imported it already, so every check runs in one subprocess (``jax_sharding_worke
 4 host devices; it compares each sharded run with the same op on the whole arrays and prints
 its results as JSON.
 """
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
 import harness
+from helpers import run_jax_worker
 
 pytest.importorskip("jax")
-HERE = os.path.dirname(os.path.abspath(__file__))
 CHECKS = {"dp_lce_xla_sum", "dp_lce_xla_none_lse", "dp_lce_xla_grad_inside", "dp_jsd_xla_sum",
           "dp_tiled_mlp_swiglu", "dp_tiled_mlp_any_fn",
           "dp_x_tp_vocab_parallel", "dp_pallas_interpret_clear_error",
@@ -26,13 +21,7 @@ CHECKS = {"dp_lce_xla_sum", "dp_lce_xla_none_lse", "dp_lce_xla_grad_inside", "dp
 
 
 def test_sharded_runs_equal_the_unsharded_op():
-    env = dict(os.environ, LOGITLESS_TEST_SEED=str(harness.SEED),
-               XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "jax_sharding_worker.py")],
-                          capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert res["devices"] == 4, res
+    res = run_jax_worker("jax_sharding_worker.py")
     assert set(res["results"]) == CHECKS, sorted(res["results"])  # every check really ran
     failures = {k: v for k, v in res["results"].items() if v is not None}
     assert not failures, "\n\n".join(f"{k}: {v}" for k, v in sorted(failures.items()))

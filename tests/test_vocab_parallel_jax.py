@@ -7,24 +7,11 @@ The worker compares every case (every option and reduction, fp32 and bf16, sever
 all-ignored batches, a device owning none of the targets; jit of the VJP through shard_map)
 with the float64 spec under the shared harness rule.
 """
-import json
-import os
-import subprocess
-import sys
-
-import harness
-
-HERE = os.path.dirname(os.path.abspath(__file__))
+from helpers import run_jax_worker
 
 
 def test_vocab_parallel_jax_equals_spec():
-    env = dict(os.environ, LOGITLESS_TEST_SEED=str(harness.SEED),
-               XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "vocab_parallel_jax_worker.py")],
-                          capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert res["devices"] == 4, res
+    res = run_jax_worker("vocab_parallel_jax_worker.py")
     assert not res["failures"], "\n".join(res["failures"])
     assert res["checked"] >= 40, res  # the case matrix really ran (2 and 4 devices)
     assert res["count"] == 6.0, res   # global_token_count psum-ed over a "dp" axis
