@@ -322,6 +322,17 @@ def check_keyword_names(op: str, given, named, tuning_names,
         raise TypeError(f"{op}() got an unexpected keyword argument {k!r}{hint}")
 
 
+def tuning_names(backend, loaded, load, triton_fallback) -> frozenset:
+    """Tuning keywords ``backend`` (a known name, or None) may take: a named backend's
+    ``TUNING``, and for None (or "torch"/"triton", which one call may pick) those of both
+    torch-side backends. ``loaded``/``load``: a front door's loaded backend modules and its
+    loader; ``triton_fallback``: the Triton keywords where Triton cannot be imported."""
+    if backend is not None and backend not in ("torch", "triton"):
+        return frozenset(load(backend).TUNING)
+    triton_names = loaded["triton"].TUNING if "triton" in loaded else triton_fallback
+    return frozenset(loaded["torch"].TUNING) | frozenset(triton_names)
+
+
 def tuning_for_backend(op: str, backend: str, accepted, tuning: dict, explicit: bool) -> dict:
     """The keywords of ``tuning`` that ``backend`` takes. Another backend's keywords are an
     error when the backend was named; with ``backend=None`` they are dropped with a warning

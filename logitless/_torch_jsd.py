@@ -62,12 +62,9 @@ _TRITON_TUNING = ("chunk_size", "logits_chunk_size", "memory_budget", "fp32_logi
 
 
 def _tuning_names(backend: Optional[str]):
-    """Tuning keywords ``backend`` may take (for ``None``: "torch"'s and "triton"'s)."""
-    if backend is not None and backend not in ("torch", "triton"):
+    if backend is not None:
         _check_backend(backend)
-        return frozenset(_load(backend).TUNING)
-    triton_names = _LOADED["triton"].TUNING if "triton" in _LOADED else _TRITON_TUNING
-    return frozenset(_LOADED["torch"].TUNING) | frozenset(triton_names)
+    return common.tuning_names(backend, _LOADED, _load, _TRITON_TUNING)
 
 
 # ------------------------------------------------------------------------------ arguments

@@ -69,13 +69,9 @@ _TRITON_TUNING = ("low_memory", "chunk_size", "vocab_chunk_size", "memory_budget
 
 
 def _tuning_names(backend: Optional[str]):
-    """Tuning keywords ``backend`` may take (for ``None``, those of every backend it may
-    pick: "torch" and "triton")."""
-    if backend is not None and backend not in ("torch", "triton"):
+    if backend is not None:
         _check_backend(backend)
-        return frozenset(_load(backend).TUNING)
-    triton_names = _LOADED["triton"].TUNING if "triton" in _LOADED else _TRITON_TUNING
-    return frozenset(_LOADED["torch"].TUNING) | frozenset(triton_names)
+    return common.tuning_names(backend, _LOADED, _load, _TRITON_TUNING)
 
 
 # Load the cheap backends now so that a first call under torch.compile needs no import;

@@ -18,9 +18,7 @@ from .specs import linear_jsd as spec
 from .specs.tiling import plan_token_chunks
 
 TUNING = ("chunk_size", "memory_budget")
-# The front door leaves the target range check to the forward op (below): inside the op it
-# runs on plain per-sample tensors under torch.func.vmap, whose fallback has no rule for the
-# device assert.
+# the target range check runs in the forward op (below), as in torch_chunked (see there)
 CHECKS_TARGETS = True
 # Live [chunk, V] float32 temporaries of one chunk (two logits blocks, log-probabilities,
 # probabilities, log ratios and their far-apart forms, the gradient): the plan budgets this many

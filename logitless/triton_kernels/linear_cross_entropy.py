@@ -42,9 +42,7 @@ from .narrow_cast import (accumulate_split_, accumulator_pair, finish_, hand_ove
 
 TUNING = ("low_memory", "chunk_size", "vocab_chunk_size", "memory_budget", "grad_accum_dtype",
           "block_v", "num_warps", "logits_gemm")
-# The front door leaves the target range check to the forward op (_fwd_op): inside the op it
-# runs on plain per-sample tensors under torch.func.vmap, whose fallback has no rule for the
-# device assert.
+# the target range check runs in the forward op (_fwd_op), as in torch_chunked (see there)
 CHECKS_TARGETS = True
 
 # One [chunk, V] block of logits: 3584 tokens at V=128256 in bf16. Peak extra memory is the
@@ -478,14 +476,15 @@ def linear_cross_entropy(p: common.Prepared, opts: spec.LinearCrossEntropyOption
     ``memory_budget``; tokens per chunk), ``vocab_chunk_size`` (None: from ``memory_budget``;
     vocabulary rows per chunk of the low-memory dW sweep), ``memory_budget`` (None: 896 MiB,
     256 MiB with ``low_memory=True``; bytes for one logits block, which sets both chunk sizes
-    when they are not given), ``grad_accum_dtype`` (``torch.float32``, or the weight's dtype to save ``2·V·H`` bytes at some accuracy cost;
-    fast mode only; fp16's fused forward accumulates in fp32 regardless, as its sums are not
-    yet scaled by the upstream gradient and could overflow fp16), ``block_v`` (None: from the
-    row length, 32768 for rows of 16384 or more, else up to 4096; the row-kernel block, a
-    power of 2), ``num_warps`` (None: 32 for long rows, else block/256 capped to [1, 8]),
-    ``logits_gemm`` (``"cublas"``; who computes the forward's logits:
-    ``"cublas"``, or ``"triton"``: a GEMM of ours whose epilogue also leaves the
-    softmax statistics, saving the row kernel one of its two passes over the logits; for
+    when they are not given), ``grad_accum_dtype`` (``torch.float32``, or the weight's dtype
+    to save ``2·V·H`` bytes at some accuracy cost; fast mode only; fp16's fused forward
+    accumulates in fp32 regardless, as its sums are not yet scaled by the upstream gradient
+    and could overflow fp16), ``block_v`` (None: from the row length, 32768 for rows of
+    16384 or more, else up to 4096; the row-kernel block, a power of 2),
+    ``num_warps`` (None: 32 for long rows, else block/256 capped to [1, 8]),
+    ``logits_gemm`` (``"cublas"``; who computes the forward's logits: ``"cublas"``, or
+    ``"triton"``: a GEMM of ours whose epilogue also leaves the softmax statistics, saving
+    the row kernel one of its two passes over the logits; for
     bf16/fp16, row-major operands with 16-byte aligned rows, no label smoothing. On an H100
     it measured within the run-to-run spread of cuBLAS: see DESIGN.md).
 

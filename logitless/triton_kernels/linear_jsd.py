@@ -47,9 +47,7 @@ from .narrow_cast import accumulate_split_, accumulator_pair, finish_, hand_over
 
 TUNING = ("chunk_size", "logits_chunk_size", "memory_budget", "fp32_logits", "grad_accum_dtype",
           "block_v", "segment_size", "num_warps", "programs_per_sm", "row_sync")
-# The front door leaves the target range check to the forward op (_fwd_op): inside the op it
-# runs on plain per-sample tensors under torch.func.vmap, whose fallback has no rule for the
-# device assert.
+# the target range check runs in the forward op (_fwd_op), as in torch_chunked (see there)
 CHECKS_TARGETS = True
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -379,8 +377,8 @@ def linear_jsd(p: jsd_common.Prepared, opts: spec.LinearJSDOptions, *, chunk_siz
     save ``2·V·H`` bytes at some accuracy cost), ``block_v`` (None: 2048 on a GPU; row-kernel
     columns per step, a power of 2), ``segment_size`` (None: 8192 on a GPU; columns of a row
     per program, a multiple of ``block_v``), ``num_warps`` (None: 8),
-    ``programs_per_sm`` (None: 2; persistent grid), ``row_sync`` (None or False: one launch per pass, the measured
-    faster default; True: one fused launch with per-row barriers).
+    ``programs_per_sm`` (None: 2; persistent grid), ``row_sync`` (None or False: one launch
+    per pass, the measured faster default; True: one fused launch with per-row barriers).
     """
     xs = p.xs
     for name, t in (("student_input", xs), ("teacher_input", p.xt)):
