@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The test suite on a CUDA machine, in groups with time limits, logs under ${OUT:-/tmp/gpu-tests}:
-#   bash benchmarks/gpu_tests.sh [group ...]     (groups: lce jsd mlp bridge all; default all)
+#   bash benchmarks/gpu_tests.sh [group ...]     (groups: lce jsd mlp bridge other all; default all)
 # WORKERS=n runs each group on n pytest-xdist processes sharing the GPU (default 1; the GPU
 # image has xdist): most of the time is compiling kernels on the host, which n cores share.
 # On the device tool's machine carry .whl/ so that peers import (benchmarks/gpu_peers.sh).
@@ -12,7 +12,7 @@ mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" XLA_PYTHON_CLIENT_PREALLOCATE=false
 PY=${PY:-python3}
 groups=${*:-all}
-[ "$groups" = all ] && groups="lce jsd mlp bridge"
+[ "$groups" = all ] && groups="lce jsd mlp bridge other"
 # one seed for every group, printed so that a failure can be replayed (pytest -q hides the header)
 export LOGITLESS_TEST_SEED=${LOGITLESS_TEST_SEED:-$(( (RANDOM << 15) | RANDOM ))}
 echo "LOGITLESS_TEST_SEED=$LOGITLESS_TEST_SEED"
@@ -23,6 +23,7 @@ for g in $groups; do
     jsd) files="tests/test_linear_jsd.py tests/test_parity_jsd.py tests/test_linear_jsd_jax.py" ;;
     mlp) files="tests/test_tiled_mlp.py tests/test_swiglu.py tests/test_tiled_mlp_ddp.py" ;;
     bridge) files="tests/test_bridge.py tests/test_jax_api.py tests/test_torch_errors.py" ;;
+    other) files="tests/test_jax_sharding.py tests/test_transformers_integration.py tests/test_readme.py tests/test_distributed_training.py tests/test_vocab_parallel_torch.py" ;;
     *) echo "unknown group $g"; exit 2 ;;
   esac
   start=$(date +%s)
