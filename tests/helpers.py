@@ -212,20 +212,8 @@ def run_gloo_ranks(body, world, out_dir, *args, triton_interpret=False):
 
     import torch
     import torch.multiprocessing as mp
-    # The ranks' tensors live on the CPU, so their Triton kernels must run interpreted even on a
-    # CUDA machine (where conftest leaves TRITON_INTERPRET unset). Triton reads it when a kernel
-    # is decorated, which can happen as the spawned child unpickles ``body``: set it before.
-    saved = os.environ.get("TRITON_INTERPRET")
-    if triton_interpret:
-        os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        mp.spawn(_gloo_rank, args=(body, world, _free_port(), str(out_dir), args, triton_interpret),
-                 nprocs=world, join=True)
-    finally:
-        if saved is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = saved
+    mp.spawn(_gloo_rank, args=(body, world, _free_port(), str(out_dir), args, triton_interpret),
+             nprocs=world, join=True)
     res = [torch.load(os.path.join(str(out_dir), f"rank{r}.pt"), weights_only=False)
            for r in range(world)]
     for r in res:

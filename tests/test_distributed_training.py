@@ -107,8 +107,12 @@ def _worker(rank, world, backend):
 @pytest.fixture(scope="module", params=["torch", "triton"])
 def results(request, tmp_path_factory):
     # "torch": the torch SwiGLU formula and loss backend (fast on CPU); "triton": the Triton
-    # SwiGLU and fused loss kernels (interpreted on CPU, real on a GPU box's CPU ranks too)
+    # SwiGLU and fused loss kernels, interpreted in the CPU ranks
     backend = request.param
+    if backend == "triton" and torch.cuda.is_available():
+        # On a CUDA machine conftest leaves the interpreter off (kernels compile), so CPU ranks
+        # cannot run Triton; two ranks sharing one GPU through gloo crashed (SIGSEGV, torch 2.11).
+        pytest.skip("CPU-only: the gloo ranks run the Triton kernels interpreted")
     return run_gloo_ranks(_worker, WORLD, tmp_path_factory.mktemp(f"dp-{backend}"), backend,
                           triton_interpret=backend == "triton")
 
