@@ -405,7 +405,11 @@ def bench_shape(shape: Shape, candidates, opts, *, device, reps, warmup, seed) -
         common.synchronize(device)
         res["reference"] = {"loss": ref[0], "seconds": time.perf_counter() - t0,
                             "how": "all tensors upcast to fp32; fp32 GEMMs (no TF32); chunked "
-                                   "autograd"}
+                                   "autograd",
+                            # what rounding the exact gradients to the inputs' dtype alone costs:
+                            # no candidate returning bf16 gradients can be below it
+                            "rounded_dx_rel_err": common.rel_err(ref[1].to(xs.dtype), ref[1]),
+                            "rounded_dw_rel_err": common.rel_err(ref[2].to(ws.dtype), ref[2])}
     except Exception as e:  # noqa: BLE001
         ref = None
         res["reference"] = common.describe_failure(e)
@@ -546,6 +550,11 @@ def format_report(result: Dict[str, Any]) -> str:
             lambda c: common.loss_cells(
                 c, [c.get("ratio_to_floor"), c.get("ratio_to_xla_floor")],
                 c.get("peak_extra_bytes"))))
+        ref = res.get("reference", {})
+        if "rounded_dx_rel_err" in ref:
+            lines.append(f"  the fp32 reference's gradients rounded to bf16 (no bf16 result can "
+                         f"do better): dX {ref['rounded_dx_rel_err']:.2g}, dW "
+                         f"{ref['rounded_dw_rel_err']:.2g}")
     lines += common.wrote_lines(result)
     return "\n".join(lines)
 
