@@ -71,6 +71,30 @@ def autocast_inputs(*tensors):
                  t.dtype != torch.float64 else t for t in tensors)
 
 
+def triton_gpu(device: torch.device) -> bool:
+    """Whether ``device`` is an NVIDIA GPU, where the Triton backends run. ROCm builds of
+    PyTorch call their GPUs "cuda" too, but the kernels are written and measured for NVIDIA's
+    32-lane warps (32-warp programs would be 2048 threads on a 64-lane CDNA GPU)."""
+    return device.type == "cuda" and getattr(torch.version, "hip", None) is None
+
+
+def check_triton_device(t: torch.Tensor, name: str, what: str, interpreted: bool) -> None:
+    """The error for a tensor the Triton kernels cannot run on (``what``: which kernels)."""
+    if t.is_cuda and not triton_gpu(t.device):
+        raise NotImplementedError(f"{what} is written for NVIDIA GPUs and untested on ROCm; "
+                                  "use backend='torch'")
+    if not (t.is_cuda or interpreted):
+        raise ValueError(f"{what} needs CUDA tensors (or TRITON_INTERPRET=1 for testing); "
+                         f"{name} is on {t.device}")
+
+
+def rows_buffer(rows: int, cols: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """A ``[rows, cols]`` buffer whose rows start at 16-element boundaries (a view of
+    ``[rows, cols rounded up to 16]``): the row kernels' loads and stores then vectorize and
+    cuBLAS gets an aligned leading dimension whatever the vocabulary size (e.g. 50257)."""
+    return torch.empty(rows, -(-cols // 16) * 16, dtype=dtype, device=device)[:, :cols]
+
+
 def on_device(t: torch.Tensor):
     """A context making ``t``'s CUDA device current (else nothing). Triton launches on the
     current device and its stream, not on the tensors': a model split over GPUs (e.g. a

@@ -38,13 +38,16 @@ def _load(name: str):
 def available_backends(device="cpu"):
     """Backends that can run on ``device`` (``None`` picks the first of these)."""
     device = torch.device(device)
-    return (["triton"] if (device.type == "cuda" and "triton" in _LOADED) else []) + ["torch", "pallas"]
+    return (["triton"] if _triton_usable(device) else []) + ["torch", "pallas"]
+
+
+def _triton_usable(device: torch.device) -> bool:
+    return common.triton_gpu(device) and "triton" in _LOADED
 
 
 def _resolve(backend: Optional[str], device: torch.device, dtype: torch.dtype):
     if backend is None:  # Triton on CUDA for the dtypes it has kernels for (not float64)
-        backend = ("triton" if (device.type == "cuda" and "triton" in _LOADED and
-                                dtype != torch.float64) else "torch")
+        backend = "triton" if (_triton_usable(device) and dtype != torch.float64) else "torch"
     _check_backend(backend)
     return backend, _load(backend)
 

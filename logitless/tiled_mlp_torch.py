@@ -85,7 +85,7 @@ def _swiglu_backward_torch(grad_h, gate, up, *, grad_gate=None, grad_up=None):
 
 def _use_triton(t: torch.Tensor) -> bool:
     return (_triton_swiglu is not None and t.dtype in _triton_swiglu.SUPPORTED_DTYPES
-            and (t.is_cuda or _triton_swiglu.interpreted()))
+            and (common.triton_gpu(t.device) or _triton_swiglu.interpreted()))
 
 
 def _swiglu_kernels(t: torch.Tensor):
@@ -197,12 +197,13 @@ def _tiled_swiglu_fwd(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
     rows = min(shard, n)
     gbuf = torch.empty(rows, w_gate.shape[0], dtype=x.dtype, device=x.device)
     ubuf = torch.empty_like(gbuf)
-    for s, e in plan.bounds():
-        g, u = gbuf[: e - s], ubuf[: e - s]
-        _linear_into(x[s:e], w_gate, b_gate, g)
-        _linear_into(x[s:e], w_up, b_up, u)
-        fwd(g, u, out=g)  # h over g
-        _linear_into(g, w_down, b_down, y[s:e])
+    with common.on_device(x):  # the Triton SwiGLU launches on the current device's stream
+        for s, e in plan.bounds():
+            g, u = gbuf[: e - s], ubuf[: e - s]
+            _linear_into(x[s:e], w_gate, b_gate, g)
+            _linear_into(x[s:e], w_up, b_up, u)
+            fwd(g, u, out=g)  # h over g
+            _linear_into(g, w_down, b_down, y[s:e])
     return y
 
 
@@ -229,7 +230,8 @@ def _tiled_swiglu_bwd(dy: torch.Tensor, x: torch.Tensor, w_gate: torch.Tensor,
                                           dtype=_accum_dtype(p, accum_fp32, plan.num_shards))
            for f, p in zip(needs[1:], params)]
     dx = torch.empty_like(x) if needs[0] else None
-    _backward_sweep(plan, dy, x, params, acc, dx)  # its shard buffers are gone on return
+    with common.on_device(x):  # as in the forward
+        _backward_sweep(plan, dy, x, params, acc, dx)  # its shard buffers are gone on return
     out = [x.new_empty(0) if dx is None else dx]
     for j, p in enumerate(params):  # the fp32 accumulators, cast and freed one at a time
         a, acc[j] = acc[j], None

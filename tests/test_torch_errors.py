@@ -457,3 +457,20 @@ def test_jsd_and_hv_layout_shape_hints():
         spec.check_shapes((6, 5), (40, 5), (6,), weight_layout="hv")
     with pytest.raises(ValueError, match=re.escape("looks like (H, V): pass weight_layout='hv'")):
         spec.check_shapes((6, 5), (5, 40), (6,), transpose_hint="pass weight_layout='hv'")
+
+
+def test_rocm_gpus_are_not_handed_to_the_triton_kernels(monkeypatch):
+    # ROCm builds call their GPUs "cuda"; the kernels are for NVIDIA's 32-lane warps
+    from logitless import _torch_common as common
+    from logitless import _torch_jsd
+    lt._load("triton"), _torch_jsd._load("triton")  # imported, as after a first call
+    assert common.triton_gpu(torch.device("cuda")) and not common.triton_gpu(torch.device("cpu"))
+    assert "triton" in lt.available_backends("cuda")
+    assert "triton" in _torch_jsd.available_backends("cuda")
+    assert lt._resolve(None, torch.device("cuda"), torch.bfloat16)[0] == "triton"
+    monkeypatch.setattr(torch.version, "hip", "6.2", raising=False)
+    assert not common.triton_gpu(torch.device("cuda"))
+    assert "triton" not in lt.available_backends("cuda")
+    assert "triton" not in _torch_jsd.available_backends("cuda")
+    assert lt._resolve(None, torch.device("cuda"), torch.bfloat16)[0] == "torch"
+    assert _torch_jsd._resolve(None, torch.device("cuda"), torch.bfloat16)[0] == "torch"

@@ -173,7 +173,7 @@ def _forward(x, w, bias, y, cw, omega_sum, opts_t, cfg, grad_mode, needs, accum_
         # persistent grid: one program per SM (interpreter: a few, run one after another)
         sms = (torch.cuda.get_device_properties(dev).multi_processor_count if x.is_cuda else 3)
     else:
-        buf = torch.empty(rows, v, dtype=x.dtype, device=dev)
+        buf = common.rows_buffer(rows, v, x.dtype, dev)
     for s in range(0, n, cfg.chunk):
         e = min(s + cfg.chunk, n)
         stats = None
@@ -199,7 +199,7 @@ def _token_sweep(x, w, bias, y, cw, omega_sum, lse, g, h, opts_t, cfg, need_dx, 
     n, hdim = x.shape
     v = w.shape[0]
     dx = torch.empty(n, hdim, dtype=x.dtype, device=x.device) if need_dx else x.new_empty(0)
-    buf = torch.empty(min(cfg.chunk, n), v, dtype=x.dtype, device=x.device)
+    buf = common.rows_buffer(min(cfg.chunk, n), v, x.dtype, x.device)
     for s in range(0, n, cfg.chunk):
         e = min(s + cfg.chunk, n)
         blk = _logits(x[s:e], w, bias, buf[: e - s])
@@ -229,7 +229,7 @@ def _vocab_sweep(x, w, bias, y, cw, omega_sum, lse, g, h, opts_t, cfg, post_scal
     tokens, fp32 inside, times ``post_scale``, written once into the final gradient."""
     n = x.shape[0]
     v = w.shape[0]
-    buf = torch.empty(n, min(cfg.vocab_chunk, v), dtype=x.dtype, device=x.device)
+    buf = common.rows_buffer(n, min(cfg.vocab_chunk, v), x.dtype, x.device)
     for s in range(0, v, cfg.vocab_chunk):
         e = min(s + cfg.vocab_chunk, v)
         blk = buf[:, : e - s]
@@ -497,9 +497,7 @@ def linear_cross_entropy(p: common.Prepared, opts: spec.LinearCrossEntropyOption
     if x.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"backend='triton' supports float32/bfloat16/float16 input, got {x.dtype}; "
                         "use backend='torch' for float64")
-    if not (x.is_cuda or _interpret()):
-        raise ValueError("backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for testing); "
-                         f"input is on {x.device}")
+    common.check_triton_device(x, "input", "backend='triton'", _interpret())
     if not isinstance(low_memory, bool):
         raise TypeError(f"low_memory must be a bool, got {low_memory!r}")
     if grad_accum_dtype not in (torch.float32, x.dtype):

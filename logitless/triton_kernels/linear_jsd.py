@@ -133,14 +133,6 @@ def _max_resident_segments(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _rows_buffer(rows, v, dtype, device):
-    """A [rows, V] buffer whose rows start at 16-element boundaries (a view of [rows, V_pad]),
-    so that the row kernel's loads and stores vectorize whatever V is; cuBLAS reads and writes
-    it through its leading dimension."""
-    v_pad = -(-v // 16) * 16
-    return torch.empty(rows, v_pad, dtype=dtype, device=device)[:, :v]
-
-
 def _logits(x, w, out, fp32):
     if fp32:
         return jsd_common.logits_f32(x, w, out=out)
@@ -183,9 +175,9 @@ def _sweep(xs, ws, xt, wt, y, g, opts_t, cfg: Config, want_loss, want_grad, accu
                               zero=n == 0)
     ldt = torch.float32 if cfg.fp32_logits else dt
     c = min(cfg.sub_chunk, n)
-    zs_buf = _rows_buffer(c, v, ldt, dev)
-    zt_buf = _rows_buffer(c, v, ldt if cfg.fp32_logits else xt.dtype, dev)
-    dz_buf = _rows_buffer(min(cfg.chunk, n), v, dt, dev) if want_grad else None
+    zs_buf = common.rows_buffer(c, v, ldt, dev)
+    zt_buf = common.rows_buffer(c, v, ldt if cfg.fp32_logits else xt.dtype, dev)
+    dz_buf = common.rows_buffer(min(cfg.chunk, n), v, dt, dev) if want_grad else None
     for s in range(0, n, cfg.chunk):
         e = min(s + cfg.chunk, n)
         for ss in range(s, e, cfg.sub_chunk):
@@ -385,9 +377,7 @@ def linear_jsd(p: jsd_common.Prepared, opts: spec.LinearJSDOptions, *, chunk_siz
         if t.dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"backend='triton' supports float32/bfloat16/float16 {name}, got "
                             f"{t.dtype}; use backend='torch' for float64")
-    if not (xs.is_cuda or _interpret()):
-        raise ValueError("backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 for "
-                         f"testing); student_input is on {xs.device}")
+    common.check_triton_device(xs, "student_input", "backend='triton'", _interpret())
     if not isinstance(fp32_logits, bool):
         raise TypeError(f"fp32_logits must be a bool, got {fp32_logits!r}")
     if row_sync is not None and not isinstance(row_sync, bool):

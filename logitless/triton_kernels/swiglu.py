@@ -92,9 +92,7 @@ def _check(name, t, like=None):
     if t.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"{name} must be float32, bfloat16 or float16 for the Triton SwiGLU, "
                         f"got {t.dtype}")
-    if not (t.is_cuda or _INTERPRET):
-        raise ValueError(f"the Triton SwiGLU needs CUDA tensors (or TRITON_INTERPRET=1); "
-                         f"{name} is on {t.device}")
+    common.check_triton_device(t, name, "the Triton SwiGLU", _INTERPRET)
     if like is not None:
         lname, lt = like
         if t.shape != lt.shape:
