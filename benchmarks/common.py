@@ -2,8 +2,10 @@
 
 Conventions (the same for every op, so results are comparable across files):
 
-* time: median of ``reps`` timed calls after ``warmup`` untimed ones; CUDA events per call on
-  a GPU, ``time.perf_counter`` on CPU (after the work is done: CPU ops are synchronous).
+* time: median of ``reps`` timed calls after untimed warm-up calls; CUDA events per call on
+  a GPU, ``time.perf_counter`` up to the result on CPU and for JAX. A candidate and its floor
+  (the op's GEMMs alone) are timed interleaved, A B A B ... (``time_interleaved``), and its
+  ratio is to the floor calls timed with it: the GPU's clocks drift within a run.
 * peak extra memory: the high-water mark during one call minus what was held before the call
   and minus the nominal bytes of what the call returns (e.g. the gradients, which any
   implementation must produce). GPU: ``torch.cuda.max_memory_allocated`` after a peak reset.
@@ -24,6 +26,7 @@ import ctypes
 import dataclasses
 import datetime
 import gc
+import hashlib
 import importlib.metadata
 import json
 import math
@@ -52,17 +55,25 @@ def package_version(name: str) -> Optional[str]:
         return None
 
 
-def git_commit() -> Optional[str]:
+def _git(*args: str) -> Optional[str]:
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT,
-                             capture_output=True, text=True, timeout=10)
+        out = subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
         return None
-    if out.returncode != 0:
-        return None
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=10)
-    return out.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    return out.stdout.decode(errors="replace") if out.returncode == 0 else None
+
+
+def git_provenance() -> Dict[str, Any]:
+    """``git_commit`` (``<sha>+dirty`` when tracked files differ from HEAD), ``git_changed``
+    (``git status --porcelain`` lines, untracked files too) and ``git_diff_sha`` (sha256 of
+    ``git diff HEAD``, first 12 hex digits; None when clean): a dirty run stays identifiable."""
+    sha = _git("rev-parse", "--short", "HEAD")
+    if sha is None:
+        return {"git_commit": None}
+    changed = (_git("status", "--porcelain") or "").splitlines()
+    diff = _git("diff", "HEAD") or ""
+    return {"git_commit": sha.strip() + ("+dirty" if diff else ""), "git_changed": changed,
+            "git_diff_sha": hashlib.sha256(diff.encode()).hexdigest()[:12] if diff else None}
 
 
 def environment(device: Optional[str] = None, extra_packages: Sequence[str] = ()) -> Dict[str, Any]:
@@ -73,7 +84,7 @@ def environment(device: Optional[str] = None, extra_packages: Sequence[str] = ()
         "python": platform.python_version(),
         "platform": platform.platform(),
         "cpu_count": os.cpu_count(),
-        "git_commit": git_commit(),
+        **git_provenance(),
         "packages": {p: package_version(p) for p in
                      ("torch", "triton", "jax", "jaxlib", "numpy", *extra_packages)},
     }
@@ -115,6 +126,9 @@ def default_device() -> str:
 
 
 # ----------------------------------------------------------------------------- timing
+GPU_WARMUP_S = 1.0  # wall time of interleaved warm-up per timed group on a GPU (clocks settle)
+
+
 @dataclasses.dataclass
 class Timing:
     median_ms: float
@@ -122,6 +136,12 @@ class Timing:
     max_ms: float
     times_ms: List[float]
     method: str
+    iqr_ms: float = 0.0  # interquartile range of times_ms: the spread inside one measurement
+
+    @classmethod
+    def of(cls, times: List[float], method: str) -> "Timing":
+        q1, _, q3 = statistics.quantiles(times, n=4) if len(times) > 1 else (times * 3)
+        return cls(statistics.median(times), min(times), max(times), times, method, q3 - q1)
 
     def as_dict(self):
         return dataclasses.asdict(self)
@@ -133,38 +153,109 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_fn(fn: Callable[[], Any], *, device: str, reps: int, warmup: int = 1) -> Timing:
-    """Median wall time of ``fn()`` over ``reps`` calls after ``warmup`` calls.
+def _wait(out, device: str) -> None:
+    """Block until ``out`` (torch tensors and/or JAX arrays) is computed."""
+    if "jax" in sys.modules:  # a JAX step returns before its work is done
+        sys.modules["jax"].block_until_ready(out)
+    synchronize(device)
 
-    Each call's result is dropped before the next call starts (so gradients of one call never
-    accumulate into or coexist with the next). On CUDA each call is bracketed by its own pair
-    of events and the host waits only at the end, so launch latency overlaps as in training.
+
+def time_interleaved(steps: Sequence[Callable[[], Any]], *, device: str, reps: int,
+                     warmup_s: float = 0.0, warmup_calls: int = 1,
+                     wall: bool = False) -> List[Timing]:
+    """Time ``steps`` in turn (A B A B ...), ``reps`` calls each; one ``Timing`` per step.
+
+    Why interleave: a GPU whose clocks drift during a run (heat, power) slows steps timed
+    together alike, so the ratio of two steps holds; timed apart, ratios moved by 5-10%.
+    Warm-up: rounds of one call of every step until ``warmup_s`` seconds have passed and at
+    least ``warmup_calls`` rounds ran (``warmup_calls=0, warmup_s=0``: none).
+
+    Every call is timed the same way: on CUDA (``wall`` False) by its own pair of CUDA events,
+    the host waiting only at the end, so launch latency overlaps as in training; otherwise
+    (CPU, or ``wall`` for JAX steps and the steps compared with them) by ``perf_counter`` from
+    the call to its completion (``jax.block_until_ready`` of its result when JAX is loaded,
+    then a device synchronize). Each call's result is dropped before the next call starts.
     """
     if reps < 1:
         raise ValueError(f"reps must be >= 1, got {reps}")
-    for _ in range(warmup):
-        fn()  # result dropped at once
-    synchronize(device)
-    if device.startswith("cuda"):
+    t0, rounds = time.perf_counter(), 0
+    while rounds < warmup_calls or time.perf_counter() - t0 < warmup_s:
+        for step in steps:
+            _wait(step(), device)  # result dropped at once
+        rounds += 1
+    if device.startswith("cuda") and not wall:
         import torch
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                  for _ in range(reps)]
-        for start, end in events:
-            start.record()
-            fn()  # result dropped at once: its memory returns to the caching allocator
-            end.record()
+        events = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                   for _ in range(reps)] for _ in steps]
+        for r in range(reps):
+            for step, ev in zip(steps, events):
+                ev[r][0].record()
+                step()  # result dropped at once: its memory returns to the caching allocator
+                ev[r][1].record()
         torch.cuda.synchronize(device)
-        times = [s.elapsed_time(e) for s, e in events]
-        method = "cuda-events"
-    else:
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            out = fn()  # held until the clock stops: freeing it is not part of the call
-            times.append((time.perf_counter() - t0) * 1e3)
+        return [Timing.of([s.elapsed_time(e) for s, e in ev], "cuda-events") for ev in events]
+    times: List[List[float]] = [[] for _ in steps]
+    for _ in range(reps):
+        for step, ts in zip(steps, times):
+            t = time.perf_counter()
+            out = step()
+            _wait(out, device)  # held until the clock stops: freeing it is not part of the call
+            ts.append((time.perf_counter() - t) * 1e3)
             del out
-        method = "perf_counter"
-    return Timing(statistics.median(times), min(times), max(times), times, method)
+    method = "perf_counter" + (" to jax.block_until_ready" if "jax" in sys.modules else "") + (
+        " + torch.cuda.synchronize" if device.startswith("cuda") else "")
+    return [Timing.of(ts, method) for ts in times]
+
+
+def time_fn(fn: Callable[[], Any], *, device: str, reps: int, warmup: int = 1) -> Timing:
+    """``time_interleaved`` of one step after ``warmup`` untimed calls."""
+    return time_interleaved([fn], device=device, reps=reps, warmup_calls=warmup)[0]
+
+
+def time_jax(fn: Callable[[], Any], *, reps: int, warmup: int) -> Timing:
+    """Wall time of ``fn()`` up to ``jax.block_until_ready`` of its outputs, after ``warmup``
+    untimed calls."""
+    import jax  # noqa: F401 - loaded, so that the timer waits for the JAX result
+    return time_interleaved([fn], device="cpu", reps=reps, warmup_calls=warmup, wall=True)[0]
+
+
+def time_against(step: Callable[[], Any], floors: Dict[str, Optional[Callable[[], Any]]], *,
+                 device: str, reps: int, warmup_s: float, wall: bool = False) -> Dict[str, Any]:
+    """Time ``step`` interleaved with each floor step of ``floors`` (name -> step; None =
+    unavailable, left out). Returns a candidate record's fields: ``ms``, ``timing`` and for each
+    floor ``<name>_ms``, ``<name>_timing`` (its calls interleaved with this step) and
+    ``ratio_to_<name>`` = ms / <name>_ms."""
+    names = [n for n, f in floors.items() if f is not None]
+    t, *fts = time_interleaved([step, *(floors[n] for n in names)], device=device, reps=reps,
+                               warmup_s=warmup_s, wall=wall)
+    rec: Dict[str, Any] = {"ms": t.median_ms, "timing": t.as_dict()}
+    for name, ft in zip(names, fts):
+        rec.update({f"{name}_ms": ft.median_ms, f"{name}_timing": ft.as_dict(),
+                    f"ratio_to_{name}": t.median_ms / ft.median_ms})
+    return rec
+
+
+def floor_basis(floor: Dict[str, Any]) -> str:
+    """What a shape's floor number is, for a report's header line."""
+    return ("timed alone" if floor.get("how", "").startswith("timed alone")
+            else "median of all floor calls of the shape")
+
+
+def pooled_floor(records: Iterable[Dict[str, Any]], name: str, *, flops: int,
+                 alone: Callable[[], Timing], **about) -> Dict[str, Any]:
+    """A shape's floor record: the median over every call of floor ``name`` interleaved with
+    the ``records`` (candidates); when none was timed, ``alone()`` times the floor by itself.
+    Ratios use each candidate's own ``<name>_ms``, not this number."""
+    times = [t for r in records for t in (r.get(f"{name}_timing") or {}).get("times_ms", [])]
+    methods = {r[f"{name}_timing"]["method"] for r in records if r.get(f"{name}_timing")}
+    if times:
+        t = Timing.of(times, " / ".join(sorted(methods)))
+        how = (f"median of all {len(times)} floor calls interleaved with this shape's "
+               f"candidates (each candidate's ratio uses its own: {name}_ms)")
+    else:
+        t, how = alone(), "timed alone (no candidate was timed)"
+    return {"status": "ok", "ms": t.median_ms, "tflops": tflops(flops, t.median_ms),
+            "timing": t.as_dict(), "how": how, **about}
 
 
 def capture_cuda_graph(step: Callable[[], Any], reset: Callable[[], Any]):
@@ -185,34 +276,21 @@ def capture_cuda_graph(step: Callable[[], Any], reset: Callable[[], Any]):
     return graph
 
 
-def time_gemms(pairs: Sequence[tuple], *, device: str, reps: int, warmup: int = 1):
-    """Time ``torch.mm(a, b)`` for every pair, run back to back as one call.
-
-    Returns ``(Timing, flops)``: the floor of an op whose work is these GEMMs.
-    """
+def gemm_step(pairs: Sequence[tuple]):
+    """``(step, flops)``: ``step()`` runs ``torch.mm(a, b)`` for every pair, back to back: the
+    floor of an op whose work is these GEMMs."""
     import torch
 
-    def run():
+    def step():
         return [torch.mm(a, b) for a, b in pairs]
 
-    flops = sum(2 * a.shape[0] * a.shape[1] * b.shape[1] for a, b in pairs)
-    return time_fn(run, device=device, reps=reps, warmup=warmup), flops
+    return step, sum(2 * a.shape[0] * a.shape[1] * b.shape[1] for a, b in pairs)
 
 
-def time_jax(fn: Callable[[], Any], *, reps: int, warmup: int) -> Timing:
-    """Median wall time of ``fn()`` up to ``jax.block_until_ready`` of its outputs."""
-    import jax
-    for _ in range(warmup):
-        jax.block_until_ready(fn())
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        out = fn()
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t0) * 1e3)
-        del out
-    return Timing(statistics.median(times), min(times), max(times), times,
-                  "perf_counter to jax.block_until_ready")
+def time_gemms(pairs: Sequence[tuple], *, device: str, reps: int, warmup: int = 1):
+    """``(Timing, flops)`` of ``gemm_step(pairs)`` timed alone."""
+    step, flops = gemm_step(pairs)
+    return time_fn(step, device=device, reps=reps, warmup=warmup), flops
 
 
 def tflops(flops: float, ms: float) -> float:
@@ -486,6 +564,23 @@ def rel_err(a, ref, *, block_rows: int = 4096) -> float:
     return num / den
 
 
+def rounding_floor(ref_dx, ref_dw, *, to_input_dtype: Callable, err: Callable = rel_err):
+    """The error of the reference gradients rounded to the inputs' dtype against themselves:
+    no candidate returning gradients in that dtype can do better. Fields for the reference
+    record: ``rounded_dx_rel_err``, ``rounded_dw_rel_err``. ``err(a, ref)`` as ``rel_err``."""
+    return {"rounded_dx_rel_err": float(err(to_input_dtype(ref_dx), ref_dx)),
+            "rounded_dw_rel_err": float(err(to_input_dtype(ref_dw), ref_dw))}
+
+
+def rounding_floor_line(reference: Dict[str, Any]) -> List[str]:
+    """The report line under a table for ``rounding_floor``'s fields (none if absent)."""
+    if "rounded_dx_rel_err" not in reference:
+        return []
+    return [f"  the fp32 reference's gradients rounded to bf16 (no bf16 result can do better): "
+            f"dX {fmt_err(reference['rounded_dx_rel_err'])}, "
+            f"dW {fmt_err(reference['rounded_dw_rel_err'])}"]
+
+
 # ----------------------------------------------------------------------------- failures
 def describe_failure(exc: BaseException) -> Dict[str, str]:
     """``{"status": "oom" | "error", "error": "Type: message (file:line)"}``."""
@@ -578,10 +673,10 @@ def candidate_table(header: Sequence[str], records: Iterable[Dict[str, Any]],
 
 
 def loss_cells(c: Dict[str, Any], ratios: Sequence[Optional[float]],
-               memory: Optional[float]) -> List[str]:
-    """A loss candidate's table cells after its name: ms, ``ratios``, ``memory`` (bytes), the
-    dX, dW and loss errors, an empty note."""
-    return [fmt_ms(c["ms"]), *map(fmt_ratio, ratios), fmt_bytes(memory),
+               memory: Optional[float], floors: Sequence[Optional[float]] = ()) -> List[str]:
+    """A loss candidate's table cells after its name: ms, ``floors`` (ms of the floor calls
+    timed with it), ``ratios``, ``memory`` (bytes), the dX, dW and loss errors, an empty note."""
+    return [fmt_ms(c["ms"]), *map(fmt_ms, floors), *map(fmt_ratio, ratios), fmt_bytes(memory),
             fmt_err(c.get("dx_rel_err")), fmt_err(c.get("dw_rel_err")),
             fmt_err(c.get("loss_rel_err")), ""]
 
@@ -595,6 +690,16 @@ def brief(rec: Dict[str, Any], *, memory_label: str = "extra",
     return (f"{fmt_ms(rec['ms'])} ms, {fmt_ratio(rec.get('ratio_to_floor'))} floor, "
             f"{memory_label} {fmt_bytes(rec.get(memory_key))}, "
             f"dx {fmt_err(rec.get('dx_rel_err'))}, dw {fmt_err(rec.get('dw_rel_err'))}")
+
+
+CPU_SMOKE_NOTE = ("CPU run: a smoke run at tiny shapes (does everything run, are the errors "
+                  "right?), not a performance claim; the performance records are the GPU's "
+                  "benchmarks/results/<gpu>-*.json")
+
+
+def is_gpu_run(env: Dict[str, Any]) -> bool:
+    """Whether a result's ``env`` is a GPU's (torch records say "cuda", JAX ones "gpu")."""
+    return env.get("device") in ("cuda", "gpu")
 
 
 def wrote_lines(result: Dict[str, Any]) -> List[str]:

@@ -13,7 +13,8 @@ On a GPU each section runs the TARGETS.md shapes and writes its record file
 ``benchmarks/results/<gpu>-<op>.json`` (+ ``.png``; linear cross-entropy merges into its file),
 then ``<gpu>-demo-summary.json`` / ``.png``. On CPU the shapes are small (seconds each; the
 whole demo takes a few minutes on 2 cores) and the files are ``demo-cpu*.json`` / ``.png``
-(git-ignored). A section that fails is reported and the others still run.
+(git-ignored): a smoke run (does everything run, are the errors right?), not a performance
+claim. A section that fails is reported and the others still run.
 
 CPU linear cross-entropy: one small but telling shape (default N=2048 tokens, H=256, V=32000),
 each candidate in a fresh subprocess, so its peak memory is its own: the resident-set
@@ -300,6 +301,7 @@ def format_cpu_report(result) -> str:
         lines.append("(JAX rows appear once logitless.jax exists.)")
     lines.append("On a GPU `make demo` runs the Triton backend and the peers at the TARGETS.md "
                  "shapes (benchmarks/linear_cross_entropy.py).")
+    lines.append(common.CPU_SMOKE_NOTE)
     return "\n".join(lines)
 
 
@@ -314,6 +316,7 @@ class Section:
     gpu_args: List[str]
     baselines: Dict[str, str]  # framework -> the candidate the others are compared with
     records_field: str = "candidates"
+    interleaved: bool = True   # times against a floor / plain: takes --warmup-s
 
 
 SECTIONS = [
@@ -329,7 +332,7 @@ SECTIONS = [
     Section("tiled-mlp", "tiled MLP (SwiGLU)", "tiled_mlp.py", ["--shapes", "tiny"], [],
             {"torch": "plain", "jax": "jax-plain"}),
     Section("hf-llama", "Hugging Face Llama training step", "hf_memory.py", ["--tiny"], [],
-            {"torch": "hf"}, records_field="variants"),
+            {"torch": "hf"}, records_field="variants", interleaved=False),
 ]
 # on CPU the JAX linear-CE rows come from the linear-CE section's own subprocesses
 CPU_SECTIONS = [s.key for s in SECTIONS if s.key != "jax-linear-cross-entropy"]
@@ -337,12 +340,15 @@ LOG_LINE = re.compile(r"^\s*(\[[^\]]*\]\s*)?[\w\-\[\]=.,]+( \.\.\.|: )")
 
 
 def run_section(sec: Section, *, device: str, out: Optional[Path], timeout: float, seed: int,
-                reps: Optional[int] = None, bar=None) -> Dict[str, Any]:
+                reps: Optional[int] = None, warmup_s: Optional[float] = None,
+                bar=None) -> Dict[str, Any]:
     """Run one section's script; return ``{"section", "status", "result", "report"}``.
     The child's log lines show in the progress bar; its report (stdout) is kept."""
     args = list(sec.gpu_args if device == "cuda" else sec.cpu_args) + ["--seed", str(seed)]
     if reps:
         args += ["--reps", str(reps)]
+    if warmup_s is not None and sec.interleaved:
+        args += ["--warmup-s", str(warmup_s)]
     if out is not None:
         args += ["--out", str(out)]
     cmd = [sys.executable, str(Path(__file__).resolve().parent / sec.script), *args]
@@ -462,7 +468,8 @@ def run_all(args) -> int:
         if bar is not None:
             bar.set_description("linear cross-entropy")
         if cuda:
-            result = run_gpu(reps=args.reps, seed=seed, plot=not args.no_plot)
+            result = run_gpu(reps=args.reps, seed=seed, plot=not args.no_plot,
+                             warmup_s=args.warmup_s)
             reports.append(lce.format_report(result))
             rows += summary_rows("linear cross-entropy", result, {"torch": "naive"})
         else:
@@ -480,7 +487,7 @@ def run_all(args) -> int:
             bar.set_description(sec.title)
         out = None if cuda else out_dir / f"demo-cpu.{sec.key}.json"
         rec = run_section(sec, device=device, out=out, timeout=args.timeout * 4, seed=seed,
-                          reps=args.reps, bar=bar)
+                          reps=args.reps, warmup_s=args.warmup_s, bar=bar)
         if rec["status"] == "ok":
             reports.append(rec["report"])
             rows += summary_rows(sec.title, rec["result"], sec.baselines, sec.records_field)
@@ -496,6 +503,8 @@ def run_all(args) -> int:
     print(f"\n==== make demo summary ({where}, {time.perf_counter() - t_start:.0f} s): every op, "
           f"every backend here; time and peak extra memory relative to the same framework's "
           f"naive path (JAX memory: XLA temp buffers)\n")
+    if not cuda:
+        print(common.CPU_SMOKE_NOTE + "\n")
     print(format_summary(rows))
     env = common.environment(device)
     stem = f"{common.device_slug(env)}-demo-summary" if cuda else "demo-cpu.summary"
@@ -506,19 +515,18 @@ def run_all(args) -> int:
     png = None
     if not args.no_plot:
         from benchmarks import plot as plotting
-        png = plotting.plot_summary(rows, out_dir / f"{stem}.png",
-                                    title=f"make demo on {where}: "
-                                          f"{summary['env'].get('gpu_name') or summary['env'].get('cpu_model')}")
+        png = plotting.plot_summary(rows, out_dir / f"{stem}.png", title=plotting.with_cpu_note(
+            f"make demo on {where}: {env.get('gpu_name') or env.get('cpu_model')}", env))
     print(f"\nwrote {js}" + (f" and {png}" if png else " (no plot: matplotlib is not installed)"))
     ok = any(r["status"] == "ok" for r in rows)
     return 0 if ok and not failed else 1
 
 
-def run_gpu(*, reps: Optional[int], seed: int, plot: bool):
+def run_gpu(*, reps: Optional[int], seed: int, plot: bool, warmup_s: Optional[float] = None):
     shapes = lce.parse_shapes("targets")
     cands = lce.parse_candidates(None, "cuda")
     return lce.run_benchmark(shapes, cands, device="cuda", reps=reps or 10, warmup=2,
-                             seed=seed, merge=True, plot=plot)
+                             seed=seed, merge=True, plot=plot, warmup_s=warmup_s)
 
 
 def main(argv=None):
@@ -533,6 +541,9 @@ def main(argv=None):
     p.add_argument("--chunk-size", type=int, default=CPU_CHUNK,
                    help="tokens per chunk for the logitless linear-CE rows on CPU")
     p.add_argument("--reps", type=int, default=None, help="timed calls (default 3 CPU, 10 GPU)")
+    p.add_argument("--warmup-s", type=float, default=None,
+                   help="seconds of interleaved candidate/floor warm-up before each candidate's "
+                        f"timing (default {common.GPU_WARMUP_S} GPU; CPU: one call each)")
     p.add_argument("--timeout", type=float, default=300, help="seconds per CPU candidate "
                    "(x4 per section)")
     p.add_argument("--seed", type=int, default=None)

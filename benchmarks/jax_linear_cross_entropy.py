@@ -11,11 +11,15 @@ of time, and measured for
   written as ``peak_extra_bytes`` so that ``benchmarks/plot.py`` can draw it;
 * errors: ``‖g − ref‖ / ‖ref‖`` of dX and dW and the loss's relative error, against an
   fp32-logits reference (x and W upcast, fp32 GEMMs at ``Precision.HIGHEST``, plain
-  ``jax.value_and_grad`` over token chunks, independent of logitless).
+  ``jax.value_and_grad`` over token chunks, independent of logitless), and what rounding that
+  reference's gradients to bf16 alone costs.
 
 The floor is the op's three GEMMs through XLA (``x @ W.T``, ``G @ W``, ``G.T @ x`` with a random
-bf16 ``G [N, V]``, one jitted program), timed the same way in the same run; with a CUDA torch
-installed the same three GEMMs through cuBLAS (``torch.mm``) are timed too (``cublas_floor``).
+bf16 ``G [N, V]``, one jitted program); with a CUDA torch installed the same three GEMMs on the
+same arrays (bridged zero-copy over DLPack) through cuBLAS (``torch.mm``) too
+(``cublas_floor``). Each candidate is timed interleaved with the floors (candidate, XLA floor,
+cuBLAS floor, ...: the GPU's clocks drift within a run), every call the same way, and its
+ratios are to the floor calls timed with it.
 
 Candidates: ``naive`` (bf16 logits, upcast, log-softmax cross-entropy: what a user writes),
 ``logitless-pallas``, ``logitless-pallas-fp32logits`` (the logits GEMM writes float32: no bf16
@@ -206,47 +210,39 @@ def _float_or_nan(v) -> float:
     return v if math.isfinite(v) else float("nan")
 
 
-# ----------------------------------------------------------------------------- timing
-def bench_floor(shape: Shape, x, w, *, reps: int, warmup: int, seed: int):
+# ----------------------------------------------------------------------------- floors
+FLOOR_GEMMS = ["x @ W.T", "G @ W", "G.T @ x"]
+
+
+def floor_steps(shape: Shape, x, w, *, seed: int, cublas: bool):
+    """``{"floor": XLA step, "cublas_floor": torch.mm step or None}``: the three GEMMs with a
+    random bf16 ``G [N, V]``, both on the same arrays (cuBLAS through the DLPack bridge)."""
     import jax
     import jax.numpy as jnp
     g = jax.random.normal(jax.random.key(seed + 1), (shape.n, shape.v), jnp.float32) \
         .astype(jnp.bfloat16)
     gemms = jax.jit(lambda x, w, g: (x @ w.T, g @ w, g.T @ x)).lower(x, w, g).compile()
-    try:
-        t = common.time_jax(lambda: gemms(x, w, g), reps=reps, warmup=warmup)
-    finally:
-        del g, gemms
-        gc.collect()
-    return {"status": "ok", "ms": t.median_ms,
-            "tflops": common.tflops(shape.gemm_flops, t.median_ms),
-            "timing": t.as_dict(), "gemms": ["x @ W.T", "G @ W", "G.T @ x"], "through": "XLA"}
+    steps = {"floor": lambda: gemms(x, w, g), "cublas_floor": None}
+    if cublas:
+        from logitless.bridge import to_torch
+        xt, wt, gt = to_torch(x), to_torch(w), to_torch(g)
+        steps["cublas_floor"] = common.gemm_step([(xt, wt.t()), (gt, wt), (gt.t(), xt)])[0]
+    return steps
 
 
-def bench_cublas_floor(shape: Shape, *, reps: int, warmup: int):
-    """The same three GEMMs through torch.mm (cuBLAS), when a CUDA torch is installed."""
+def cublas_available() -> Optional[str]:
+    """Why the cuBLAS floor cannot be timed here (None: it can)."""
     try:
         import torch
     except ImportError:
-        return {"status": "unavailable", "error": "torch is not installed"}
-    if not torch.cuda.is_available():
-        return {"status": "skipped", "error": "torch has no CUDA device"}
-    dev = "cuda"
-    x = torch.randn(shape.n, shape.h, device=dev, dtype=torch.bfloat16)
-    w = torch.randn(shape.v, shape.h, device=dev, dtype=torch.bfloat16)
-    g = torch.randn(shape.n, shape.v, device=dev, dtype=torch.bfloat16)
-    try:
-        t, flops = common.time_gemms([(x, w.t()), (g, w), (g.t(), x)], device=dev, reps=reps,
-                                     warmup=warmup)
-    finally:
-        del x, w, g
-        common.free_memory(dev)
-    return {"status": "ok", "ms": t.median_ms, "tflops": common.tflops(flops, t.median_ms),
-            "timing": t.as_dict(), "through": "torch.mm (cuBLAS)"}
+        return "torch is not installed"
+    return None if torch.cuda.is_available() else "torch has no CUDA device"
 
 
 # ----------------------------------------------------------------------------- one shape
-def bench_candidate(label, cand: Candidate, kwargs, data, refs, *, reps, warmup):
+def bench_candidate(label, cand: Candidate, kwargs, data, refs, *, reps, warmup, floors,
+                    warmup_s: float = 0.0):
+    """One candidate's record, timed interleaved with ``floors`` (see ``floor_steps``)."""
     import jax
     rec: Dict[str, Any] = {"name": label, "about": cand.about, "kwargs": kwargs}
     x, w, y, filled, w_hv = data
@@ -284,8 +280,9 @@ def bench_candidate(label, cand: Candidate, kwargs, data, refs, *, reps, warmup)
         else:
             rec["loss"] = float(loss)
         out = loss = dx = dw = None
-        t = common.time_jax(step, reps=reps, warmup=0)
-        rec.update(status="ok", ms=t.median_ms, timing=t.as_dict())
+        device = "cuda" if floors.get("cublas_floor") else "cpu"  # torch.mm: sync it too
+        rec.update(common.time_against(step, floors, device=device, reps=reps,
+                                       warmup_s=warmup_s, wall=True), status="ok")
     except Exception as e:  # noqa: BLE001 - one candidate's failure must not stop the run
         rec.update(common.describe_failure(e))
     finally:
@@ -295,7 +292,7 @@ def bench_candidate(label, cand: Candidate, kwargs, data, refs, *, reps, warmup)
 
 
 def bench_shape(shape: Shape, candidates, *, reps: int, warmup: int, seed: int,
-                cublas: bool) -> Dict[str, Any]:
+                cublas: bool, warmup_s: float = 0.0) -> Dict[str, Any]:
     import jax.numpy as jnp
     x, w, y, filled = make_inputs(shape, seed)
     need_hv = any(c.layout == "hv" for _, c, _ in candidates)
@@ -308,39 +305,46 @@ def bench_shape(shape: Shape, candidates, *, reps: int, warmup: int, seed: int,
         refs["ignore"] = reference(x, w, y)
         if any(not c.ignores for _, c, _ in candidates):
             refs["filled"] = reference(x, w, filled)
+        err = _rel_err_fn()
         res["reference"] = {"loss": refs["ignore"][0], "seconds": time.perf_counter() - t0,
                             "how": "x, W upcast to fp32; fp32 GEMMs at Precision.HIGHEST; "
-                                   "jax.value_and_grad over token chunks"}
+                                   "jax.value_and_grad over token chunks",
+                            **common.rounding_floor(
+                                *refs["ignore"][1:], to_input_dtype=lambda a: a.astype(jnp.bfloat16),
+                                err=lambda a, r: _float_or_nan(err(a, r)))}
     except Exception as e:  # noqa: BLE001 - e.g. OOM: time and memory still count
         res["reference"] = common.describe_failure(e)
         common.log(f"[{shape.name}] reference failed, no errors reported: {res['reference']}")
     refs.setdefault("ignore", None)
     refs.setdefault("filled", None)
+    floors: Dict[str, Any] = {"floor": None, "cublas_floor": None}
+    why_no_cublas = cublas_available() if cublas else "not asked for (--no-cublas or no GPU)"
     try:
-        res["floor"] = bench_floor(shape, x, w, reps=reps, warmup=warmup, seed=seed)
+        floors = floor_steps(shape, x, w, seed=seed, cublas=why_no_cublas is None)
     except Exception as e:  # noqa: BLE001
         res["floor"] = common.describe_failure(e)
-    if cublas:
-        try:
-            res["cublas_floor"] = bench_cublas_floor(shape, reps=reps, warmup=warmup)
-        except Exception as e:  # noqa: BLE001
-            res["cublas_floor"] = common.describe_failure(e)
-    floor_ms = res["floor"].get("ms")
-    cublas_ms = res.get("cublas_floor", {}).get("ms")
+    if why_no_cublas is not None and cublas:
+        res["cublas_floor"] = {"status": "unavailable", "error": why_no_cublas}
     res["candidates"] = []
     for label, cand, kw in candidates:
         common.log(f"[{shape.name}] {label} ...")
         rec = bench_candidate(label, cand, kw, (x, w, y, filled, w_hv), refs, reps=reps,
-                              warmup=warmup)
-        if rec.get("ms") is not None:
-            if floor_ms:
-                rec["ratio_to_floor"] = rec["ms"] / floor_ms
-            if cublas_ms:
-                rec["ratio_to_cublas_floor"] = rec["ms"] / cublas_ms
+                              warmup=warmup, floors=floors, warmup_s=warmup_s)
         line = common.brief(rec, memory_label="temp", memory_key="temp_bytes")
         common.log(f"[{shape.name}] {label}: {line}")
         res["candidates"].append(rec)
-    del x, w, y, filled, w_hv, refs
+    for name, through in (("floor", "XLA"), ("cublas_floor", "torch.mm (cuBLAS)")):
+        if floors[name] is None:
+            continue
+        try:
+            res[name] = common.pooled_floor(
+                res["candidates"], name, flops=shape.gemm_flops, gemms=FLOOR_GEMMS,
+                through=through, alone=lambda f=floors[name]: common.time_interleaved(
+                    [f], device="cuda" if name == "cublas_floor" else "cpu", reps=reps,
+                    warmup_s=warmup_s, wall=True)[0])
+        except Exception as e:  # noqa: BLE001
+            res[name] = common.describe_failure(e)
+    del x, w, y, filled, w_hv, refs, floors
     gc.collect()
     return res
 
@@ -365,17 +369,24 @@ def default_out(env) -> Path:
 
 def run_benchmark(shapes, candidates, *, reps: int, warmup: int, seed: Optional[int] = None,
                   out: Optional[Path] = None, plot: bool = True,
-                  cublas: bool = True) -> Dict[str, Any]:
+                  cublas: bool = True, warmup_s: Optional[float] = None) -> Dict[str, Any]:
     """Benchmark every shape; write JSON after each shape (a cut-short run keeps what it
     finished) and a PNG when matplotlib is installed. Returns the result dict."""
     env = environment()
+    if warmup_s is None:
+        warmup_s = common.GPU_WARMUP_S if common.is_gpu_run(env) else 0.0
     seed = secrets.randbits(31) if seed is None else seed
     out = Path(out) if out else default_out(env)
     result = {
         "op": OP, "schema": 1, "env": env,
         "config": {"dtype": "bfloat16", "ignore_index": IGNORE_INDEX,
                    "ignore_fraction": IGNORE_FRACTION, "logit_std": LOGIT_STD, "reps": reps,
-                   "warmup": warmup, "seed": seed, "timer": "perf_counter to block_until_ready",
+                   "warmup": warmup, "warmup_s": warmup_s, "seed": seed,
+                   "timer": "perf_counter to block_until_ready (+ torch.cuda.synchronize with "
+                            "the cuBLAS floor), every call of candidates and floors alike",
+                   "floor_timing": "each candidate timed interleaved with the XLA floor and the "
+                                   "cuBLAS floor; ratio_to_floor = ms / floor_ms (XLA), "
+                                   "ratio_to_cublas_floor = ms / cublas_floor_ms",
                    "memory": "compiled.memory_analysis().temp_size_in_bytes (also written as "
                              "peak_extra_bytes)",
                    "candidates": {label: c.about for label, c, _ in candidates}},
@@ -383,7 +394,8 @@ def run_benchmark(shapes, candidates, *, reps: int, warmup: int, seed: Optional[
     }
     for i, shape in enumerate(shapes):
         result["results"].append(bench_shape(shape, candidates, reps=reps, warmup=warmup,
-                                              seed=seed + 7919 * i, cublas=cublas))
+                                              seed=seed + 7919 * i, cublas=cublas,
+                                              warmup_s=warmup_s))
         common.write_json(out, result)
     result["json"] = str(out)
     if plot:
@@ -400,19 +412,25 @@ def format_report(result: Dict[str, Any]) -> str:
     env, cfg = result["env"], result["config"]
     lines = [f"JAX linear cross-entropy fwd+bwd (jit(value_and_grad)), bf16, 10% ignored -- "
              f"{env.get('gpu_name') or env.get('cpu_model', 'cpu')}; jax "
-             f"{env['packages'].get('jax')}; median of {cfg['reps']}; seed {cfg['seed']}"]
+             f"{env['packages'].get('jax')}; median of {cfg['reps']} (wall clock to the result), "
+             f"each candidate interleaved with the floors; seed {cfg['seed']}"]
+    if not common.is_gpu_run(env):
+        lines.append(common.CPU_SMOKE_NOTE)
     for res in result["results"]:
         s, fl, cb = res["shape"], res.get("floor", {}), res.get("cublas_floor", {})
         floor = (f"XLA floor {common.fmt_ms(fl['ms'])} ms = {fl['tflops']:.3g} TFLOP/s"
                  if fl.get("ms") else f"floor {fl.get('status')}: {fl.get('error', '')}")
         if cb.get("ms"):
             floor += f"; cuBLAS floor {common.fmt_ms(cb['ms'])} ms"
-        lines += ["", f"{s['name']}  N={s['n']} H={s['h']} V={s['v']}  {floor}"]
+        lines += ["", f"{s['name']}  N={s['n']} H={s['h']} V={s['v']}  {floor} "
+                      f"({common.floor_basis(fl)})"]
         lines.append(common.candidate_table(
-            ["candidate", "ms", "x XLA floor", "x cuBLAS", "temp", "dX err", "dW err",
-             "loss err", "note"], res["candidates"],
+            ["candidate", "ms", "XLA floor ms", "cuBLAS ms", "x XLA floor", "x cuBLAS", "temp",
+             "dX err", "dW err", "loss err", "note"], res["candidates"],
             lambda c: common.loss_cells(
-                c, [c.get("ratio_to_floor"), c.get("ratio_to_cublas_floor")], c.get("temp_bytes"))))
+                c, [c.get("ratio_to_floor"), c.get("ratio_to_cublas_floor")], c.get("temp_bytes"),
+                floors=[c.get("floor_ms"), c.get("cublas_floor_ms")])))
+        lines += common.rounding_floor_line(res.get("reference", {}))
     lines += common.wrote_lines(result)
     return "\n".join(lines)
 
@@ -428,6 +446,9 @@ def main(argv=None):
                         "keywords (default: all)")
     p.add_argument("--reps", type=int, default=None)
     p.add_argument("--warmup", type=int, default=None)
+    p.add_argument("--warmup-s", type=float, default=None,
+                   help="seconds of interleaved candidate/floor warm-up before timing "
+                        f"(default {common.GPU_WARMUP_S} GPU; CPU: one call each)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--no-plot", action="store_true")
@@ -443,7 +464,7 @@ def main(argv=None):
         shapes, parse_candidates(args.candidates),
         reps=args.reps or d["reps"], warmup=d["warmup"] if args.warmup is None else args.warmup,
         seed=args.seed, out=args.out, plot=not args.no_plot,
-        cublas=not args.no_cublas and kind == "gpu")
+        cublas=not args.no_cublas and kind == "gpu", warmup_s=args.warmup_s)
     print(format_report(result))
     return 0
 

@@ -5,9 +5,11 @@ For each shape (N tokens, H hidden, V vocab), in one process and one run:
 * the floor: the op's three bf16 GEMMs through ``torch.mm`` (logits ``x @ Wᵀ``, ``G @ W`` and
   ``Gᵀ @ x`` with a random ``G``), the time any fused linear cross-entropy is measured against;
 * every candidate that is importable and applies to the device: forward + backward median
-  time, its ratio to the floor, peak extra memory (see ``common``), and the errors of the
-  loss, dX and dW against an fp32-logits reference (x and W upcast to fp32, chunked plain
-  torch autograd, independent of logitless).
+  time, timed interleaved with the floor (candidate, floor, candidate, floor, ...: the GPU's
+  clocks drift within a run) and its ratio to the floor calls timed with it, peak extra
+  memory (see ``common``), and the errors of the loss, dX and dW against an fp32-logits
+  reference (x and W upcast to fp32, chunked plain torch autograd, independent of logitless)
+  and what rounding that reference's gradients to bf16 alone costs.
 
 Inputs are bf16 with ``requires_grad``, fresh random values (logits with a realistic spread),
 and 10% of the targets are ``ignore_index`` (-100). A candidate that fails (missing package,
@@ -203,17 +205,19 @@ def parse_candidates(spec: Optional[str], device: str):
 
 
 # ----------------------------------------------------------------------------- data, reference
-def make_inputs(shape: Shape, device: str, seed: int):
+def make_inputs(shape: Shape, device: str, seed: int, logit_std: float = LOGIT_STD):
     """bf16 x, W (both requiring grad) and int64 targets with 10% ignore_index.
 
     Drawn on the device itself (a [V, H] fp32 draw on the host takes seconds at V=256k).
-    W is scaled so that the logits have std LOGIT_STD, like a trained LM head.
+    W is scaled so that the logits have std ``logit_std``. (The speed of a peer that skips
+    small softmax gradients, as CCE's ``filter_eps`` does, depends on it: the larger the
+    spread, the more peaked the softmax and the more it skips.)
     """
     import torch
     g = torch.Generator(device=device).manual_seed(seed)
     x = torch.randn(shape.n, shape.h, generator=g, device=device).to(torch.bfloat16)
     w = torch.randn(shape.v, shape.h, generator=g, device=device) \
-        .mul_(LOGIT_STD / math.sqrt(shape.h)).to(torch.bfloat16)
+        .mul_(logit_std / math.sqrt(shape.h)).to(torch.bfloat16)
     y = torch.randint(0, shape.v, (shape.n,), generator=g, device=device)
     y[torch.rand(shape.n, generator=g, device=device) < IGNORE_FRACTION] = IGNORE_INDEX
     return x.requires_grad_(), w.requires_grad_(), y
@@ -264,22 +268,33 @@ def make_step(loss_fn, x, w, y):
 
 
 # ----------------------------------------------------------------------------- one shape
-def bench_floor(shape: Shape, x, w, *, device: str, reps: int, warmup: int, seed: int):
+FLOOR_GEMMS = ["x @ W.T", "G @ W", "G.T @ x"]
+
+
+def floor_step(shape: Shape, x, w, *, device: str, seed: int):
+    """``(step, flops)``: the op's three GEMMs through torch.mm, with a random bf16 ``G [N, V]``
+    that the step holds (drop the step to free it)."""
     import torch
     g = torch.Generator(device=device).manual_seed(seed + 1)
     gmat = torch.randn(shape.n, shape.v, generator=g, device=device, dtype=torch.bfloat16)
     xd, wd = x.detach(), w.detach()
-    try:
-        timing, flops = common.time_gemms([(xd, wd.t()), (gmat, wd), (gmat.t(), xd)],
-                                          device=device, reps=reps, warmup=warmup)
-    finally:
-        del gmat
-        common.free_memory(device)
+    return common.gemm_step([(xd, wd.t()), (gmat, wd), (gmat.t(), xd)])
+
+
+def bench_floor(shape: Shape, x, w, *, device: str, reps: int, warmup: int, seed: int):
+    """The floor timed alone (``--check-floor``)."""
+    step, flops = floor_step(shape, x, w, device=device, seed=seed)
+    timing = common.time_fn(step, device=device, reps=reps, warmup=warmup)
+    del step
+    common.free_memory(device)
     return {"status": "ok", "ms": timing.median_ms, "tflops": common.tflops(flops, timing.median_ms),
-            "timing": timing.as_dict(), "gemms": ["x @ W.T", "G @ W", "G.T @ x"]}
+            "timing": timing.as_dict(), "gemms": FLOOR_GEMMS}
 
 
-def bench_candidate(label, cand: Candidate, kwargs, inputs, ref, *, device, reps, warmup):
+def bench_candidate(label, cand: Candidate, kwargs, inputs, ref, *, device, reps, warmup,
+                    floor=None, warmup_s: float = 0.0):
+    """One candidate's record; its time is taken interleaved with ``floor`` (the floor's
+    step, or None: timed alone)."""
     rec: Dict[str, Any] = {"name": label, "about": cand.about, "kwargs": kwargs}
     reason = common.skip_reason(cand, device)
     if reason:
@@ -308,8 +323,8 @@ def bench_candidate(label, cand: Candidate, kwargs, inputs, ref, *, device, reps
                        dx_rel_err=common.rel_err(dx, ref_dx),
                        dw_rel_err=common.rel_err(dw, ref_dw))
         out = loss = dx = dw = None
-        timing = common.time_fn(step, device=device, reps=reps, warmup=0)
-        rec.update(status="ok", ms=timing.median_ms, timing=timing.as_dict())
+        rec.update(common.time_against(step, {"floor": floor}, device=device, reps=reps,
+                                       warmup_s=warmup_s), status="ok")
     except Exception as e:  # noqa: BLE001 - one candidate's failure must not stop the run
         rec.update(common.describe_failure(e))
     finally:
@@ -322,9 +337,11 @@ def bench_candidate(label, cand: Candidate, kwargs, inputs, ref, *, device, reps
 
 
 def bench_shape(shape: Shape, candidates, *, device: str, reps: int, warmup: int, seed: int,
-                show_progress: bool = True) -> Dict[str, Any]:
+                show_progress: bool = True, warmup_s: float = 0.0,
+                logit_std: float = LOGIT_STD) -> Dict[str, Any]:
+    import torch
     common.free_memory(device)
-    inputs = make_inputs(shape, device, seed)
+    inputs = make_inputs(shape, device, seed, logit_std)
     x, w, y = inputs
     res: Dict[str, Any] = {"shape": shape.as_dict(), "seed": seed,
                            "ignored_tokens": int((y == IGNORE_INDEX).sum())}
@@ -333,30 +350,38 @@ def bench_shape(shape: Shape, candidates, *, device: str, reps: int, warmup: int
         ref = reference(x, w, y)
         common.synchronize(device)
         res["reference"] = {"loss": ref[0], "seconds": time.perf_counter() - t0,
-                            "how": "x, W upcast to fp32; fp32 GEMMs (no TF32); chunked autograd"}
+                            "how": "x, W upcast to fp32; fp32 GEMMs (no TF32); chunked autograd",
+                            **common.rounding_floor(
+                                ref[1], ref[2], to_input_dtype=lambda t: t.to(torch.bfloat16))}
     except Exception as e:  # noqa: BLE001 - e.g. OOM at a huge shape: time and memory still count
         ref = None
         res["reference"] = common.describe_failure(e)
         common.log(f"[{shape.name}] reference failed, no errors reported: {res['reference']}")
         common.free_memory(device)
+    floor = flops = None
     try:
-        res["floor"] = bench_floor(shape, x, w, device=device, reps=reps, warmup=warmup, seed=seed)
+        floor, flops = floor_step(shape, x, w, device=device, seed=seed)
     except Exception as e:  # noqa: BLE001
         res["floor"] = common.describe_failure(e)
         common.free_memory(device)
-    floor_ms = res["floor"].get("ms")
     res["candidates"] = []
     it = common.progress(candidates, total=len(candidates), desc=shape.name) \
         if show_progress else candidates
     for label, cand, kw in it:
         common.log(f"[{shape.name}] {label} ...")
         rec = bench_candidate(label, cand, kw, inputs, ref, device=device, reps=reps,
-                              warmup=warmup)
-        if rec.get("ms") is not None and floor_ms:
-            rec["ratio_to_floor"] = rec["ms"] / floor_ms
+                              warmup=warmup, floor=floor, warmup_s=warmup_s)
         common.log(f"[{shape.name}] {label}: {common.brief(rec)}")
         res["candidates"].append(rec)
-    del inputs, x, w, y, ref
+    if floor is not None:
+        try:
+            res["floor"] = common.pooled_floor(
+                res["candidates"], "floor", flops=flops, gemms=FLOOR_GEMMS,
+                alone=lambda: common.time_interleaved([floor], device=device, reps=reps,
+                                                      warmup_s=warmup_s)[0])
+        except Exception as e:  # noqa: BLE001
+            res["floor"] = common.describe_failure(e)
+    del inputs, x, w, y, ref, floor
     common.free_memory(device)
     return res
 
@@ -368,18 +393,26 @@ def default_out(env) -> Path:
 
 def run_benchmark(shapes: Sequence[Shape], candidates, *, device: str, reps: int, warmup: int,
                   seed: Optional[int] = None, out: Optional[Path] = None, merge: bool = False,
-                  plot: bool = True) -> Dict[str, Any]:
+                  plot: bool = True, warmup_s: Optional[float] = None,
+                  logit_std: float = LOGIT_STD) -> Dict[str, Any]:
     """Benchmark every shape; write JSON (after each shape, so a cut-short run keeps its
-    results) and a PNG next to it. Returns the result dict."""
+    results) and a PNG next to it. Returns the result dict. ``warmup_s``: interleaved warm-up
+    of each candidate with the floor before timing (default ``common.GPU_WARMUP_S`` on CUDA,
+    else one call each)."""
+    if warmup_s is None:
+        warmup_s = common.GPU_WARMUP_S if device.startswith("cuda") else 0.0
     env = common.environment(device, extra_packages=("liger-kernel", "cut-cross-entropy"))
     seed = secrets.randbits(31) if seed is None else seed
     out = Path(out) if out else default_out(env)
     result = {
         "op": OP, "schema": 1, "env": env,
         "config": {"dtype": "bfloat16", "ignore_index": IGNORE_INDEX,
-                   "ignore_fraction": IGNORE_FRACTION, "logit_std": LOGIT_STD,
-                   "reps": reps, "warmup": warmup, "seed": seed,
+                   "ignore_fraction": IGNORE_FRACTION, "logit_std": logit_std,
+                   "reps": reps, "warmup": warmup, "warmup_s": warmup_s, "seed": seed,
                    "timer": "cuda-events" if device.startswith("cuda") else "perf_counter",
+                   "floor_timing": "each candidate timed interleaved with the floor (candidate, "
+                                   "floor, ...) after warmup_s of interleaved warm-up; "
+                                   "ratio_to_floor = ms / floor_ms (those floor calls)",
                    "candidates": {label: c.about for label, c, _ in candidates}},
         "results": [],
     }
@@ -387,7 +420,8 @@ def run_benchmark(shapes: Sequence[Shape], candidates, *, device: str, reps: int
     for i, shape in enumerate(shapes):
         # per-shape seeds: fresh data per shape, reproducible from the recorded run seed
         result["results"].append(bench_shape(shape, candidates, device=device, reps=reps,
-                                             warmup=warmup, seed=seed + 7919 * i))
+                                             warmup=warmup, seed=seed + 7919 * i,
+                                             warmup_s=warmup_s, logit_std=logit_std))
         result["results_kept_from_previous_run"] = [r["shape"]["name"] for r in kept]
         full = {**result, "results": kept + result["results"]}
         common.write_json(out, full)
@@ -414,15 +448,13 @@ def _previous_results(out: Path, env, names) -> List[dict]:
     return [r for r in prev.get("results", []) if r["shape"]["name"] not in names]
 
 
-def table(res: Dict[str, Any], *, baseline: str = "floor") -> str:
-    base_ms = res.get("floor", {}).get("ms")
-    if baseline != "floor":
-        base_ms = next((c.get("ms") for c in res["candidates"] if c["name"] == baseline), None)
-
+def table(res: Dict[str, Any]) -> str:
+    """One row a candidate; "floor ms" is the floor timed with it, "x floor" the ratio."""
     return common.candidate_table(
-        ["candidate", "ms", "x floor", "peak extra", "dX err", "dW err", "loss err", "note"],
+        ["candidate", "ms", "floor ms", "x floor", "peak extra", "dX err", "dW err", "loss err",
+         "note"],
         res["candidates"], lambda c: common.loss_cells(
-            c, [c["ms"] / base_ms if base_ms else None], c["peak_extra_bytes"]))
+            c, [c.get("ratio_to_floor")], c["peak_extra_bytes"], floors=[c.get("floor_ms")]))
 
 
 def format_report(result: Dict[str, Any]) -> str:
@@ -430,16 +462,21 @@ def format_report(result: Dict[str, Any]) -> str:
     env = result["env"]
     where = env.get("gpu_name") or env.get("cpu_model", "cpu")
     pk = env["packages"]
+    cfg = result["config"]
     lines.append(f"linear cross-entropy fwd+bwd, bf16, 10% ignored -- {where}; torch {pk.get('torch')}, "
-                 f"triton {pk.get('triton')}; median of {result['config']['reps']} "
-                 f"({result['config']['timer']}); seed {result['config']['seed']}")
+                 f"triton {pk.get('triton')}; median of {cfg['reps']} "
+                 f"({cfg['timer']}), each candidate interleaved with the floor; seed {cfg['seed']}")
+    if not common.is_gpu_run(env):
+        lines.append(common.CPU_SMOKE_NOTE)
     for res in result["results"]:
         s, fl = res["shape"], res.get("floor", {})
-        floor = (f"floor {common.fmt_ms(fl['ms'])} ms = {fl['tflops']:.3g} TFLOP/s (3 GEMMs, torch.mm)"
+        floor = (f"floor {common.fmt_ms(fl['ms'])} ms = {fl['tflops']:.3g} TFLOP/s (3 GEMMs, "
+                 f"torch.mm; {common.floor_basis(fl)})"
                  if fl.get("ms") else f"floor {fl.get('status')}: {fl.get('error', '')}")
         lines.append("")
         lines.append(f"{s['name']}  N={s['n']} H={s['h']} V={s['v']}  {floor}")
         lines.append(table(res))
+        lines += common.rounding_floor_line(res.get("reference", {}))
     lines += common.wrote_lines(result)
     return "\n".join(lines)
 
@@ -477,6 +514,12 @@ def main(argv=None):
                         "default=True for the device")
     p.add_argument("--reps", type=int, default=None, help="timed calls (default 10 GPU, 3 CPU)")
     p.add_argument("--warmup", type=int, default=None, help="untimed calls first (default 2 GPU, 1 CPU)")
+    p.add_argument("--warmup-s", type=float, default=None,
+                   help="then seconds of interleaved candidate/floor warm-up before timing "
+                        f"(default {common.GPU_WARMUP_S} GPU; CPU: one call each)")
+    p.add_argument("--logit-std", type=float, default=LOGIT_STD,
+                   help=f"std of the random logits (default {LOGIT_STD}); CCE's gradient "
+                        "filtering skips more the larger it is")
     p.add_argument("--seed", type=int, default=None, help="default: fresh random, recorded")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--out", default=None, help="JSON path (default results/<device>-linear-cross-entropy.json)")
@@ -509,7 +552,8 @@ def main(argv=None):
         return 0
     cands = parse_candidates(a.candidates, device)
     result = run_benchmark(shapes, cands, device=device, reps=reps, warmup=warmup, seed=seed,
-                           out=a.out, merge=a.merge, plot=not a.no_plot)
+                           out=a.out, merge=a.merge, plot=not a.no_plot, warmup_s=a.warmup_s,
+                           logit_std=a.logit_std)
     print(format_report(result))
     return 0
 

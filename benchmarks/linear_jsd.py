@@ -6,10 +6,14 @@ For each shape (N tokens, H_s student hidden, H_t teacher hidden, V vocab), in o
 * the floor: the op's four bf16 GEMMs through ``torch.mm`` (cuBLAS) -- student logits
   ``x_s @ W_sᵀ``, teacher logits ``x_t @ W_tᵀ``, ``G @ W_s`` and ``Gᵀ @ x_s`` with a random
   ``G [N, V]`` -- and the same four through XLA (the JAX candidates' floor);
-* every candidate: forward + backward median time, ratio to the floor, peak extra memory
+* every candidate: forward + backward median time, timed interleaved with the floor
+  (candidate, floor, ...: the GPU's clocks drift within a run; a PyTorch candidate with the
+  cuBLAS floor under CUDA events, a JAX one with the XLA and the cuBLAS floors under the wall
+  clock up to the result) and its ratio to the floor calls timed with it, peak extra memory
   (PyTorch: see ``common``; JAX: the compiled program's temporary buffers), and the relative
   errors of the loss, dX_s and dW_s against an fp32 reference (all four tensors upcast, fp32
-  GEMMs without TF32, chunked plain autograd; independent of logitless).
+  GEMMs without TF32, chunked plain autograd; independent of logitless) and what rounding
+  that reference's gradients to bf16 alone costs.
 
 Inputs are bf16, the student with ``requires_grad``; the teacher's logits correlate with the
 student's (distillation: they mostly agree), both of std ~2; 10% of the targets are
@@ -270,21 +274,30 @@ def reference(xs, ws, xt, wt, y, opts, *, chunk_bytes: int = 1 << 30):
 
 
 # ----------------------------------------------------------------------------- floors
-def bench_floor(shape: Shape, xs, ws, xt, wt, *, device, reps, warmup, seed):
+FLOOR_GEMMS = ["x_s @ W_s.T", "x_t @ W_t.T", "G @ W_s", "G.T @ x_s"]
+
+
+def random_g(shape: Shape, device, seed):
+    """The floor's random bf16 ``G [N, V]`` (the gradient of the logits' stand-in)."""
     import torch
     g = torch.Generator(device=device).manual_seed(seed + 1)
-    gmat = torch.randn(shape.n, shape.v, generator=g, device=device, dtype=torch.bfloat16)
+    return torch.randn(shape.n, shape.v, generator=g, device=device, dtype=torch.bfloat16)
+
+
+def floor_step(xs, ws, xt, wt, gmat):
+    """``(step, flops)``: the four GEMMs through torch.mm (cuBLAS on a GPU)."""
     xs, ws = xs.detach(), ws.detach()
-    try:
-        t, flops = common.time_gemms([(xs, ws.t()), (xt, wt.t()), (gmat, ws), (gmat.t(), xs)],
-                                     device=device, reps=reps, warmup=warmup)
-    finally:
-        del gmat
-        common.free_memory(device)
+    return common.gemm_step([(xs, ws.t()), (xt, wt.t()), (gmat, ws), (gmat.t(), xs)])
+
+
+def bench_floor(shape: Shape, xs, ws, xt, wt, *, device, reps, warmup, seed):
+    """The floor timed alone (``--probe``'s header line)."""
+    step, flops = floor_step(xs, ws, xt, wt, random_g(shape, device, seed))
+    t = common.time_fn(step, device=device, reps=reps, warmup=warmup)
+    del step
+    common.free_memory(device)
     return {"status": "ok", "ms": t.median_ms, "tflops": common.tflops(flops, t.median_ms),
-            "timing": t.as_dict(),
-            "through": "torch.mm (cuBLAS)" if device.startswith("cuda") else "torch.mm",
-            "gemms": ["x_s @ W_s.T", "x_t @ W_t.T", "G @ W_s", "G.T @ x_s"]}
+            "timing": t.as_dict(), "gemms": FLOOR_GEMMS}
 
 
 def _to_jax(t):
@@ -292,27 +305,14 @@ def _to_jax(t):
     return to_jax(t.detach())
 
 
-def xla_floor_step(shape: Shape, jx, seed):
-    """The floor's four GEMMs through XLA as one compiled call: ``step()`` runs them."""
+def xla_floor_step(jx):
+    """The floor's four GEMMs through XLA as one compiled call on the same (bridged) arrays,
+    ``G`` included: ``step()`` runs them."""
     import jax
-    import jax.numpy as jnp
-    xs, ws, xt, wt = jx["xs"], jx["ws"], jx["xt"], jx["wt"]
-    g = jax.random.normal(jax.random.key(seed + 1), (shape.n, shape.v), jnp.float32) \
-        .astype(jnp.bfloat16)
+    xs, ws, xt, wt, g = jx["xs"], jx["ws"], jx["xt"], jx["wt"], jx["g"]
     gemms = jax.jit(lambda xs, ws, xt, wt, g: (xs @ ws.T, xt @ wt.T, g @ ws, g.T @ xs)) \
         .lower(xs, ws, xt, wt, g).compile()
     return lambda: gemms(xs, ws, xt, wt, g)
-
-
-def bench_xla_floor(shape: Shape, jx, *, reps, warmup, seed):
-    step = xla_floor_step(shape, jx, seed)
-    try:
-        t = common.time_jax(step, reps=reps, warmup=warmup)
-    finally:
-        del step
-        gc.collect()
-    return {"status": "ok", "ms": t.median_ms, "tflops": common.tflops(shape.gemm_flops, t.median_ms),
-            "timing": t.as_dict(), "through": "XLA"}
 
 
 # ----------------------------------------------------------------------------- candidates
@@ -322,7 +322,8 @@ def _errors(rec, loss, dx, dw, ref):
                dx_rel_err=common.rel_err(dx, ref_dx), dw_rel_err=common.rel_err(dw, ref_dw))
 
 
-def bench_torch(label, cand, kw, data, ref, opts, *, device, reps, warmup):
+def bench_torch(label, cand, kw, data, ref, opts, *, device, reps, warmup, floors, warmup_s):
+    """A PyTorch candidate, timed interleaved with ``floors`` (``{"floor": cuBLAS step}``)."""
     import torch
     rec: Dict[str, Any] = {"name": label, "about": cand.about, "kwargs": kw, "framework": "torch"}
     xs, ws, xt, wt, y = data
@@ -349,8 +350,8 @@ def bench_torch(label, cand, kw, data, ref, opts, *, device, reps, warmup):
         if ref is not None:
             _errors(rec, *out, ref)
         out = None
-        t = common.time_fn(step, device=device, reps=reps, warmup=0)
-        rec.update(status="ok", ms=t.median_ms, timing=t.as_dict())
+        rec.update(common.time_against(step, floors, device=device, reps=reps,
+                                       warmup_s=warmup_s), status="ok")
     except Exception as e:  # noqa: BLE001 - one candidate's failure must not stop the run
         rec.update(common.describe_failure(e))
     finally:
@@ -361,7 +362,9 @@ def bench_torch(label, cand, kw, data, ref, opts, *, device, reps, warmup):
     return rec
 
 
-def bench_jax(label, cand, kw, jx, ref, opts, *, reps, warmup):
+def bench_jax(label, cand, kw, jx, ref, opts, *, device, reps, warmup, floors, warmup_s):
+    """A JAX candidate, timed interleaved with ``floors`` (``xla_floor``, ``floor``), every
+    call by the wall clock up to its result."""
     import jax
     from logitless.bridge import to_torch
     rec: Dict[str, Any] = {"name": label, "about": cand.about, "kwargs": kw, "framework": "jax"}
@@ -383,8 +386,8 @@ def bench_jax(label, cand, kw, jx, ref, opts, *, reps, warmup):
         if ref is not None:
             _errors(rec, float(loss), to_torch(dx), to_torch(dw), ref)
         out = loss = dx = dw = None
-        t = common.time_jax(step, reps=reps, warmup=0)
-        rec.update(status="ok", ms=t.median_ms, timing=t.as_dict())
+        rec.update(common.time_against(step, floors, device=device, reps=reps,
+                                       warmup_s=warmup_s, wall=True), status="ok")
     except Exception as e:  # noqa: BLE001
         rec.update(common.describe_failure(e))
     finally:
@@ -393,7 +396,9 @@ def bench_jax(label, cand, kw, jx, ref, opts, *, reps, warmup):
     return rec
 
 
-def bench_shape(shape: Shape, candidates, opts, *, device, reps, warmup, seed) -> Dict[str, Any]:
+def bench_shape(shape: Shape, candidates, opts, *, device, reps, warmup, seed,
+                warmup_s: float = 0.0) -> Dict[str, Any]:
+    import torch
     common.free_memory(device)
     data = make_inputs(shape, device, seed)
     xs, ws, xt, wt, y = data
@@ -406,17 +411,17 @@ def bench_shape(shape: Shape, candidates, opts, *, device, reps, warmup, seed) -
         res["reference"] = {"loss": ref[0], "seconds": time.perf_counter() - t0,
                             "how": "all tensors upcast to fp32; fp32 GEMMs (no TF32); chunked "
                                    "autograd",
-                            # what rounding the exact gradients to the inputs' dtype alone costs:
-                            # no candidate returning bf16 gradients can be below it
-                            "rounded_dx_rel_err": common.rel_err(ref[1].to(xs.dtype), ref[1]),
-                            "rounded_dw_rel_err": common.rel_err(ref[2].to(ws.dtype), ref[2])}
+                            **common.rounding_floor(
+                                ref[1], ref[2], to_input_dtype=lambda t: t.to(torch.bfloat16))}
     except Exception as e:  # noqa: BLE001
         ref = None
         res["reference"] = common.describe_failure(e)
         common.free_memory(device)
+    floors: Dict[str, Any] = {"floor": None, "xla_floor": None}
+    gmat = flops = None
     try:
-        res["floor"] = bench_floor(shape, xs, ws, xt, wt, device=device, reps=reps,
-                                   warmup=warmup, seed=seed)
+        gmat = random_g(shape, device, seed)
+        floors["floor"], flops = floor_step(xs, ws, xt, wt, gmat)
     except Exception as e:  # noqa: BLE001
         res["floor"] = common.describe_failure(e)
     jx = None
@@ -424,11 +429,11 @@ def bench_shape(shape: Shape, candidates, opts, *, device, reps, warmup, seed) -
         try:
             jx = dict(xs=_to_jax(xs), ws=_to_jax(ws), xt=_to_jax(xt), wt=_to_jax(wt),
                       y=_to_jax(y.int()))
-            res["xla_floor"] = bench_xla_floor(shape, jx, reps=reps, warmup=warmup, seed=seed)
+            if gmat is not None:
+                jx["g"] = _to_jax(gmat)  # zero-copy: the XLA floor multiplies the same G
+                floors["xla_floor"] = xla_floor_step(jx)
         except Exception as e:  # noqa: BLE001
             res["xla_floor"] = common.describe_failure(e)
-    floor_ms = res["floor"].get("ms")
-    xla_ms = res.get("xla_floor", {}).get("ms")
     res["candidates"] = []
     for label, cand, kw in candidates:
         reason = common.skip_reason(cand, device)
@@ -436,19 +441,32 @@ def bench_shape(shape: Shape, candidates, opts, *, device, reps, warmup, seed) -
         if reason:
             rec = {"name": label, "about": cand.about, "status": "skipped", "error": reason}
         elif cand.framework == "jax":
-            rec = (bench_jax(label, cand, kw, jx, ref, opts, reps=reps, warmup=warmup) if jx
+            rec = (bench_jax(label, cand, kw, jx, ref, opts, device=device, reps=reps,
+                             warmup=warmup, floors=floors, warmup_s=warmup_s) if jx
                    else {"name": label, "status": "error", "error": "JAX unavailable"})
         else:
             rec = bench_torch(label, cand, kw, data, ref, opts, device=device, reps=reps,
-                              warmup=warmup)
-        if rec.get("ms") is not None:
-            if floor_ms:
-                rec["ratio_to_floor"] = rec["ms"] / floor_ms
-            if xla_ms and cand.framework == "jax":
-                rec["ratio_to_xla_floor"] = rec["ms"] / xla_ms
+                              warmup=warmup, floors={"floor": floors["floor"]},
+                              warmup_s=warmup_s)
         common.log(f"[{shape.name}] {label}: {common.brief(rec)}")
         res["candidates"].append(rec)
-    del data, xs, ws, xt, wt, y, ref, jx
+    # per-shape floors: pooled over the calls timed with the candidates of the same timer
+    by_fw = lambda fw: [r for r in res["candidates"] if r.get("framework") == fw]
+    for name, recs, wall, through in (
+            ("floor", by_fw("torch"), False,
+             "torch.mm (cuBLAS)" if device.startswith("cuda") else "torch.mm"),
+            ("xla_floor", by_fw("jax"), True, "XLA")):
+        if floors[name] is None:
+            continue
+        try:
+            res[name] = common.pooled_floor(
+                recs, name, flops=flops, gemms=FLOOR_GEMMS, through=through,
+                alone=lambda f=floors[name], wall=wall: common.time_interleaved(
+                    [f], device=device, reps=reps, warmup_s=warmup_s, wall=wall)[0])
+        except Exception as e:  # noqa: BLE001
+            res[name] = common.describe_failure(e)
+    del data, xs, ws, xt, wt, y, ref, jx, gmat, floors
+    gc.collect()
     common.free_memory(device)
     return res
 
@@ -473,9 +491,8 @@ def probe(shapes, opts, *, device, reps, warmup, seed) -> str:
     lines = []
     for shape in shapes:
         xs, ws, xt, wt, y = make_inputs(shape, device, seed)
-        fl = bench_floor(shape, xs, ws, xt, wt, device=device, reps=reps, warmup=warmup,
-                         seed=seed)
-        lines.append(f"{shape.name}: floor {common.fmt_ms(fl['ms'])} ms")
+        floor, _ = floor_step(xs, ws, xt, wt, random_g(shape, device, seed))
+        lines.append(f"{shape.name}: ratios to the floor calls timed with each setting")
         for kw in PROBE:
             def step():
                 loss = lt.linear_jsd(xs, ws, xt, wt, y, backend="triton", **opts, **kw)
@@ -485,22 +502,26 @@ def probe(shapes, opts, *, device, reps, warmup, seed) -> str:
                     step()
                 _, mem = common.measure_memory(step, device=device,
                                                returned_bytes=lambda o: common.nbytes(*o))
-                t = common.time_fn(step, device=device, reps=reps, warmup=0)
-                lines.append(f"  {kw}: {common.fmt_ms(t.median_ms)} ms "
-                             f"({t.median_ms / fl['ms']:.3f}x), extra "
-                             f"{common.fmt_bytes(mem.peak_extra_bytes)}")
+                t = common.time_against(step, {"floor": floor}, device=device, reps=reps,
+                                        warmup_s=common.GPU_WARMUP_S if device.startswith(
+                                            "cuda") else 0.0)
+                lines.append(f"  {kw}: {common.fmt_ms(t['ms'])} ms "
+                             f"({t['ratio_to_floor']:.3f}x floor {common.fmt_ms(t['floor_ms'])} "
+                             f"ms), extra {common.fmt_bytes(mem.peak_extra_bytes)}")
             except Exception as e:  # noqa: BLE001
                 lines.append(f"  {kw}: {common.describe_failure(e)}")
             common.free_memory(device)
             common.log(lines[-1])
-        del xs, ws, xt, wt, y
+        del xs, ws, xt, wt, y, floor
         common.free_memory(device)
     return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------- run, report
 def run_benchmark(shapes, candidates, opts, *, device, reps, warmup, seed=None, out=None,
-                  plot=True, write=True) -> Dict[str, Any]:
+                  plot=True, write=True, warmup_s: Optional[float] = None) -> Dict[str, Any]:
+    if warmup_s is None:
+        warmup_s = common.GPU_WARMUP_S if device.startswith("cuda") else 0.0
     env = common.environment(device, extra_packages=("liger-kernel",))
     seed = secrets.randbits(31) if seed is None else seed
     out = Path(out) if out else common.RESULTS_DIR / f"{common.device_slug(env)}-linear-jsd.json"
@@ -509,14 +530,18 @@ def run_benchmark(shapes, candidates, opts, *, device, reps, warmup, seed=None, 
         "config": {"dtype": "bfloat16", **opts, "ignore_index": IGNORE_INDEX,
                    "ignore_fraction": IGNORE_FRACTION, "logit_std": LOGIT_STD,
                    "teacher_agreement": TEACHER_AGREEMENT, "reps": reps, "warmup": warmup,
-                   "seed": seed, "memory": "torch: peak extra (common.measure_memory); jax: "
+                   "warmup_s": warmup_s, "seed": seed,
+                   "floor_timing": "each candidate timed interleaved with its floors (torch: "
+                                   "cuBLAS floor, CUDA events; JAX: XLA and cuBLAS floors, wall "
+                                   "clock to the result); ratio_to_<floor> = ms / <floor>_ms", "memory": "torch: peak extra (common.measure_memory); jax: "
                                            "compiled temp buffers",
                    "candidates": {label: c.about for label, c, _ in candidates}},
         "results": [],
     }
     for i, shape in enumerate(shapes):
         result["results"].append(bench_shape(shape, candidates, opts, device=device, reps=reps,
-                                             warmup=warmup, seed=seed + 7919 * i))
+                                             warmup=warmup, seed=seed + 7919 * i,
+                                             warmup_s=warmup_s))
         if write:
             common.write_json(out, result)
     if write:
@@ -535,7 +560,10 @@ def format_report(result: Dict[str, Any]) -> str:
     lines = [f"linear JSD fwd+bwd, bf16, beta={cfg['beta']}, T={cfg['temperature']}, 10% "
              f"ignored -- {env.get('gpu_name') or env.get('cpu_model', 'cpu')}; torch "
              f"{env['packages'].get('torch')}, triton {env['packages'].get('triton')}, jax "
-             f"{env['packages'].get('jax')}; median of {cfg['reps']}; seed {cfg['seed']}"]
+             f"{env['packages'].get('jax')}; median of {cfg['reps']}, each candidate "
+             f"interleaved with its floors; seed {cfg['seed']}"]
+    if not common.is_gpu_run(env):
+        lines.append(common.CPU_SMOKE_NOTE)
     for res in result["results"]:
         s, fl, xf = res["shape"], res.get("floor", {}), res.get("xla_floor", {})
         through = "cuBLAS" if env.get("gpu_name") else "torch.mm"
@@ -543,18 +571,15 @@ def format_report(result: Dict[str, Any]) -> str:
                  f"{through})" if fl.get("ms") else f"floor {fl.get('status')}: {fl.get('error')}")
         if xf.get("ms"):
             floor += f"; XLA floor {common.fmt_ms(xf['ms'])} ms"
-        lines += ["", f"{s['name']}  N={s['n']} H_s={s['h_s']} H_t={s['h_t']} V={s['v']}  {floor}"]
+        lines += ["", f"{s['name']}  N={s['n']} H_s={s['h_s']} H_t={s['h_t']} V={s['v']}  {floor} "
+                      f"({common.floor_basis(fl)})"]
         lines.append(common.candidate_table(
-            ["candidate", "ms", "x floor", "x XLA floor", "extra", "dX err", "dW err",
-             "loss err", "note"], res["candidates"],
+            ["candidate", "ms", "floor ms", "XLA floor ms", "x floor", "x XLA floor", "extra",
+             "dX err", "dW err", "loss err", "note"], res["candidates"],
             lambda c: common.loss_cells(
                 c, [c.get("ratio_to_floor"), c.get("ratio_to_xla_floor")],
-                c.get("peak_extra_bytes"))))
-        ref = res.get("reference", {})
-        if "rounded_dx_rel_err" in ref:
-            lines.append(f"  the fp32 reference's gradients rounded to bf16 (no bf16 result can "
-                         f"do better): dX {ref['rounded_dx_rel_err']:.2g}, dW "
-                         f"{ref['rounded_dw_rel_err']:.2g}")
+                c.get("peak_extra_bytes"), floors=[c.get("floor_ms"), c.get("xla_floor_ms")])))
+        lines += common.rounding_floor_line(res.get("reference", {}))
     lines += common.wrote_lines(result)
     return "\n".join(lines)
 
@@ -570,6 +595,9 @@ def main(argv=None):
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--reps", type=int, default=None, help="timed calls (default 10 GPU, 3 CPU)")
     p.add_argument("--warmup", type=int, default=None)
+    p.add_argument("--warmup-s", type=float, default=None,
+                   help="seconds of interleaved candidate/floor warm-up before timing "
+                        f"(default {common.GPU_WARMUP_S} GPU; CPU: one call each)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--device", default=None)
     p.add_argument("--out", default=None)
@@ -592,7 +620,7 @@ def main(argv=None):
         return 0
     result = run_benchmark(shapes, parse_candidates(a.candidates), opts, device=device,
                            reps=reps, warmup=warmup, seed=seed, out=a.out,
-                           plot=not a.no_plot, write=not a.smoke)
+                           plot=not a.no_plot, write=not a.smoke, warmup_s=a.warmup_s)
     print(format_report(result))
     return 0
 

@@ -25,12 +25,25 @@ def _pyplot():
     return plt
 
 
-def _baseline_ms(res, baseline: Optional[str]) -> Optional[float]:
+CPU_NOTE = "CPU: a smoke run at tiny shapes, not a performance claim (GPU records: <gpu>-*.json)"
+
+
+def _relative_time(c, res, baseline: Optional[str]) -> Optional[float]:
+    """A finished candidate's time: ms (``baseline`` None), its ratio to the floor calls timed
+    with it (``"floor"``; files from before interleaving: to the shape's floor), or to another
+    candidate of the shape."""
     if baseline is None:
-        return None
-    if baseline == "floor":
-        return res.get("floor", {}).get("ms")
-    return next((c.get("ms") for c in res["candidates"] if c["name"] == baseline), None)
+        return c["ms"]
+    if baseline == "floor" and c.get("ratio_to_floor") is not None:
+        return c["ratio_to_floor"]
+    base = (res.get("floor", {}).get("ms") if baseline == "floor" else
+            next((b.get("ms") for b in res["candidates"] if b["name"] == baseline), None))
+    return c["ms"] / base if base else None
+
+
+def with_cpu_note(title: str, env: Dict[str, Any]) -> str:
+    """``title``, plus a second line saying so when ``env`` is not a GPU's."""
+    return title if env.get("device") in ("cuda", "gpu") else f"{title}\n{CPU_NOTE}"
 
 
 def _fmt_gb(gb: float) -> str:
@@ -54,7 +67,8 @@ def plot_benchmark(result: Dict[str, Any], path, *, baseline: Optional[str] = "a
                    title: Optional[str] = None) -> Optional[Path]:
     """Two panels: time (relative to ``baseline``) and peak extra memory (log scale).
 
-    ``baseline``: ``"floor"`` (the GEMM floor), a candidate's name, ``None`` (milliseconds), or
+    ``baseline``: ``"floor"`` (each candidate's ``ratio_to_floor``: to the GEMM floor calls timed
+    interleaved with it), a candidate's name, ``None`` (milliseconds), or
     ``"auto"`` (the floor when the file has one, else milliseconds). Bars carry their values;
     failed or skipped candidates show their status instead of a bar."""
     plt = _pyplot()
@@ -81,8 +95,7 @@ def plot_benchmark(result: Dict[str, Any], path, *, baseline: Optional[str] = "a
                 continue
             xpos = gi - 0.4 + width * (j + 0.5)
             ok = c.get("status") == "ok"
-            base = _baseline_ms(res, baseline)
-            t = (c["ms"] / base if base else c["ms"] if baseline is None else None) if ok else None
+            t = _relative_time(c, res, baseline) if ok else None
             mem = max(c["peak_extra_bytes"], 1) / 1e9 if ok else None
             for ax, val, text in ((axes[0], t, None if t is None else
                                    _fmt_time(t, baseline is not None)),
@@ -105,15 +118,15 @@ def plot_benchmark(result: Dict[str, Any], path, *, baseline: Optional[str] = "a
     if baseline is None:
         axes[0].set_ylabel("fwd+bwd time (ms)")
     else:
-        axes[0].set_ylabel(f"fwd+bwd time / {'3-GEMM floor' if baseline == 'floor' else baseline}")
+        axes[0].set_ylabel(f"fwd+bwd time / {'GEMM floor timed with it' if baseline == 'floor' else baseline}")
         axes[0].axhline(1.0, color="k", lw=0.8, ls="--")
     axes[1].set_ylabel("peak extra memory (GB, log)")
     axes[1].set_yscale("log")
     fig.legend(loc="lower center", ncol=min(5, n_bars), fontsize=8, frameon=False)
     env = result.get("env", {})
     where = env.get("gpu_name") or env.get("cpu_model", "")
-    fig.suptitle(title or f"{result.get('op', '')} fwd+bwd - {where} - {env.get('date', '')}",
-                 fontsize=10)
+    fig.suptitle(with_cpu_note(title or f"{result.get('op', '')} fwd+bwd - {where} - "
+                                        f"{env.get('date', '')}", env), fontsize=10)
     rows = -(-n_bars // 5)
     fig.tight_layout(rect=(0, 0.05 * rows + 0.02, 1, 1))
     path = Path(path)
@@ -159,8 +172,9 @@ def plot_sweeps(result: Dict[str, Any], path) -> Optional[Path]:
             ax.set_ylim(bottom=0)
             ax.legend(fontsize=8)
     env = result.get("env", {})
-    fig.suptitle(f"linear cross-entropy, bf16 - {env.get('gpu_name') or env.get('cpu_model', '')}"
-                 f" - {env.get('date', '')}", fontsize=10)
+    fig.suptitle(with_cpu_note(f"linear cross-entropy, bf16 - "
+                               f"{env.get('gpu_name') or env.get('cpu_model', '')} - "
+                               f"{env.get('date', '')}", env), fontsize=10)
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
