@@ -276,6 +276,24 @@ def capture_cuda_graph(step: Callable[[], Any], reset: Callable[[], Any]):
     return graph
 
 
+FLOOR_VOCAB_MULTIPLE = 16
+
+
+def floor_vocab(v: int) -> int:
+    """The vocabulary size the floor's GEMMs run at: ``v`` rounded up to a multiple of 16.
+    cuBLAS takes its fast kernels only for aligned sizes; at an odd V (GPT-2's 50257) the
+    unpadded GEMMs ran at ~1/6 the speed on an H100 (sm75 "align1" kernels), which would make
+    a floor no GEMM-bound op need respect (logitless splits such GEMMs; DESIGN.md)."""
+    return -(-v // FLOOR_VOCAB_MULTIPLE) * FLOOR_VOCAB_MULTIPLE
+
+
+def floor_weight(w):
+    """``w [V, H]`` with zero rows appended up to :func:`floor_vocab` (``w`` itself if none)."""
+    import torch
+    pad = floor_vocab(w.shape[0]) - w.shape[0]
+    return w if pad == 0 else torch.cat([w, w.new_zeros(pad, w.shape[1])])
+
+
 def gemm_step(pairs: Sequence[tuple]):
     """``(step, flops)``: ``step()`` runs ``torch.mm(a, b)`` for every pair, back to back: the
     floor of an op whose work is these GEMMs."""

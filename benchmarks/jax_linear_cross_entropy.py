@@ -219,8 +219,11 @@ def floor_steps(shape: Shape, x, w, *, seed: int, cublas: bool):
     random bf16 ``G [N, V]``, both on the same arrays (cuBLAS through the DLPack bridge)."""
     import jax
     import jax.numpy as jnp
-    g = jax.random.normal(jax.random.key(seed + 1), (shape.n, shape.v), jnp.float32) \
+    v_pad = common.floor_vocab(shape.v)  # V rounded up to 16: cuBLAS's fast kernels need it
+    g = jax.random.normal(jax.random.key(seed + 1), (shape.n, v_pad), jnp.float32) \
         .astype(jnp.bfloat16)
+    if v_pad != shape.v:
+        w = jnp.pad(w, ((0, v_pad - shape.v), (0, 0)))
     gemms = jax.jit(lambda x, w, g: (x @ w.T, g @ w, g.T @ x)).lower(x, w, g).compile()
     steps = {"floor": lambda: gemms(x, w, g), "cublas_floor": None}
     if cublas:

@@ -273,11 +273,11 @@ FLOOR_GEMMS = ["x @ W.T", "G @ W", "G.T @ x"]
 
 def floor_step(shape: Shape, x, w, *, device: str, seed: int):
     """``(step, flops)``: the op's three GEMMs through torch.mm, with a random bf16 ``G [N, V]``
-    that the step holds (drop the step to free it)."""
+    that the step holds (drop the step to free it); V rounded up to a multiple of 16."""
     import torch
     g = torch.Generator(device=device).manual_seed(seed + 1)
-    gmat = torch.randn(shape.n, shape.v, generator=g, device=device, dtype=torch.bfloat16)
-    xd, wd = x.detach(), w.detach()
+    xd, wd = x.detach(), common.floor_weight(w.detach())  # V padded to 16 (common.floor_vocab)
+    gmat = torch.randn(shape.n, wd.shape[0], generator=g, device=device, dtype=torch.bfloat16)
     return common.gemm_step([(xd, wd.t()), (gmat, wd), (gmat.t(), xd)])
 
 

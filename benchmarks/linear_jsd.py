@@ -281,12 +281,14 @@ def random_g(shape: Shape, device, seed):
     """The floor's random bf16 ``G [N, V]`` (the gradient of the logits' stand-in)."""
     import torch
     g = torch.Generator(device=device).manual_seed(seed + 1)
-    return torch.randn(shape.n, shape.v, generator=g, device=device, dtype=torch.bfloat16)
+    return torch.randn(shape.n, common.floor_vocab(shape.v), generator=g, device=device,
+                       dtype=torch.bfloat16)
 
 
 def floor_step(xs, ws, xt, wt, gmat):
-    """``(step, flops)``: the four GEMMs through torch.mm (cuBLAS on a GPU)."""
-    xs, ws = xs.detach(), ws.detach()
+    """``(step, flops)``: the four GEMMs through torch.mm (cuBLAS on a GPU), V rounded up to a
+    multiple of 16 (``common.floor_vocab``)."""
+    xs, ws, wt = xs.detach(), common.floor_weight(ws.detach()), common.floor_weight(wt.detach())
     return common.gemm_step([(xs, ws.t()), (xt, wt.t()), (gmat, ws), (gmat.t(), xs)])
 
 
@@ -309,7 +311,10 @@ def xla_floor_step(jx):
     """The floor's four GEMMs through XLA as one compiled call on the same (bridged) arrays,
     ``G`` included: ``step()`` runs them."""
     import jax
-    xs, ws, xt, wt, g = jx["xs"], jx["ws"], jx["xt"], jx["wt"], jx["g"]
+    import jax.numpy as jnp
+    xs, xt, g = jx["xs"], jx["xt"], jx["g"]
+    pad = ((0, g.shape[1] - jx["ws"].shape[0]), (0, 0))  # V rounded up as for cuBLAS's floor
+    ws, wt = (jnp.pad(jx[k], pad) if pad[0][1] else jx[k] for k in ("ws", "wt"))
     gemms = jax.jit(lambda xs, ws, xt, wt, g: (xs @ ws.T, xt @ wt.T, g @ ws, g.T @ xs)) \
         .lower(xs, ws, xt, wt, g).compile()
     return lambda: gemms(xs, ws, xt, wt, g)

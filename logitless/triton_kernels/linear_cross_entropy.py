@@ -127,9 +127,12 @@ def _rows(buf, n_rows, n_cols, col_offset, y, cw, omega_sum, lse, loss, g, h, op
 
 def _logits(x_c, w, bias, out):
     """out = x_c @ wᵀ (+ bias) through cuBLAS, in the input dtype (fp32 accumulation)."""
-    if bias is None:
-        return torch.mm(x_c, w.t(), out=out)
-    return torch.addmm(bias, x_c, w.t(), out=out)
+    for s, e in common.vocab_parts(w.shape[0]):
+        if bias is None:
+            torch.mm(x_c, w[s:e].t(), out=out[:, s:e])
+        else:
+            torch.addmm(bias[s:e], x_c, w[s:e].t(), out=out[:, s:e])
+    return out
 
 
 def _mm_f32(a, b):
@@ -188,7 +191,7 @@ def _forward(x, w, bias, y, cw, omega_sum, opts_t, cfg, grad_mode, needs, accum_
               g, None, opts_t, v, cfg, compute_lse=True,
               write_grad=need_dx or need_dw or need_db, stats=stats)
         if need_dx:
-            torch.mm(blk, w, out=dx[s:e])
+            common.mm_over_vocab(blk, w, dx[s:e])
         _accumulate(dw, db, blk, x[s:e], first=s == 0)
     return token_loss, lse, dx, dw, db
 
@@ -207,7 +210,7 @@ def _token_sweep(x, w, bias, y, cw, omega_sum, lse, g, h, opts_t, cfg, need_dx, 
               g if g.numel() == 1 else g[s:e], None if h is None else h[s:e],
               opts_t, v, cfg, compute_lse=False, write_grad=True)
         if need_dx:
-            torch.mm(blk, w, out=dx[s:e])
+            common.mm_over_vocab(blk, w, dx[s:e])
         _accumulate(dw_acc, db_acc, blk, x[s:e], first=s == 0)
     return dx
 
@@ -242,9 +245,12 @@ def _vocab_sweep(x, w, bias, y, cw, omega_sum, lse, g, h, opts_t, cfg, post_scal
                 # also lets cuBLAS sum split-K parts in bf16 unless
                 # torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction is off);
                 # fp16, whose range a sum over all tokens can leave, takes the fp32 slice below
-                torch.mm(blk.t(), x, out=dw_out[s:e])
+                for a, b in common.vocab_parts(e - s):
+                    torch.mm(blk[:, a:b].t(), x, out=dw_out[s + a:s + b])
             else:
-                _cast(_mm_f32(blk.t(), x), post_scale, dw_out.dtype, out=dw_out[s:e])
+                for a, b in common.vocab_parts(e - s):
+                    _cast(_mm_f32(blk[:, a:b].t(), x), post_scale, dw_out.dtype,
+                          out=dw_out[s + a:s + b])
         if db_out is not None:
             _cast(blk.sum(0, dtype=torch.float32), post_scale, db_out.dtype, out=db_out[s:e])
 
