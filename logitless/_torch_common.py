@@ -103,6 +103,28 @@ def vocab_parts(v: int):
     return ((0, v),) if bulk in (0, v) else ((0, bulk), (bulk, v))
 
 
+def mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` with an fp32 result straight from half-precision operands (CUDA: no upcast
+    copies; elsewhere the operands are upcast)."""
+    if a.dtype == torch.float32:
+        return torch.mm(a, b)
+    if a.is_cuda:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return torch.mm(a.float(), b.float())
+
+
+def thin_mm_(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
+             bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``out = a @ b (+ bias)`` for the GEMM over the < 8 vocabulary rows past the aligned bulk
+    (:func:`vocab_parts`): summed in fp32 and rounded once into ``out``. With a half-precision
+    output cuBLAS took reduced-precision reductions for such thin GEMMs on an H100 (an fp16
+    low-memory harness case read twice the naive path's dW error)."""
+    r = mm_f32(a, b)
+    if bias is not None:
+        r += bias.float()
+    return out.copy_(r)
+
+
 def mm_over_vocab(dz: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """``out = dz @ w`` where the contraction runs over the vocabulary (``dz [C, V]``,
     ``w [V, H]``), in parts (:func:`vocab_parts`) summed in fp32 and rounded once into ``out``."""

@@ -128,20 +128,14 @@ def _rows(buf, n_rows, n_cols, col_offset, y, cw, omega_sum, lse, loss, g, h, op
 def _logits(x_c, w, bias, out):
     """out = x_c @ wᵀ (+ bias) through cuBLAS, in the input dtype (fp32 accumulation)."""
     for s, e in common.vocab_parts(w.shape[0]):
-        if bias is None:
+        b = None if bias is None else bias[s:e]
+        if s > 0:  # the rows past the aligned bulk
+            common.thin_mm_(x_c, w[s:e].t(), out[:, s:e], b)
+        elif b is None:
             torch.mm(x_c, w[s:e].t(), out=out[:, s:e])
         else:
-            torch.addmm(bias[s:e], x_c, w[s:e].t(), out=out[:, s:e])
+            torch.addmm(b, x_c, w[s:e].t(), out=out[:, s:e])
     return out
-
-
-def _mm_f32(a, b):
-    """a @ b with an fp32 result straight from half-precision operands (no upcast copies on CUDA)."""
-    if a.dtype == torch.float32:
-        return torch.mm(a, b)
-    if a.is_cuda:
-        return torch.mm(a, b, out_dtype=torch.float32)
-    return torch.mm(a.float(), b.float())
 
 
 def _ones(like):
@@ -246,10 +240,13 @@ def _vocab_sweep(x, w, bias, y, cw, omega_sum, lse, g, h, opts_t, cfg, post_scal
                 # torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction is off);
                 # fp16, whose range a sum over all tokens can leave, takes the fp32 slice below
                 for a, b in common.vocab_parts(e - s):
-                    torch.mm(blk[:, a:b].t(), x, out=dw_out[s + a:s + b])
+                    if a > 0:  # the rows past the aligned bulk
+                        common.thin_mm_(blk[:, a:b].t(), x, dw_out[s + a:s + b])
+                    else:
+                        torch.mm(blk[:, a:b].t(), x, out=dw_out[s + a:s + b])
             else:
                 for a, b in common.vocab_parts(e - s):
-                    _cast(_mm_f32(blk[:, a:b].t(), x), post_scale, dw_out.dtype,
+                    _cast(common.mm_f32(blk[:, a:b].t(), x), post_scale, dw_out.dtype,
                           out=dw_out[s + a:s + b])
         if db_out is not None:
             _cast(blk.sum(0, dtype=torch.float32), post_scale, db_out.dtype, out=db_out[s:e])
