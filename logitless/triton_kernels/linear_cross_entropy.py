@@ -127,15 +127,18 @@ def _rows(buf, n_rows, n_cols, col_offset, y, cw, omega_sum, lse, loss, g, h, op
 
 def _logits(x_c, w, bias, out):
     """out = x_c @ wᵀ (+ bias) through cuBLAS, in the input dtype (fp32 accumulation)."""
-    for s, e in common.vocab_parts(w.shape[0]):
-        b = None if bias is None else bias[s:e]
-        if s > 0:  # the rows past the aligned bulk
-            common.thin_mm_(x_c, w[s:e].t(), out[:, s:e], b)
-        elif b is None:
-            torch.mm(x_c, w[s:e].t(), out=out[:, s:e])
-        else:
-            torch.addmm(b, x_c, w[s:e].t(), out=out[:, s:e])
-    return out
+    if bias is None:
+        return torch.mm(x_c, w.t(), out=out)
+    return torch.addmm(bias, x_c, w.t(), out=out)
+
+
+def _mm_f32(a, b):
+    """a @ b with an fp32 result straight from half-precision operands (no upcast copies on CUDA)."""
+    if a.dtype == torch.float32:
+        return torch.mm(a, b)
+    if a.is_cuda:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return torch.mm(a.float(), b.float())
 
 
 def _ones(like):
@@ -185,7 +188,7 @@ def _forward(x, w, bias, y, cw, omega_sum, opts_t, cfg, grad_mode, needs, accum_
               g, None, opts_t, v, cfg, compute_lse=True,
               write_grad=need_dx or need_dw or need_db, stats=stats)
         if need_dx:
-            common.mm_over_vocab(blk, w, dx[s:e])
+            torch.mm(blk, w, out=dx[s:e])
         _accumulate(dw, db, blk, x[s:e], first=s == 0)
     return token_loss, lse, dx, dw, db
 
@@ -204,7 +207,7 @@ def _token_sweep(x, w, bias, y, cw, omega_sum, lse, g, h, opts_t, cfg, need_dx, 
               g if g.numel() == 1 else g[s:e], None if h is None else h[s:e],
               opts_t, v, cfg, compute_lse=False, write_grad=True)
         if need_dx:
-            common.mm_over_vocab(blk, w, dx[s:e])
+            torch.mm(blk, w, out=dx[s:e])
         _accumulate(dw_acc, db_acc, blk, x[s:e], first=s == 0)
     return dx
 
@@ -239,15 +242,9 @@ def _vocab_sweep(x, w, bias, y, cw, omega_sum, lse, g, h, opts_t, cfg, post_scal
                 # also lets cuBLAS sum split-K parts in bf16 unless
                 # torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction is off);
                 # fp16, whose range a sum over all tokens can leave, takes the fp32 slice below
-                for a, b in common.vocab_parts(e - s):
-                    if a > 0:  # the rows past the aligned bulk
-                        common.thin_mm_(blk[:, a:b].t(), x, dw_out[s + a:s + b])
-                    else:
-                        torch.mm(blk[:, a:b].t(), x, out=dw_out[s + a:s + b])
+                torch.mm(blk.t(), x, out=dw_out[s:e])
             else:
-                for a, b in common.vocab_parts(e - s):
-                    _cast(common.mm_f32(blk[:, a:b].t(), x), post_scale, dw_out.dtype,
-                          out=dw_out[s + a:s + b])
+                _cast(_mm_f32(blk.t(), x), post_scale, dw_out.dtype, out=dw_out[s:e])
         if db_out is not None:
             _cast(blk.sum(0, dtype=torch.float32), post_scale, db_out.dtype, out=db_out[s:e])
 
