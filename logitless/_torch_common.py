@@ -78,6 +78,11 @@ def triton_gpu(device: torch.device) -> bool:
     return device.type == "cuda" and getattr(torch.version, "hip", None) is None
 
 
+def triton_usable(device: torch.device, loaded: dict) -> bool:
+    """Whether a front door whose loaded backends are ``loaded`` can run Triton on ``device``."""
+    return triton_gpu(device) and "triton" in loaded
+
+
 def check_triton_device(t: torch.Tensor, name: str, what: str, interpreted: bool) -> None:
     """The error for a tensor the Triton kernels cannot run on (``what``: which kernels)."""
     if t.is_cuda and not triton_gpu(t.device):

@@ -42,7 +42,7 @@ def available_backends(device="cpu"):
 
 
 def _triton_usable(device: torch.device) -> bool:
-    return common.triton_gpu(device) and "triton" in _LOADED
+    return common.triton_usable(device, _LOADED)
 
 
 def _resolve(backend: Optional[str], device: torch.device, dtype: torch.dtype):

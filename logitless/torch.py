@@ -28,7 +28,7 @@ _BACKENDS = {
 
 
 def _triton_usable(device: torch.device) -> bool:
-    return common.triton_gpu(device) and "triton" in _LOADED
+    return common.triton_usable(device, _LOADED)
 
 
 def available_backends(device="cpu"):

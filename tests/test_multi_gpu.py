@@ -79,7 +79,6 @@ def test_op_on_a_gpu_that_is_not_current(case):
         pytest.importorskip("jax")
     ref = _run(case, torch.device("cuda:1"))
     got = _run(case, torch.device("cuda:0"))
-    assert torch.cuda.current_device() == 0 or torch.cuda.device_count() > 1
     for i, (a, b) in enumerate(zip(got, ref)):
         assert torch.isfinite(a).all(), (case, i)
         # same kernels, same inputs, same device: equal up to cuBLAS's split-K choices
