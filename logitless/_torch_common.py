@@ -93,6 +93,55 @@ def check_triton_device(t: torch.Tensor, name: str, what: str, interpreted: bool
                          f"{name} is on {t.device}")
 
 
+# cuBLAS takes its fast kernels (16-byte vectorized; on Hopper the sm90 ones) only when a GEMM's
+# dimensions are multiples of 8 half-precision elements: at an odd vocabulary (GPT-2's 50257)
+# every GEMM with V as a dimension fell to sm75 "align1" kernels at ~1/6 the speed (H100
+# profile, DESIGN.md). Those GEMMs go in two parts: the 8-aligned bulk of the vocabulary rows,
+# then the < 8 left.
+VOCAB_ALIGN = 8
+
+
+def vocab_parts(v: int):
+    """Vocabulary row ranges ``(start, stop)`` for cuBLAS: ``(0, v)`` alone when ``v`` is a
+    multiple of 8 (or below 8), else the aligned bulk and the rest."""
+    bulk = v - v % VOCAB_ALIGN
+    return ((0, v),) if bulk in (0, v) else ((0, bulk), (bulk, v))
+
+
+def mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` with an fp32 result straight from half-precision operands (CUDA: no upcast
+    copies; elsewhere the operands are upcast)."""
+    if a.dtype == torch.float32:
+        return torch.mm(a, b)
+    if a.is_cuda:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return torch.mm(a.float(), b.float())
+
+
+def thin_mm_(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out = a @ b`` for a GEMM over the < 8 vocabulary rows past the aligned bulk
+    (:func:`vocab_parts`), with an fp32 result rounded once into ``out``: an output a few
+    columns wide invites cuBLAS to split K, and with PyTorch's default
+    ``allow_{bf16,fp16}_reduced_precision_reduction`` it may then sum the parts in half
+    precision. Tiny (rows x < 8), so the fp32 result costs nothing."""
+    return out.copy_(mm_f32(a, b))
+
+
+def mm_over_vocab(dz: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out = dz @ w`` where the contraction runs over the vocabulary (``dz [C, V]``,
+    ``w [V, H]``), in parts (:func:`vocab_parts`) summed in fp32 and rounded once into ``out``."""
+    parts = vocab_parts(w.shape[0])
+    if len(parts) == 1 and out.dtype == dz.dtype:
+        return torch.mm(dz, w, out=out)
+    acc = out if out.dtype == torch.float32 else torch.empty(out.shape, dtype=torch.float32,
+                                                             device=out.device)
+    for i, (s, e) in enumerate(parts):
+        accumulate_mm_(acc, dz[:, s:e], w[s:e], first=i == 0)
+    if acc is not out:
+        out.copy_(acc)
+    return out
+
+
 def rows_buffer(rows: int, cols: int, dtype: torch.dtype, device) -> torch.Tensor:
     """A ``[rows, cols]`` buffer whose rows start at 16-element boundaries (a view of
     ``[rows, cols rounded up to 16]``): the row kernels' loads and stores then vectorize and

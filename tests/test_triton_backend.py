@@ -148,6 +148,30 @@ def test_own_logits_gemm_runs_and_equals_the_cublas_path(monkeypatch, dtype):
                                rtol=1e-5, atol=0)
 
 
+@pytest.mark.parametrize("v", [248, 301])
+@pytest.mark.parametrize("gemm", ["cublas", "triton"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_bias_joins_the_logits_in_fp32_after_one_rounding(dtype, gemm, v):
+    """The loss sees round(x·Wᵀ) + b, the bias added in fp32. On an H100 cuBLAS rounded twice,
+    round(round(x·Wᵀ) + b), when it added the bias into our strided logits buffers (V = 248:
+    rows padded to 256; V = 301: the split at the 8-aligned 296): ~30% of the logits one
+    rounding off, twice the naive path's gradient error. Inputs on a 1/64 grid with small
+    integer weights: every x·Wᵀ is exact in fp32 whatever the summation order, so rounding it
+    to the input dtype has one right answer, and the bias's bits make a second rounding show."""
+    g = torch.Generator().manual_seed(SEED + 17)
+    n, h = 40, 64
+    x = (torch.randint(-128, 128, (n, h), generator=g) / 64).to(DEV, dtype)
+    w = torch.randint(-2, 3, (v, h), generator=g).to(DEV, dtype)
+    b = (torch.randn(v, generator=g) * 3).to(DEV, dtype)
+    y = torch.randint(0, v, (n,), generator=g).to(DEV)
+    with torch.no_grad():
+        got = lt.linear_cross_entropy(x, w, y, linear_bias=b, reduction="none", backend="triton",
+                                      logits_gemm=gemm, chunk_size=16)
+    z = (x.double() @ w.double().t()).to(dtype).double() + b.double()
+    want = torch.logsumexp(z, 1) - z[torch.arange(n), y]
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
+
+
 @pytest.mark.parametrize("masked", [slice(60, None), slice(0, 40)])
 @pytest.mark.parametrize("kw", [{}, dict(logits_gemm="triton"), dict(block_v=16)],
                          ids=["default", "own-gemm", "block16"])

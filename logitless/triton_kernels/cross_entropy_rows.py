@@ -12,6 +12,9 @@ slice of V starting at ``col_offset``) it can
 * pass 2 (``WRITE_GRAD``): stream it again and overwrite it in place with the logit gradient
   dz = (g·A + h)·p − g·B·[v = y] − g·m·(ε/V)·w_v, times the softcap derivative.
 
+The buffer holds the GEMM product x·Wᵀ without the bias, rounded once to the input dtype; the
+kernel adds the bias in fp32 as it reads (``_logit``).
+
 A persistent grid keeps only ~#SMs rows in flight, so pass 2 re-reads the row from L2.
 All math is fp32; loads are upcast at once (the Triton interpreter mis-computes bf16 math).
 """
@@ -44,8 +47,21 @@ def _finite_ref(m):
 
 
 @triton.jit
+def _logit(base, bias_ptr, col_offset, cols, mask, HAS_BIAS: tl.constexpr):
+    """Logits ``cols`` of a row as fp32: the stored GEMM product plus, with a bias, its entry
+    added here in fp32. cuBLAS (H100, torch 2.11) rounds twice when it adds a bias into a
+    strided output whose width is a multiple of 8 (our buffers are column views): round(round(
+    xWᵀ) + b) in ~30% of the entries; here it is round(xWᵀ) + b, with nothing rounded after the
+    bias is in."""
+    z = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        z += tl.load(bias_ptr + col_offset + cols, mask=mask, other=0.0).to(tl.float32)
+    return z
+
+
+@triton.jit
 def cross_entropy_rows_kernel(
-    logits_ptr, stride_row,
+    logits_ptr, stride_row, bias_ptr,
     y_ptr, cw_ptr, omega_sum_ptr,
     lse_ptr, loss_ptr,
     g_ptr, g_stride, h_ptr,
@@ -53,7 +69,7 @@ def cross_entropy_rows_kernel(
     eps, z_loss, softcap, stat_m_ptr, stat_s_ptr, n_tiles,
     COMPUTE_LSE: tl.constexpr, WRITE_GRAD: tl.constexpr, FROM_TILES: tl.constexpr,
     HAS_CW: tl.constexpr, SMOOTH: tl.constexpr, HAS_Z: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, HAS_H: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_H: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_V: tl.constexpr, ROUND_BF16: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
@@ -97,7 +113,7 @@ def cross_entropy_rows_kernel(
                 for start in range(0, n_cols, BLOCK_V):
                     cols = start + offs
                     cmask = cols < n_cols
-                    z = tl.load(base + cols, mask=cmask, other=0.0).to(tl.float32)
+                    z = _logit(base, bias_ptr, col_offset, cols, cmask, HAS_BIAS)
                     c = _cap(z, softcap, HAS_SOFTCAP)  # finite everywhere (masked lanes: z = 0)
                     if SMOOTH:
                         if HAS_CW:
@@ -113,7 +129,7 @@ def cross_entropy_rows_kernel(
                     m = m_new
             lse = m + tl.log(s)
             here = (y_local >= 0) & (y_local < n_cols) & valid
-            z_y = tl.load(base + tl.where(here, y_local, 0), mask=here, other=0.0).to(tl.float32)
+            z_y = _logit(base, bias_ptr, col_offset, tl.where(here, y_local, 0), here, HAS_BIAS)
             c_y = _cap(z_y, softcap, HAS_SOFTCAP)
             loss = (1.0 - eps) * omega * (lse - c_y)
             if SMOOTH:
@@ -144,7 +160,7 @@ def cross_entropy_rows_kernel(
             for i in range(0, n_blocks):
                 cols = (n_blocks - 1 - i) * BLOCK_V + offs
                 cmask = cols < n_cols
-                z = tl.load(base + cols, mask=cmask, other=0.0).to(tl.float32)
+                z = _logit(base, bias_ptr, col_offset, cols, cmask, HAS_BIAS)
                 c = _cap(z, softcap, HAS_SOFTCAP)
                 d = coef_p * tl.exp(c - lse)
                 d -= tl.where(cols == y_local, coef_y, 0.0)

@@ -90,9 +90,10 @@ def _interpret() -> bool:
 
 
 # ----------------------------------------------------------------------------- launching
-def _rows(buf, n_rows, n_cols, col_offset, y, cw, omega_sum, lse, loss, g, h, opts_t, v, cfg,
-          compute_lse, write_grad, stats=None):
-    """Run the row kernel over ``buf[:n_rows, :n_cols]`` (see cross_entropy_rows); ``stats``:
+def _rows(buf, bias, n_rows, n_cols, col_offset, y, cw, omega_sum, lse, loss, g, h, opts_t, v,
+          cfg, compute_lse, write_grad, stats=None):
+    """Run the row kernel over ``buf[:n_rows, :n_cols]`` (see cross_entropy_rows), which holds
+    x·Wᵀ without the bias (the whole ``[V]`` bias, or None: the kernel adds it); ``stats``:
     the logits GEMM's per-tile (max, Σexp), ``[n_rows, n_tiles]`` each, for lse."""
     ignore_index, eps, z_loss, softcap = opts_t
     if n_rows == 0:
@@ -109,7 +110,7 @@ def _rows(buf, n_rows, n_cols, col_offset, y, cw, omega_sum, lse, loss, g, h, op
         block = cfg.block_v or min(1024, next_power_of_2(n_cols))
     dummy = lse  # any fp32 tensor stands in for absent optional pointers
     cross_entropy_rows_kernel[grid](
-        buf, buf.stride(0),
+        buf, buf.stride(0), dummy if bias is None else bias,
         y, dummy if cw is None else cw, dummy if omega_sum is None else omega_sum,
         lse, dummy if loss is None else loss,
         dummy if g is None else g, 0 if g is None or g.numel() == 1 else 1,
@@ -120,25 +121,22 @@ def _rows(buf, n_rows, n_cols, col_offset, y, cw, omega_sum, lse, loss, g, h, op
         0 if stats is None else stats[0].shape[1],
         COMPUTE_LSE=compute_lse, WRITE_GRAD=write_grad, FROM_TILES=stats is not None,
         HAS_CW=cw is not None, SMOOTH=eps > 0, HAS_Z=z_loss > 0,
-        HAS_SOFTCAP=softcap is not None, HAS_H=h is not None,
+        HAS_SOFTCAP=softcap is not None, HAS_H=h is not None, HAS_BIAS=bias is not None,
         BLOCK_V=block, ROUND_BF16=_interpret() and buf.dtype == torch.bfloat16,
         num_warps=num_warps)
 
 
-def _logits(x_c, w, bias, out):
-    """out = x_c @ wᵀ (+ bias) through cuBLAS, in the input dtype (fp32 accumulation)."""
-    if bias is None:
-        return torch.mm(x_c, w.t(), out=out)
-    return torch.addmm(bias, x_c, w.t(), out=out)
-
-
-def _mm_f32(a, b):
-    """a @ b with an fp32 result straight from half-precision operands (no upcast copies on CUDA)."""
-    if a.dtype == torch.float32:
-        return torch.mm(a, b)
-    if a.is_cuda:
-        return torch.mm(a, b, out_dtype=torch.float32)
-    return torch.mm(a.float(), b.float())
+def _logits(x_c, w, out):
+    """out = x_c @ wᵀ through cuBLAS, in the input dtype (fp32 accumulation), in the vocabulary
+    parts of ``common.vocab_parts`` (an odd V would put the whole GEMM on slow kernels). The
+    bias is the row kernel's (``_logit`` in cross_entropy_rows): cuBLAS rounds twice adding it
+    into a strided output such as these column views."""
+    for s, e in common.vocab_parts(w.shape[0]):
+        if s > 0:  # the rows past the aligned bulk
+            common.thin_mm_(x_c, w[s:e].t(), out[:, s:e])
+        else:
+            torch.mm(x_c, w[s:e].t(), out=out[:, s:e])
+    return out
 
 
 def _ones(like):
@@ -183,12 +181,12 @@ def _forward(x, w, bias, y, cw, omega_sum, opts_t, cfg, grad_mode, needs, accum_
             stats_gemm.logits_with_stats(x[s:e], w, bias, blk, stats[0], stats[1], opts_t[3],
                                           _interpret(), sms)
         else:
-            blk = _logits(x[s:e], w, bias, buf[: e - s])
-        _rows(blk, e - s, v, 0, y[s:e], cw, omega_sum, lse[s:e], token_loss[s:e],
+            blk = _logits(x[s:e], w, buf[: e - s])
+        _rows(blk, bias, e - s, v, 0, y[s:e], cw, omega_sum, lse[s:e], token_loss[s:e],
               g, None, opts_t, v, cfg, compute_lse=True,
               write_grad=need_dx or need_dw or need_db, stats=stats)
         if need_dx:
-            torch.mm(blk, w, out=dx[s:e])
+            common.mm_over_vocab(blk, w, dx[s:e])
         _accumulate(dw, db, blk, x[s:e], first=s == 0)
     return token_loss, lse, dx, dw, db
 
@@ -202,12 +200,12 @@ def _token_sweep(x, w, bias, y, cw, omega_sum, lse, g, h, opts_t, cfg, need_dx, 
     buf = common.rows_buffer(min(cfg.chunk, n), v, x.dtype, x.device)
     for s in range(0, n, cfg.chunk):
         e = min(s + cfg.chunk, n)
-        blk = _logits(x[s:e], w, bias, buf[: e - s])
-        _rows(blk, e - s, v, 0, y[s:e], cw, omega_sum, lse[s:e], None,
+        blk = _logits(x[s:e], w, buf[: e - s])
+        _rows(blk, bias, e - s, v, 0, y[s:e], cw, omega_sum, lse[s:e], None,
               g if g.numel() == 1 else g[s:e], None if h is None else h[s:e],
               opts_t, v, cfg, compute_lse=False, write_grad=True)
         if need_dx:
-            torch.mm(blk, w, out=dx[s:e])
+            common.mm_over_vocab(blk, w, dx[s:e])
         _accumulate(dw_acc, db_acc, blk, x[s:e], first=s == 0)
     return dx
 
@@ -233,8 +231,8 @@ def _vocab_sweep(x, w, bias, y, cw, omega_sum, lse, g, h, opts_t, cfg, post_scal
     for s in range(0, v, cfg.vocab_chunk):
         e = min(s + cfg.vocab_chunk, v)
         blk = buf[:, : e - s]
-        _logits(x, w[s:e], None if bias is None else bias[s:e], blk)
-        _rows(blk, n, e - s, s, y, cw, omega_sum, lse, None, g, h, opts_t, v, cfg,
+        _logits(x, w[s:e], blk)
+        _rows(blk, bias, n, e - s, s, y, cw, omega_sum, lse, None, g, h, opts_t, v, cfg,
               compute_lse=False, write_grad=True)
         if dw_out is not None:
             if post_scale is None and dw_out.dtype != torch.float16:
@@ -242,9 +240,15 @@ def _vocab_sweep(x, w, bias, y, cw, omega_sum, lse, g, h, opts_t, cfg, post_scal
                 # also lets cuBLAS sum split-K parts in bf16 unless
                 # torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction is off);
                 # fp16, whose range a sum over all tokens can leave, takes the fp32 slice below
-                torch.mm(blk.t(), x, out=dw_out[s:e])
+                for a, b in common.vocab_parts(e - s):
+                    if a > 0:  # the rows past the aligned bulk
+                        common.thin_mm_(blk[:, a:b].t(), x, dw_out[s + a:s + b])
+                    else:
+                        torch.mm(blk[:, a:b].t(), x, out=dw_out[s + a:s + b])
             else:
-                _cast(_mm_f32(blk.t(), x), post_scale, dw_out.dtype, out=dw_out[s:e])
+                for a, b in common.vocab_parts(e - s):
+                    _cast(common.mm_f32(blk[:, a:b].t(), x), post_scale, dw_out.dtype,
+                          out=dw_out[s + a:s + b])
         if db_out is not None:
             _cast(blk.sum(0, dtype=torch.float32), post_scale, db_out.dtype, out=db_out[s:e])
 

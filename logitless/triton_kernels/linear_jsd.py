@@ -134,9 +134,14 @@ def _max_resident_segments(device) -> int:
 
 
 def _logits(x, w, out, fp32):
-    if fp32:
-        return jsd_common.logits_f32(x, w, out=out)
-    return torch.mm(x, w.t(), out=out)
+    for s, e in common.vocab_parts(w.shape[0]):
+        if fp32:
+            jsd_common.logits_f32(x, w[s:e], out=out[:, s:e])
+        elif s > 0:  # the rows past the aligned bulk
+            common.thin_mm_(x, w[s:e].t(), out[:, s:e])
+        else:
+            torch.mm(x, w[s:e].t(), out=out[:, s:e])
+    return out
 
 
 def _mm_rows_f32(a, w, parts, s):
@@ -146,10 +151,10 @@ def _mm_rows_f32(a, w, parts, s):
     r1 = top.shape[0]
     e = s + a.shape[0]
     if s < r1:
-        jsd_common.logits_f32(a[: min(e, r1) - s], w.t(), out=top[s:min(e, r1)])
+        common.mm_over_vocab(a[: min(e, r1) - s], w, top[s:min(e, r1)])
     if e > r1:
         lo = max(s, r1)
-        jsd_common.logits_f32(a[lo - s:], w.t(), out=bottom[lo - r1:e - r1])
+        common.mm_over_vocab(a[lo - s:], w, bottom[lo - r1:e - r1])
 
 
 def _sweep(xs, ws, xt, wt, y, g, opts_t, cfg: Config, want_loss, want_grad, accum, dx_fp32,
@@ -194,7 +199,7 @@ def _sweep(xs, ws, xt, wt, y, g, opts_t, cfg: Config, want_loss, want_grad, accu
             if dx_fp32:
                 _mm_rows_f32(dz, ws, dx, s)
             else:
-                torch.mm(dz, ws, out=dx[0][s:e])
+                common.mm_over_vocab(dz, ws, dx[0][s:e])
         if want_grad and need_dw:
             accumulate_split_(dw, dz, xs[s:e], first=s == 0)
     return (token_loss,) + dx + dw

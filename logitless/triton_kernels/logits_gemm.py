@@ -1,13 +1,14 @@
 """The logits GEMM of a token chunk in Triton, with the softmax statistics in its epilogue.
 
-``z = x_c · Wᵀ (+ b)`` as a persistent tensor-descriptor (TMA) GEMM whose epilogue, besides
-storing the tile of logits, reduces it per row to the max and Σexp of the (rounded, soft-capped)
-tile: ``[rows, ceil(V / BN)]`` partial statistics. The row kernel then folds them into the
-log-sum-exp (:mod:`.cross_entropy_rows`, ``FROM_TILES``) instead of streaming the logits once
-for it: the chunk's softmax work becomes one read+write pass instead of two.
+``x_c · Wᵀ`` as a persistent tensor-descriptor (TMA) GEMM whose epilogue, besides storing the
+tile (rounded to the input dtype, without the bias: the row kernel adds it, as on the cuBLAS
+path), reduces the tile's logits ``z = x_c·Wᵀ + b`` per row to the max and Σexp of the
+soft-capped values: ``[rows, ceil(V / BN)]`` partial statistics. The row kernel then folds
+them into the log-sum-exp (:mod:`.cross_entropy_rows`, ``FROM_TILES``) instead of streaming the
+logits once for it: the chunk's softmax work becomes one read+write pass instead of two.
 
-Statistics are taken of the logits *as stored* (rounded to the input dtype), so the loss and
-the gradient see the same numbers as with cuBLAS and a two-pass row kernel. Opt-in
+Statistics are taken of the logits as the row kernel reads them (stored product + bias), so
+the loss and the gradient see the same numbers as with cuBLAS and a two-pass row kernel. Opt-in
 (``logits_gemm="triton"``): on an H100 (``benchmarks/logits_gemm_probe.py``) this GEMM is
 ~0.35 ms slower than cuBLAS per 3584-token Llama chunk and the pass it saves ~0.5 ms; whole
 fwd+bwd runs measured within the ±2% run-to-run spread of the cuBLAS path (DESIGN.md).
@@ -64,13 +65,14 @@ def logits_stats_kernel(x_desc, w_desc, z_desc, bias_ptr, stat_m_ptr, stat_s_ptr
             acc = tl.dot(a, b.T, acc)
         cols = on + tl.arange(0, BN)
         cmask = cols < N
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
         if INTERPRET and z_desc.dtype == tl.bfloat16:
             acc = round_bf16_bits(acc)  # the interpreter's cast truncates; the GPU rounds
         zq = acc.to(z_desc.dtype)
         z_desc.store([om, on], zq)
-        c = _cap(zq.to(tl.float32), softcap, HAS_SOFTCAP)
+        z = zq.to(tl.float32)
+        if HAS_BIAS:  # stored without it, as the cuBLAS path: the row kernel adds it in fp32
+            z += tl.load(bias_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        c = _cap(z, softcap, HAS_SOFTCAP)
         c = tl.where(cmask[None, :], c, float("-inf"))
         m = tl.max(c, 1)
         # a tile of −inf logits (a vocabulary masked by a −inf bias): (−inf, 0), never NaN
@@ -120,8 +122,8 @@ def unsupported_layout(x: torch.Tensor, w: torch.Tensor, bias) -> str:
 def logits_with_stats(x_c: torch.Tensor, w: torch.Tensor, bias, out: torch.Tensor,
                       stat_m: torch.Tensor, stat_s: torch.Tensor, softcap, interpret: bool,
                       num_sms: int) -> None:
-    """``out = x_c·wᵀ (+ bias)`` and per (row, column tile) max / Σexp of the (capped) logits
-    into ``stat_m`` / ``stat_s`` (``[rows, n_tiles]``, row-major, fp32)."""
+    """``out = x_c·wᵀ`` and per (row, column tile) max / Σexp of the capped logits
+    ``out + bias`` into ``stat_m`` / ``stat_s`` (``[rows, n_tiles]``, row-major, fp32)."""
     m, k = x_c.shape
     n = w.shape[0]
     t = tiles(interpret)

@@ -3,7 +3,8 @@ so that accumulator and result never coexist (and scale a gradient in place).
 
 With an fp32 ``[V, H]`` accumulator (4·V·H bytes) and a bf16 result (2·V·H bytes), a plain
 cast holds both at the end: 6·V·H bytes, 3.2 GB at the Llama-3 shape. Here the accumulator is
-two allocations, ``a`` (rows ``[0, V1)``, ``V1 = ceil(V/2)``) and ``b`` (the other rows):
+two allocations, ``a`` (rows ``[0, V1)``, ``V1`` = ceil(V/2) rounded up to a multiple of 8) and
+``b`` (the other rows):
 
 1. ``a`` is narrowed onto its own first half: element i is written at byte 2i, which is
    fp32 element i/2 -- already read if elements are processed in increasing order. Launches
@@ -72,8 +73,10 @@ def _launch(src, dst, scale, start, stop, interpret, sync=False):
 
 
 def split_rows(v: int) -> int:
-    """Rows of the first accumulator allocation."""
-    return (v + 1) // 2
+    """Rows of the first accumulator allocation: at least half (its bytes must hold the whole
+    narrowed result), a multiple of 8 so that the second GEMM's operand ``dz[:, r1:]`` starts
+    16-byte aligned (cuBLAS falls back to slow kernels otherwise, e.g. at V = 151655)."""
+    return min(v, -(-((v + 1) // 2) // 8) * 8)
 
 
 def accumulator_pair(rows: int, cols: int, accum_dtype: torch.dtype, out_dtype: torch.dtype,
@@ -102,12 +105,12 @@ def accumulate_split_(pair: Tuple[torch.Tensor, torch.Tensor], dz: torch.Tensor,
     :func:`accumulator_pair` (columns of ``dz`` are its rows: one GEMM per half), or one tensor in
     ``pair[0]`` with ``pair[1]`` empty. The first chunk assigns."""
     a, b = pair
-    if b.numel() == 0 and a.shape[0] == dz.shape[1]:
-        accumulate_mm_(a, dz.t(), x_c, first=first)
-        return
-    r1 = a.shape[0]
-    accumulate_mm_(a, dz[:, :r1].t(), x_c, first=first)
-    accumulate_mm_(b, dz[:, r1:].t(), x_c, first=first)
+    pieces = ((a, 0, a.shape[0]),) + (((b, a.shape[0], dz.shape[1]),) if b.numel() else ())
+    for acc, s, e in pieces:  # each cut again where the vocabulary's 8-aligned bulk ends
+        for ps, pe in common.vocab_parts(dz.shape[1]):
+            lo, hi = max(s, ps), min(e, pe)
+            if lo < hi:
+                accumulate_mm_(acc[lo - s:hi - s], dz[:, lo:hi].t(), x_c, first=first)
 
 
 def finish_(a: torch.Tensor, b: torch.Tensor, scale: Optional[torch.Tensor],
