@@ -118,13 +118,15 @@ def mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.mm(a.float(), b.float())
 
 
-def thin_mm_(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``out = a @ b`` for a GEMM over the < 8 vocabulary rows past the aligned bulk
-    (:func:`vocab_parts`), with an fp32 result rounded once into ``out``: an output a few
-    columns wide invites cuBLAS to split K, and with PyTorch's default
+def thin_mm_(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
+             add: bool = False) -> torch.Tensor:
+    """``out = a @ b`` (``out += a @ b`` with ``add``) for a GEMM over the < 8 vocabulary rows
+    past the aligned bulk (:func:`vocab_parts`), with an fp32 result rounded once into ``out``:
+    an output a few columns wide invites cuBLAS to split K, and with PyTorch's default
     ``allow_{bf16,fp16}_reduced_precision_reduction`` it may then sum the parts in half
     precision. Tiny (rows x < 8), so the fp32 result costs nothing."""
-    return out.copy_(mm_f32(a, b))
+    r = mm_f32(a, b)
+    return out.add_(r) if add else out.copy_(r)
 
 
 def mm_over_vocab(dz: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

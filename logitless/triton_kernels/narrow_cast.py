@@ -109,7 +109,11 @@ def accumulate_split_(pair: Tuple[torch.Tensor, torch.Tensor], dz: torch.Tensor,
     for acc, s, e in pieces:  # each cut again where the vocabulary's 8-aligned bulk ends
         for ps, pe in common.vocab_parts(dz.shape[1]):
             lo, hi = max(s, ps), min(e, pe)
-            if lo < hi:
+            if lo >= hi:
+                continue
+            if ps > 0 and acc.dtype != torch.float32:  # thin rows into a half-precision acc
+                common.thin_mm_(dz[:, lo:hi].t(), x_c, acc[lo - s:hi - s], add=not first)
+            else:
                 accumulate_mm_(acc[lo - s:hi - s], dz[:, lo:hi].t(), x_c, first=first)
 
 
