@@ -69,6 +69,32 @@ def test_non_contiguous_inputs(low_memory):
         assert ((u - v).norm() / v.norm()).item() < 1e-5
 
 
+@pytest.mark.parametrize("low_memory", [False, True])
+@pytest.mark.parametrize("layout", ["strided", "expanded"])
+def test_non_contiguous_bias(layout, low_memory):
+    """The row kernel reads the bias at unit stride: a strided slice was read as the first V
+    entries and an expanded (stride 0) bias past its storage, until the front door made it
+    contiguous. Its gradient still reaches the original tensor."""
+    x, w, y = _data(24, 16, 37, seed=3)
+    g = torch.Generator().manual_seed(SEED + 4)
+    base = torch.randn(2 * 37, generator=g).to(DEV)
+
+    def bias_of(t):
+        return t[::2] if layout == "strided" else t[:1].expand(37)
+
+    grads = []
+    for contiguous in (False, True):
+        src = base.clone().requires_grad_()
+        b = bias_of(src)
+        b = b.contiguous() if contiguous else b
+        assert b.is_contiguous() == contiguous
+        got = _loss_and_grads(x, w, y, backend="triton", low_memory=low_memory, linear_bias=b,
+                              reduction="sum")
+        grads.append(got + (src.grad,))
+    for u, v in zip(*grads):
+        torch.testing.assert_close(u, v, rtol=1e-5, atol=1e-5)
+
+
 def test_bf16_accumulator_option_is_close_but_fp32_is_default():
     """The default sums dW over 16 chunks in fp32 and rounds once: its error is that of one
     chunk (one GEMM, one rounding); the bf16 accumulator's is visibly larger. (Loose bounds

@@ -48,6 +48,7 @@ CHECKS_TARGETS = True
 # One [chunk, V] block of logits: 3584 tokens at V=128256 in bf16. Peak extra memory is the
 # fp32 dW accumulator (4·V·H, narrowed in place into the 2·V·H result) plus this block: 1.97 GB
 # at the Llama-3 shape (H=4096), inside the 2 GB goal; 1 GiB (4096 tokens) gave 2.10 GB.
+# A V that is not a multiple of 8 adds an fp32 [chunk, H] dX buffer (common.mm_over_vocab).
 FAST_BUDGET = 896 << 20
 # The low-memory mode's one block (its whole peak extra memory, as each dW slice goes straight
 # into the gradient): 1024 tokens, or 8192 vocabulary rows for 16k tokens, at V=128256. On an
@@ -132,7 +133,7 @@ def _logits(x_c, w, out):
     bias is the row kernel's (``_logit`` in cross_entropy_rows): cuBLAS rounds twice adding it
     into a strided output such as these column views."""
     for s, e in common.vocab_parts(w.shape[0]):
-        if s > 0:  # the rows past the aligned bulk
+        if e - s < common.VOCAB_ALIGN:  # the rows past the aligned bulk, or a V below 8
             common.thin_mm_(x_c, w[s:e].t(), out[:, s:e])
         else:
             torch.mm(x_c, w[s:e].t(), out=out[:, s:e])
@@ -224,7 +225,8 @@ def _accumulate(dw, db, dz, x_c, first):
 
 def _vocab_sweep(x, w, bias, y, cw, omega_sum, lse, g, h, opts_t, cfg, post_scale, dw_out, db_out):
     """Recompute per vocabulary chunk (all tokens): each dW / db slice in one GEMM over all
-    tokens, fp32 inside, times ``post_scale``, written once into the final gradient."""
+    tokens (two where the chunk's width is not a multiple of 8: its aligned bulk, then the
+    rest), fp32 inside, times ``post_scale``, written once into the final gradient."""
     n = x.shape[0]
     v = w.shape[0]
     buf = common.rows_buffer(n, min(cfg.vocab_chunk, v), x.dtype, x.device)
@@ -241,7 +243,7 @@ def _vocab_sweep(x, w, bias, y, cw, omega_sum, lse, g, h, opts_t, cfg, post_scal
                 # torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction is off);
                 # fp16, whose range a sum over all tokens can leave, takes the fp32 slice below
                 for a, b in common.vocab_parts(e - s):
-                    if a > 0:  # the rows past the aligned bulk
+                    if b - a < common.VOCAB_ALIGN:  # past the aligned bulk, or a thin chunk
                         common.thin_mm_(blk[:, a:b].t(), x, dw_out[s + a:s + b])
                     else:
                         torch.mm(blk[:, a:b].t(), x, out=dw_out[s + a:s + b])
@@ -540,8 +542,11 @@ def linear_cross_entropy(p: common.Prepared, opts: spec.LinearCrossEntropyOption
     if (need_dx or need_dw or need_db) and opts.reduction != "none":
         grad_mode = DX_ONLY if low_memory else FULL_GRAD
     y = p.y if p.y.dtype in (torch.int32, torch.int64) else p.y.long()
+    # the row kernel reads the bias at unit stride (a strided or expanded one: copied here,
+    # outside the op, so autograd still hands db to the original)
+    bias = None if p.bias is None else p.bias.contiguous()
     loss, lse, _denom, _dx, _dwa, _dwb, _db = _fwd_op(
-        x, p.w, p.bias, y, p.class_weight, REDUCTIONS[opts.reduction], opts.ignore_index,
+        x, p.w, bias, y, p.class_weight, REDUCTIONS[opts.reduction], opts.ignore_index,
         float(opts.label_smoothing), float(opts.z_loss), float(opts.softcap or 0.0), grad_mode,
         need_dx, need_dw, need_db, low_memory, chunk, vocab_chunk, block_v or 0, num_warps or 0,
         grad_accum_dtype == torch.float32, LOGITS_GEMM[logits_gemm])

@@ -137,7 +137,7 @@ def _logits(x, w, out, fp32):
     for s, e in common.vocab_parts(w.shape[0]):
         if fp32:
             jsd_common.logits_f32(x, w[s:e], out=out[:, s:e])
-        elif s > 0:  # the rows past the aligned bulk
+        elif e - s < common.VOCAB_ALIGN:  # the rows past the aligned bulk, or a V below 8
             common.thin_mm_(x, w[s:e].t(), out[:, s:e])
         else:
             torch.mm(x, w[s:e].t(), out=out[:, s:e])

@@ -38,7 +38,7 @@ FIRST = 4096  # elements narrowed by the first, single-program launch
 def round_bf16_bits(v):
     """The Triton interpreter's fp32->bf16 cast truncates (the GPU rounds to nearest even):
     pre-round the bits of normal numbers so that interpreted runs see the GPU's values. Zeros
-    and subnormals are left alone (the interpreter turns 0 + bias into a subnormal, not 0)."""
+    and subnormals are left alone."""
     bits = v.to(tl.uint32, bitcast=True)
     normal = (bits & 0x7F800000) != 0
     bits += tl.where(normal, 0x7FFF + ((bits >> 16) & 1), 0)
@@ -75,7 +75,8 @@ def _launch(src, dst, scale, start, stop, interpret, sync=False):
 def split_rows(v: int) -> int:
     """Rows of the first accumulator allocation: at least half (its bytes must hold the whole
     narrowed result), a multiple of 8 so that the second GEMM's operand ``dz[:, r1:]`` starts
-    16-byte aligned (cuBLAS falls back to slow kernels otherwise, e.g. at V = 151655)."""
+    16-byte aligned (cuBLAS falls back to slow kernels otherwise, e.g. at V = 151655); all of
+    ``v`` (no second allocation) when that multiple of 8 would pass ``v``."""
     return min(v, -(-((v + 1) // 2) // 8) * 8)
 
 
@@ -102,8 +103,9 @@ def accumulator_pair(rows: int, cols: int, accum_dtype: torch.dtype, out_dtype: 
 def accumulate_split_(pair: Tuple[torch.Tensor, torch.Tensor], dz: torch.Tensor,
                       x_c: torch.Tensor, first: bool) -> None:
     """``dW (+)= dzᵀ·x_c`` into a weight-gradient accumulator: the split fp32 pair of
-    :func:`accumulator_pair` (columns of ``dz`` are its rows: one GEMM per half), or one tensor in
-    ``pair[0]`` with ``pair[1]`` empty. The first chunk assigns."""
+    :func:`accumulator_pair` (columns of ``dz`` are its rows: one GEMM per half, the half
+    holding the end of a vocabulary that is not a multiple of 8 cut again there), or one tensor
+    in ``pair[0]`` with ``pair[1]`` empty. The first chunk assigns."""
     a, b = pair
     pieces = ((a, 0, a.shape[0]),) + (((b, a.shape[0], dz.shape[1]),) if b.numel() else ())
     for acc, s, e in pieces:  # each cut again where the vocabulary's 8-aligned bulk ends
@@ -111,7 +113,7 @@ def accumulate_split_(pair: Tuple[torch.Tensor, torch.Tensor], dz: torch.Tensor,
             lo, hi = max(s, ps), min(e, pe)
             if lo >= hi:
                 continue
-            if ps > 0 and acc.dtype != torch.float32:  # thin rows into a half-precision acc
+            if hi - lo < common.VOCAB_ALIGN and acc.dtype != torch.float32:  # thin, half acc
                 common.thin_mm_(dz[:, lo:hi].t(), x_c, acc[lo - s:hi - s], add=not first)
             else:
                 accumulate_mm_(acc[lo - s:hi - s], dz[:, lo:hi].t(), x_c, first=first)
