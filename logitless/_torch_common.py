@@ -120,8 +120,9 @@ def mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def thin_mm_(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
              add: bool = False) -> torch.Tensor:
-    """``out = a @ b`` (``out += a @ b`` with ``add``) for a GEMM over the < 8 vocabulary rows
-    past the aligned bulk (:func:`vocab_parts`), with an fp32 result rounded once into ``out``:
+    """``out = a @ b`` (``out += a @ b`` with ``add``) for a GEMM over fewer than 8 vocabulary
+    rows (those past the aligned bulk of :func:`vocab_parts`, or a whole V or vocabulary chunk
+    under 8), with an fp32 result rounded once into ``out``:
     an output a few columns wide invites cuBLAS to split K, and with PyTorch's default
     ``allow_{bf16,fp16}_reduced_precision_reduction`` it may then sum the parts in half
     precision. Tiny (rows x < 8), so the fp32 result costs nothing."""
