@@ -130,6 +130,19 @@ def thin_mm_(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
     return out.add_(r) if add else out.copy_(r)
 
 
+def vocab_mm_(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, axis: int) -> torch.Tensor:
+    """``out = a @ b`` where ``out``'s dimension ``axis`` runs over vocabulary rows (the logits'
+    columns, axis 1; a dW slice's rows, axis 0): one GEMM per :func:`vocab_parts` part, those
+    under 8 rows through :func:`thin_mm_`, in ``out``'s dtype."""
+    for s, e in vocab_parts(out.shape[axis]):
+        a_p, b_p, o_p = (a, b[:, s:e], out[:, s:e]) if axis == 1 else (a[s:e], b, out[s:e])
+        if e - s < VOCAB_ALIGN:  # the rows past the aligned bulk, or a V / chunk below 8
+            thin_mm_(a_p, b_p, o_p)
+        else:
+            torch.mm(a_p, b_p, out=o_p)
+    return out
+
+
 def mm_over_vocab(dz: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """``out = dz @ w`` where the contraction runs over the vocabulary (``dz [C, V]``,
     ``w [V, H]``), in parts (:func:`vocab_parts`) summed in fp32 and rounded once into ``out``."""
@@ -260,8 +273,8 @@ def prepare(input, linear_weight, target, linear_bias, weight, *, weight_layout=
     acc = torch.float64 if input.dtype == torch.float64 else torch.float32
     return Prepared(
         x=input.reshape(problem.n, problem.h), w=w,
-        y=target.reshape(problem.n).contiguous(),  # kernels index it with stride 1
-        bias=linear_bias,
+        y=target.reshape(problem.n).contiguous(),  # kernels index these with stride 1
+        bias=None if linear_bias is None else linear_bias.contiguous(),  # db reaches the original
         class_weight=None if weight is None else weight.detach().to(acc).contiguous(),
         problem=problem)
 

@@ -73,8 +73,8 @@ def test_non_contiguous_inputs(low_memory):
 @pytest.mark.parametrize("layout", ["strided", "expanded"])
 def test_non_contiguous_bias(layout, low_memory):
     """The row kernel reads the bias at unit stride: a strided slice was read as the first V
-    entries and an expanded (stride 0) bias past its storage, until the front door made it
-    contiguous. Its gradient still reaches the original tensor."""
+    entries and an expanded (stride 0) bias past its storage, until ``_torch_common.prepare`` made
+    it contiguous (as it does the targets and class weights). Its gradient still reaches the original tensor."""
     x, w, y = _data(24, 16, 37, seed=3)
     g = torch.Generator().manual_seed(SEED + 4)
     base = torch.randn(2 * 37, generator=g).to(DEV)

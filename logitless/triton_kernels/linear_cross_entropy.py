@@ -132,12 +132,7 @@ def _logits(x_c, w, out):
     parts of ``common.vocab_parts`` (an odd V would put the whole GEMM on slow kernels). The
     bias is the row kernel's (``_logit`` in cross_entropy_rows): cuBLAS rounds twice adding it
     into a strided output such as these column views."""
-    for s, e in common.vocab_parts(w.shape[0]):
-        if e - s < common.VOCAB_ALIGN:  # the rows past the aligned bulk, or a V below 8
-            common.thin_mm_(x_c, w[s:e].t(), out[:, s:e])
-        else:
-            torch.mm(x_c, w[s:e].t(), out=out[:, s:e])
-    return out
+    return common.vocab_mm_(x_c, w.t(), out, axis=1)
 
 
 def _ones(like):
@@ -242,11 +237,7 @@ def _vocab_sweep(x, w, bias, y, cw, omega_sum, lse, g, h, opts_t, cfg, post_scal
                 # also lets cuBLAS sum split-K parts in bf16 unless
                 # torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction is off);
                 # fp16, whose range a sum over all tokens can leave, takes the fp32 slice below
-                for a, b in common.vocab_parts(e - s):
-                    if b - a < common.VOCAB_ALIGN:  # past the aligned bulk, or a thin chunk
-                        common.thin_mm_(blk[:, a:b].t(), x, dw_out[s + a:s + b])
-                    else:
-                        torch.mm(blk[:, a:b].t(), x, out=dw_out[s + a:s + b])
+                common.vocab_mm_(blk.t(), x, dw_out[s:e], axis=0)
             else:
                 for a, b in common.vocab_parts(e - s):
                     _cast(common.mm_f32(blk[:, a:b].t(), x), post_scale, dw_out.dtype,
@@ -542,11 +533,8 @@ def linear_cross_entropy(p: common.Prepared, opts: spec.LinearCrossEntropyOption
     if (need_dx or need_dw or need_db) and opts.reduction != "none":
         grad_mode = DX_ONLY if low_memory else FULL_GRAD
     y = p.y if p.y.dtype in (torch.int32, torch.int64) else p.y.long()
-    # the row kernel reads the bias at unit stride (a strided or expanded one: copied here,
-    # outside the op, so autograd still hands db to the original)
-    bias = None if p.bias is None else p.bias.contiguous()
     loss, lse, _denom, _dx, _dwa, _dwb, _db = _fwd_op(
-        x, p.w, bias, y, p.class_weight, REDUCTIONS[opts.reduction], opts.ignore_index,
+        x, p.w, p.bias, y, p.class_weight, REDUCTIONS[opts.reduction], opts.ignore_index,
         float(opts.label_smoothing), float(opts.z_loss), float(opts.softcap or 0.0), grad_mode,
         need_dx, need_dw, need_db, low_memory, chunk, vocab_chunk, block_v or 0, num_warps or 0,
         grad_accum_dtype == torch.float32, LOGITS_GEMM[logits_gemm])

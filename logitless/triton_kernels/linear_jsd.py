@@ -134,13 +134,10 @@ def _max_resident_segments(device) -> int:
 
 
 def _logits(x, w, out, fp32):
-    for s, e in common.vocab_parts(w.shape[0]):
-        if fp32:
-            jsd_common.logits_f32(x, w[s:e], out=out[:, s:e])
-        elif e - s < common.VOCAB_ALIGN:  # the rows past the aligned bulk, or a V below 8
-            common.thin_mm_(x, w[s:e].t(), out[:, s:e])
-        else:
-            torch.mm(x, w[s:e].t(), out=out[:, s:e])
+    if not fp32:
+        return common.vocab_mm_(x, w.t(), out, axis=1)
+    for s, e in common.vocab_parts(w.shape[0]):  # fp32 results: no thin-GEMM concern
+        jsd_common.logits_f32(x, w[s:e], out=out[:, s:e])
     return out
 
 
