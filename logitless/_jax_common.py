@@ -22,7 +22,7 @@ import numpy as np
 from jax import lax
 
 from .specs import linear_cross_entropy as spec
-from .specs.tiling import ChunkPlan
+from .specs.tiling import ChunkPlan, vocab_parts
 
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _INT32 = np.iinfo(np.int32)
@@ -341,6 +341,64 @@ def grad_weight(dz, xc, layout):
     return lax.dot_general(xc, dz, dims, preferred_element_type=jnp.float32, precision=prec)
 
 
+class VocabWeight:
+    """The head weight as the chunk GEMMs take it: whole, or cut at the aligned bulk of its
+    vocabulary (:func:`logitless.specs.tiling.vocab_parts`) when V is not a multiple of 8.
+
+    Why: an odd V is a leading dimension of the logits and of dz, and XLA's GPU GEMMs then
+    take slow kernels (H100, N=10000, H=1600, V=50257, the three GEMMs over 2000-token chunks:
+    23.9 ms whole, 10.4 ms cut, 9.8 ms at V rounded up to 16; benchmarks/jax_odd_vocab_probe.py).
+    Cut, the logits are the parts' GEMMs concatenated, dX sums the parts' products in fp32 and
+    rounds once, and dW is a tuple of per-part fp32 accumulators joined (:func:`join_vocab`)
+    where the caller scales or casts it, so that the join fuses into that pass. The price: XLA
+    keeps one copy of the weight's bulk (hoisted out of the chunk loop), and a copy of dz's bulk
+    per chunk for the dX / dW GEMMs.
+    """
+
+    def __init__(self, w, layout: str):
+        self.layout = layout
+        axis = _vocab_axis(layout)
+        self.cuts = vocab_parts(w.shape[axis])
+        self.parts = (w,) if len(self.cuts) == 1 else tuple(
+            lax.slice_in_dim(w, s, e, axis=axis) for s, e in self.cuts)
+
+    def logits(self, xc, dtype=None):
+        zs = [logits(xc, w, self.layout, dtype) for w in self.parts]
+        return zs[0] if len(zs) == 1 else jnp.concatenate(zs, axis=1)
+
+    def grad_input(self, dz, dtype=None):
+        if len(self.parts) == 1:
+            return grad_input(dz, self.parts[0], self.layout, dtype)
+        total = sum(grad_input(dz[:, s:e], w, self.layout, jnp.float32)
+                    for (s, e), w in zip(self.cuts, self.parts))
+        return total.astype(dtype or dz.dtype)
+
+    def grad_weight(self, dz, xc):
+        """Per-part dW (float32): a tuple, summed part by part over chunks."""
+        if len(self.parts) == 1:
+            return (grad_weight(dz, xc, self.layout),)
+        return tuple(grad_weight(dz[:, s:e], xc, self.layout) for s, e in self.cuts)
+
+    def zero_grad_weight(self, like):
+        return tuple(zeros_like_axes(w.shape, jnp.float32, like) for w in self.parts)
+
+
+def _vocab_axis(layout: str) -> int:
+    return 0 if layout == "vh" else 1
+
+
+def add_parts(acc, new):
+    """``acc + new`` part by part; ``acc`` None (the first chunk) takes ``new``: no zero-fill."""
+    return new if acc is None else tuple(a + b for a, b in zip(acc, new))
+
+
+def join_vocab(parts, layout: str):
+    """The per-part dW of :meth:`VocabWeight.grad_weight` as one array (V along its axis)."""
+    if parts is None or len(parts) == 1:
+        return None if parts is None else parts[0]
+    return jnp.concatenate(parts, axis=_vocab_axis(layout))
+
+
 # ------------------------------------------------------------------------ chunked driver
 class Head:
     """What a backend does with one chunk of raw logits ``z`` (C, V) in the input dtype.
@@ -398,10 +456,11 @@ def _forward(st: _Static, x, w, bias, y, cw):
     n = x.shape[0]
     coefs, omega = token_coefficients(y, cw, st.opts, st.v)
     y = column_targets(y, st.opts, st.v)
+    w = VocabWeight(w, st.layout)
 
     def body(start, size, carry):
         tok, lse = carry
-        z = logits(_tokens(x, start, size), w, st.layout, st.head.logits_dtype)
+        z = w.logits(_tokens(x, start, size), st.head.logits_dtype)
         l_c, lse_c = st.head.loss_lse(z, _tokens(y, start, size),
                                       _tokens(coefs, start, size, axis=1), bias, cw)
         return (lax.dynamic_update_slice_in_dim(tok, l_c, start, 0),
@@ -431,26 +490,27 @@ def _reduce(st: _Static, tok, omega):
 
 
 def _grads(st: _Static, x, w, bias, y, cw, coefs):
-    """One sweep computing loss/lse *and* dX, dW (fp32), db (fp32) for the G/H in ``coefs``;
-    a gradient ``st.needs`` does not want is not computed (None)."""
+    """One sweep computing loss/lse *and* dX, dW (fp32, per :class:`VocabWeight` part: see
+    :func:`join_vocab`), db (fp32) for the G/H in ``coefs``; a gradient ``st.needs`` does not
+    want is not computed (None)."""
     n = x.shape[0]
     need_dx, need_dw, need_db = st.needs
     need_db = need_db and bias is not None
     y = column_targets(y, st.opts, st.v)
+    wv = VocabWeight(w, st.layout)
 
     def body(start, size, carry):
         tok, lse, dx, dw, db = carry
         xc = _tokens(x, start, size)
-        z = logits(xc, w, st.layout, st.head.logits_dtype)
+        z = wv.logits(xc, st.head.logits_dtype)
         l_c, lse_c, dz = st.head.loss_lse_grad(z, _tokens(y, start, size),
                                                _tokens(coefs, start, size, axis=1), bias, cw,
                                                x.dtype)
         if need_dx:
-            dx = lax.dynamic_update_slice_in_dim(dx, grad_input(dz, w, st.layout), start, 0)
+            dx = lax.dynamic_update_slice_in_dim(dx, wv.grad_input(dz), start, 0)
         # the first chunk assigns the fp32 accumulators: no zero-fill, no read of [V, H] zeros
         if need_dw:
-            dw_c = grad_weight(dz, xc, st.layout)
-            dw = dw_c if dw is None else dw + dw_c
+            dw = add_parts(dw, wv.grad_weight(dz, xc))
         if need_db:
             db_c = jnp.sum(dz.astype(jnp.float32), axis=0)
             db = db_c if db is None else db + db_c
@@ -461,7 +521,7 @@ def _grads(st: _Static, x, w, bias, y, cw, coefs):
     dx0 = zeros_like_axes(x.shape, x.dtype, x) if need_dx else None
     tok, lse, dx, dw, db = _walk_chunks(st, n, body, (zeros, zeros, dx0, None, None))
     if n == 0:  # no tokens at all
-        dw = zeros_like_axes(w.shape, jnp.float32, x) if need_dw else None
+        dw = wv.zero_grad_weight(x) if need_dw else None
         db = zeros_like_axes(bias.shape, jnp.float32, x) if need_db else None
     return tok, lse, dx, dw, db
 
@@ -501,7 +561,7 @@ def _custom_vjp_fn(st: _Static):
             g = g.astype(jnp.float32) * post
             # x, linear_weight and linear_bias share one dtype (prepare checks)
             scale = lambda a: None if a is None else (g * a.astype(jnp.float32)).astype(dt)
-            return scale(dx), scale(dw), scale(db), None, None
+            return scale(dx), scale(join_vocab(dw, st.layout)), scale(db), None, None
 
         f.defvjp(f_fwd, f_bwd)
         return jax.jit(f)
@@ -524,6 +584,7 @@ def _custom_vjp_fn(st: _Static):
         coefs, _ = token_coefficients(y, cw, opts, st.v)
         coefs = with_upstream(coefs, g, h.astype(jnp.float32))
         _, _, dx, dw, db = _grads(st, x, w, bias, y, cw, coefs)
+        dw = join_vocab(dw, st.layout)
         return (dx, None if dw is None else dw.astype(w.dtype),
                 None if db is None else db.astype(bias.dtype), None, None)
 

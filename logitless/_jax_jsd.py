@@ -350,10 +350,9 @@ def _pad(a, n: int, value=0):
 
 
 def _chunk_logits(st, xs, ws, xt, wt, start, size):
+    """``ws`` / ``wt``: :class:`common.VocabWeight` (GEMMs cut at the aligned bulk of V)."""
     dt = st.head.logits_dtype
-    zs = common.logits(_tokens(xs, start, size), ws, st.layout, dt)
-    zt = common.logits(_tokens(xt, start, size), wt, st.layout, dt)
-    return zs, zt
+    return ws.logits(_tokens(xs, start, size), dt), wt.logits(_tokens(xt, start, size), dt)
 
 
 def _y_chunk(y, start, size):
@@ -367,6 +366,7 @@ def _forward(st: _Static, xs, ws, xt, wt, y):
     ys = None if y is None else common.column_targets(y, st.opts, st.v)
     n_p = _padded(n, st.sub_chunk)  # padding tokens: zero states, no target, sliced off
     xs, xt, ys = _pad(xs, n_p), _pad(xt, n_p), _pad(ys, n_p, -1)
+    ws, wt = common.VocabWeight(ws, st.layout), common.VocabWeight(wt, st.layout)
 
     def body(start, size, tok):
         zs, zt = _chunk_logits(st, xs, ws, xt, wt, start, size)
@@ -378,7 +378,8 @@ def _forward(st: _Static, xs, ws, xt, wt, y):
 
 
 def _grads(st: _Static, xs, ws, xt, wt, y, g, dx_dtype):
-    """One sweep: masked per-token losses, dX (in ``dx_dtype``) and dW (float32) for the
+    """One sweep: masked per-token losses, dX (in ``dx_dtype``) and dW (float32, a tuple of
+    :class:`common.VocabWeight` parts: :func:`common.join_vocab`) for the
     upstream gradient g ((N,) per token, already divided by Σm for "mean"). Per chunk, the logits come
     in sub-chunks and the head writes their gradient into the chunk's [chunk, V] buffer; the
     dX / dW GEMMs then run once per chunk (dW's float32 accumulator is read and written once
@@ -391,6 +392,7 @@ def _grads(st: _Static, xs, ws, xt, wt, y, g, dx_dtype):
     # padding tokens (zero states, no target, coefficient 0: zero gradient rows) are sliced off
     n_p = _padded(n, st.plan.chunk)
     xs, xt, ys, coef = _pad(xs, n_p), _pad(xt, n_p), _pad(ys, n_p, -1), _pad(coef, n_p)
+    ws, wt = common.VocabWeight(ws, st.layout), common.VocabWeight(wt, st.layout)
 
     def body(start, size, carry):
         tok, dx, dw = carry
@@ -408,17 +410,16 @@ def _grads(st: _Static, xs, ws, xt, wt, y, g, dx_dtype):
         tok, dz = common.walk(size, min(st.sub_chunk, size), sub_body, (tok, dz), start0=start)
         if need_dx:
             dx = lax.dynamic_update_slice_in_dim(
-                dx, common.grad_input(dz, ws, st.layout, dx_dtype), start, 0)
-        if need_dw:
-            dw_c = common.grad_weight(dz, _tokens(xs, start, size), st.layout)
-            dw = dw_c if dw is None else dw + dw_c  # the first chunk assigns: no zero-fill
+                dx, ws.grad_input(dz, dx_dtype), start, 0)
+        if need_dw:  # the first chunk assigns: no zero-fill
+            dw = common.add_parts(dw, ws.grad_weight(dz, _tokens(xs, start, size)))
         return tok, dx, dw
 
     dx0 = common.zeros_like_axes(xs.shape, dx_dtype, xs) if need_dx else None
     tok, dx, dw = common.walk(n_p, st.plan.chunk, body,
                               (common.zeros_like_axes((n_p,), jnp.float32, xs), dx0, None))
     if n == 0 and need_dw:  # no tokens at all
-        dw = common.zeros_like_axes(ws.shape, jnp.float32, xs)
+        dw = ws.zero_grad_weight(xs)
     return tok[:n] * m, None if dx is None else dx[:n], dw
 
 
@@ -460,7 +461,7 @@ def _custom_vjp_fn(st: _Static):
             dx, dw, post, dt = res[0], res[1], res[2], res[3].dtype
             g = g.astype(jnp.float32) * post
             scale = lambda a: None if a is None else (g * a).astype(dt)
-            return scale(dx), scale(dw), None, None, None
+            return scale(dx), scale(common.join_vocab(dw, st.layout)), None, None, None
     else:
         def f_fwd(xs, ws, xt, wt, y):
             tok, m = _forward(st, xs, ws, xt, wt, y)
@@ -469,6 +470,7 @@ def _custom_vjp_fn(st: _Static):
         def f_bwd(res, g):
             xs, ws, xt, wt, y = res
             _, dx, dw = _grads(st, xs, ws, xt, wt, y, g.astype(jnp.float32), xs.dtype)
+            dw = common.join_vocab(dw, st.layout)
             return dx, None if dw is None else dw.astype(ws.dtype), None, None, None
 
     f.defvjp(f_fwd, f_bwd)

@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 
 from .specs import linear_cross_entropy as spec
+from .specs.tiling import VOCAB_ALIGN, vocab_parts  # noqa: F401  (re-exported to the kernels)
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -98,16 +99,6 @@ def check_triton_device(t: torch.Tensor, name: str, what: str, interpreted: bool
 # every GEMM with V as a dimension fell to sm75 "align1" kernels at ~1/6 the speed (H100
 # profile, DESIGN.md). Those GEMMs go in two parts: the 8-aligned bulk of the vocabulary rows,
 # then the < 8 left.
-VOCAB_ALIGN = 8
-
-
-def vocab_parts(v: int):
-    """Vocabulary row ranges ``(start, stop)`` for cuBLAS: ``(0, v)`` alone when ``v`` is a
-    multiple of 8 (or below 8), else the aligned bulk and the rest."""
-    bulk = v - v % VOCAB_ALIGN
-    return ((0, v),) if bulk in (0, v) else ((0, bulk), (bulk, v))
-
-
 def mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a @ b`` with an fp32 result straight from half-precision operands (CUDA: no upcast
     copies; elsewhere the operands are upcast)."""

@@ -93,6 +93,12 @@ def jaxpr_eqns(jaxpr):
                     yield from jaxpr_eqns(inner)
 
 
+def gemm_shapes(jaxpr):
+    """The operand and result shapes of every ``dot_general`` in a jaxpr (nested ones too)."""
+    return [tuple(v.aval.shape) for e in jaxpr_eqns(jaxpr) if e.primitive.name == "dot_general"
+            for v in (*e.invars, *e.outvars)]
+
+
 # ============================================================================== GPU
 def check_cuda_graph_training(head, loss_fn, batches):
     """A training step of ``head`` (zero_grad, ``loss_fn(head.weight, *inputs)``, backward, an

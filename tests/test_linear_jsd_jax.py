@@ -14,7 +14,7 @@ import logitless.jax as lj  # noqa: E402
 from logitless.specs import linear_jsd as spec  # noqa: E402
 
 from harness import SEED  # noqa: E402
-from helpers import assert_close_rel, jaxpr_eqns  # noqa: E402
+from helpers import assert_close_rel, gemm_shapes, jaxpr_eqns  # noqa: E402
 
 BACKENDS = ["xla", "pallas"]
 TOL = 2e-5  # float32 inputs against the float64 spec
@@ -132,9 +132,10 @@ def test_vmap_over_a_leading_batch_axis(backend):
         _close(dw[i], ref["dw"])
 
 
+@pytest.mark.parametrize("v", [40, 41])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_flax_hv_layout_uses_the_kernels_as_they_are(backend):
-    xs, ws, xt, wt, y = _problem(salt=4)
+def test_flax_hv_layout_uses_the_kernels_as_they_are(backend, v):
+    xs, ws, xt, wt, y = _problem(v=v, salt=4)
     ks, kt = jnp.asarray(np.asarray(ws).T), jnp.asarray(np.asarray(wt).T)  # (H, V) kernels
     f = lambda xs, ks: lj.linear_jsd(xs, ks, xt, kt, y, weight_layout="hv", backend=backend,
                                      chunk_size=8, **_tuning(backend))
@@ -150,6 +151,25 @@ def test_flax_hv_layout_uses_the_kernels_as_they_are(backend):
              if e.primitive.name in ("transpose", "copy", "copy_p")
              and any(tuple(getattr(v.aval, "shape", ())) in shapes for v in e.invars)]
     assert not moved, moved
+
+
+@pytest.mark.parametrize("layout", ["vh", "hv"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_odd_vocabularies_run_every_gemm_on_aligned_parts(backend, layout):
+    """V = 61: no GEMM (student and teacher logits, dX, dW) has V as a dimension; they run on
+    the aligned bulk (56) and the tail (see tests/test_jax_api.py's test of the same name)."""
+    xs, ws, xt, wt, y = _problem(v=61, salt=8)
+    t = (lambda a: a) if layout == "vh" else (lambda a: jnp.asarray(np.asarray(a).T))
+    f = lambda xs, ks: lj.linear_jsd(xs, ks, xt, t(wt), y, weight_layout=layout,
+                                     backend=backend, chunk_size=8, **_tuning(backend))
+    vg = jax.value_and_grad(f, argnums=(0, 1))
+    dims = {d for shape in gemm_shapes(jax.make_jaxpr(vg)(xs, t(ws)).jaxpr) for d in shape}
+    assert 61 not in dims and {56, 5} <= dims, sorted(dims)
+    loss, (dx, dk) = jax.jit(vg)(xs, t(ws))
+    ref = _ref(xs, ws, xt, wt, y)
+    _close(loss, ref["loss"])
+    _close(dx, ref["dx"])
+    _close(dk if layout == "vh" else dk.T, ref["dw"])
 
 
 def _args():
