@@ -22,7 +22,7 @@ import numpy as np
 from jax import lax
 
 from .specs import linear_cross_entropy as spec
-from .specs.tiling import ChunkPlan, vocab_parts
+from .specs.tiling import VOCAB_ALIGN, ChunkPlan, padded_vocab
 
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _INT32 = np.iinfo(np.int32)
@@ -342,61 +342,63 @@ def grad_weight(dz, xc, layout):
 
 
 class VocabWeight:
-    """The head weight as the chunk GEMMs take it: whole, or cut at the aligned bulk of its
-    vocabulary (:func:`logitless.specs.tiling.vocab_parts`) when V is not a multiple of 8.
+    """The head weight as the chunk GEMMs take it: its vocabulary padded with zero rows to a
+    multiple of 8 (:func:`logitless.specs.tiling.padded_vocab`) when it is not one already.
 
-    Why: an odd V is a leading dimension of the logits and of dz, and XLA's GPU GEMMs then
-    take slow kernels (H100, N=10000, H=1600, V=50257, the three GEMMs over 2000-token chunks:
-    23.9 ms whole, 10.4 ms cut, 9.8 ms at V rounded up to 16; benchmarks/jax_odd_vocab_probe.py).
-    Cut, the logits are the parts' GEMMs concatenated, dX sums the parts' products in fp32 and
-    rounds once, and dW is a tuple of per-part fp32 accumulators joined (:func:`join_vocab`)
-    where the caller scales or casts it, so that the join fuses into that pass. The price: XLA
-    keeps one copy of the weight's bulk (hoisted out of the chunk loop), and a copy of dz's bulk
-    per chunk for the dX / dW GEMMs.
+    Why: V is a leading dimension of the logits and of dz, and XLA's GPU GEMMs take slow kernels
+    when it is not a multiple of 8 (H100, N=10000, H=1600, V=50257, fwd+bwd of the Pallas CE:
+    19.4 ms whole; the GEMMs cut at the aligned bulk, 13.1 ms, as XLA then copies the logits
+    into one odd-width buffer and dz's bulk out of it, and the row kernel reads odd rows).
+    Padded, every buffer has an aligned width ``vp``; the padded classes' logits are x·0 = 0
+    and their gradient is 0 (heads that take the padded logits write it; for the others the
+    driver trims the logits and pads dz, which XLA fuses into the head's passes), so dX is
+    exact and dW's padded rows, zero, are trimmed (:func:`trim_vocab`) where the caller scales
+    or casts it. The price: a padded copy of the weight per call (XLA hoists it out of the
+    chunk loop), and ``vp - V`` more fp32 rows of dW.
     """
 
     def __init__(self, w, layout: str):
         self.layout = layout
         axis = _vocab_axis(layout)
-        self.cuts = vocab_parts(w.shape[axis])
-        self.parts = (w,) if len(self.cuts) == 1 else tuple(
-            lax.slice_in_dim(w, s, e, axis=axis) for s, e in self.cuts)
+        self.v = w.shape[axis]
+        self.vp = self.v if self.v % VOCAB_ALIGN == 0 else padded_vocab(self.v)
+        pad = [(0, 0), (0, 0)]
+        pad[axis] = (0, self.vp - self.v)
+        self.w = w if self.vp == self.v else jnp.pad(w, pad)
 
     def logits(self, xc, dtype=None):
-        zs = [logits(xc, w, self.layout, dtype) for w in self.parts]
-        return zs[0] if len(zs) == 1 else jnp.concatenate(zs, axis=1)
+        """(C, vp) logits."""
+        return logits(xc, self.w, self.layout, dtype)
 
     def grad_input(self, dz, dtype=None):
-        if len(self.parts) == 1:
-            return grad_input(dz, self.parts[0], self.layout, dtype)
-        total = sum(grad_input(dz[:, s:e], w, self.layout, jnp.float32)
-                    for (s, e), w in zip(self.cuts, self.parts))
-        return total.astype(dtype or dz.dtype)
+        """dz (C, vp)·W."""
+        return grad_input(dz, self.w, self.layout, dtype)
 
     def grad_weight(self, dz, xc):
-        """Per-part dW (float32): a tuple, summed part by part over chunks."""
-        if len(self.parts) == 1:
-            return (grad_weight(dz, xc, self.layout),)
-        return tuple(grad_weight(dz[:, s:e], xc, self.layout) for s, e in self.cuts)
+        """(vp, H) float32 (or (H, vp) for "hv")."""
+        return grad_weight(dz, xc, self.layout)
 
     def zero_grad_weight(self, like):
-        return tuple(zeros_like_axes(w.shape, jnp.float32, like) for w in self.parts)
+        return zeros_like_axes(self.w.shape, jnp.float32, like)
+
+    def trim(self, z):
+        """The real classes' columns of (C, vp) logits."""
+        return z if self.vp == self.v else z[:, :self.v]
+
+    def pad(self, dz):
+        """(C, V) gradient padded with zeros to (C, vp)."""
+        return dz if self.vp == self.v else jnp.pad(dz, ((0, 0), (0, self.vp - self.v)))
 
 
 def _vocab_axis(layout: str) -> int:
     return 0 if layout == "vh" else 1
 
 
-def add_parts(acc, new):
-    """``acc + new`` part by part; ``acc`` None (the first chunk) takes ``new``: no zero-fill."""
-    return new if acc is None else tuple(a + b for a, b in zip(acc, new))
-
-
-def join_vocab(parts, layout: str):
-    """The per-part dW of :meth:`VocabWeight.grad_weight` as one array (V along its axis)."""
-    if parts is None or len(parts) == 1:
-        return None if parts is None else parts[0]
-    return jnp.concatenate(parts, axis=_vocab_axis(layout))
+def trim_vocab(dw, v: int, layout: str):
+    """dW of :meth:`VocabWeight.grad_weight` without its padded rows (None stays None)."""
+    if dw is None or dw.shape[_vocab_axis(layout)] == v:
+        return dw
+    return lax.slice_in_dim(dw, 0, v, axis=_vocab_axis(layout))
 
 
 # ------------------------------------------------------------------------ chunked driver
@@ -409,9 +411,30 @@ class Head:
     ``coefs`` (6, C). ``bias`` is added to ``z`` by the head. ``logits_dtype`` says in which
     dtype the driver's GEMM hands ``z`` over (None: the input dtype). Heads are hashable
     (they are static configuration of the traced program).
+
+    ``takes_padded_vocab``: True for a head that takes the logits with the padded classes of
+    :class:`VocabWeight` (width ``vp``) and the keyword ``v`` (the real V), and returns dz of
+    width ``vp``, zero in the padded columns (a kernel, to which XLA would otherwise hand a
+    trimmed copy). Other heads get (C, V) logits; the driver pads their dz.
     """
 
     logits_dtype = None
+    takes_padded_vocab = False
+
+
+def head_loss_lse(head: Head, wv: "VocabWeight", z, *args):
+    """:meth:`Head.loss_lse` of the (C, vp) logits ``z`` of ``wv``."""
+    if head.takes_padded_vocab:
+        return head.loss_lse(z, *args, v=wv.v)
+    return head.loss_lse(wv.trim(z), *args)
+
+
+def head_loss_lse_grad(head: Head, wv: "VocabWeight", z, *args):
+    """:meth:`Head.loss_lse_grad` of the (C, vp) logits ``z`` of ``wv``; dz (C, vp)."""
+    if head.takes_padded_vocab:
+        return head.loss_lse_grad(z, *args, v=wv.v)
+    loss, lse, dz = head.loss_lse_grad(wv.trim(z), *args)
+    return loss, lse, wv.pad(dz)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -456,13 +479,13 @@ def _forward(st: _Static, x, w, bias, y, cw):
     n = x.shape[0]
     coefs, omega = token_coefficients(y, cw, st.opts, st.v)
     y = column_targets(y, st.opts, st.v)
-    w = VocabWeight(w, st.layout)
+    wv = VocabWeight(w, st.layout)
 
     def body(start, size, carry):
         tok, lse = carry
-        z = w.logits(_tokens(x, start, size), st.head.logits_dtype)
-        l_c, lse_c = st.head.loss_lse(z, _tokens(y, start, size),
-                                      _tokens(coefs, start, size, axis=1), bias, cw)
+        z = wv.logits(_tokens(x, start, size), st.head.logits_dtype)
+        l_c, lse_c = head_loss_lse(st.head, wv, z, _tokens(y, start, size),
+                                   _tokens(coefs, start, size, axis=1), bias, cw)
         return (lax.dynamic_update_slice_in_dim(tok, l_c, start, 0),
                 lax.dynamic_update_slice_in_dim(lse, lse_c, start, 0))
 
@@ -490,9 +513,9 @@ def _reduce(st: _Static, tok, omega):
 
 
 def _grads(st: _Static, x, w, bias, y, cw, coefs):
-    """One sweep computing loss/lse *and* dX, dW (fp32, per :class:`VocabWeight` part: see
-    :func:`join_vocab`), db (fp32) for the G/H in ``coefs``; a gradient ``st.needs`` does not
-    want is not computed (None)."""
+    """One sweep computing loss/lse *and* dX, dW (fp32, with the padded rows of
+    :class:`VocabWeight`: see :func:`trim_vocab`), db (fp32) for the G/H in ``coefs``; a
+    gradient ``st.needs`` does not want is not computed (None)."""
     n = x.shape[0]
     need_dx, need_dw, need_db = st.needs
     need_db = need_db and bias is not None
@@ -503,16 +526,17 @@ def _grads(st: _Static, x, w, bias, y, cw, coefs):
         tok, lse, dx, dw, db = carry
         xc = _tokens(x, start, size)
         z = wv.logits(xc, st.head.logits_dtype)
-        l_c, lse_c, dz = st.head.loss_lse_grad(z, _tokens(y, start, size),
-                                               _tokens(coefs, start, size, axis=1), bias, cw,
-                                               x.dtype)
+        l_c, lse_c, dz = head_loss_lse_grad(st.head, wv, z, _tokens(y, start, size),
+                                            _tokens(coefs, start, size, axis=1), bias, cw,
+                                            x.dtype)
         if need_dx:
             dx = lax.dynamic_update_slice_in_dim(dx, wv.grad_input(dz), start, 0)
         # the first chunk assigns the fp32 accumulators: no zero-fill, no read of [V, H] zeros
         if need_dw:
-            dw = add_parts(dw, wv.grad_weight(dz, xc))
+            dw_c = wv.grad_weight(dz, xc)
+            dw = dw_c if dw is None else dw + dw_c
         if need_db:
-            db_c = jnp.sum(dz.astype(jnp.float32), axis=0)
+            db_c = jnp.sum(wv.trim(dz).astype(jnp.float32), axis=0)
             db = db_c if db is None else db + db_c
         return (lax.dynamic_update_slice_in_dim(tok, l_c, start, 0),
                 lax.dynamic_update_slice_in_dim(lse, lse_c, start, 0), dx, dw, db)
@@ -561,7 +585,7 @@ def _custom_vjp_fn(st: _Static):
             g = g.astype(jnp.float32) * post
             # x, linear_weight and linear_bias share one dtype (prepare checks)
             scale = lambda a: None if a is None else (g * a.astype(jnp.float32)).astype(dt)
-            return scale(dx), scale(join_vocab(dw, st.layout)), scale(db), None, None
+            return scale(dx), scale(trim_vocab(dw, st.v, st.layout)), scale(db), None, None
 
         f.defvjp(f_fwd, f_bwd)
         return jax.jit(f)
@@ -584,7 +608,7 @@ def _custom_vjp_fn(st: _Static):
         coefs, _ = token_coefficients(y, cw, opts, st.v)
         coefs = with_upstream(coefs, g, h.astype(jnp.float32))
         _, _, dx, dw, db = _grads(st, x, w, bias, y, cw, coefs)
-        dw = join_vocab(dw, st.layout)
+        dw = trim_vocab(dw, st.v, st.layout)
         return (dx, None if dw is None else dw.astype(w.dtype),
                 None if db is None else db.astype(bias.dtype), None, None)
 

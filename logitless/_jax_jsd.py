@@ -313,9 +313,11 @@ class Head:
     J + w_h·ce (unmasked); ``loss_grad(zs, zt, y, coef, grad_dtype)`` -> (loss, dz (C, V) in
     ``grad_dtype``), dz for the per-row coefficient coef = g·m. ``y`` (C,) int32 with -1 for
     "no target here" (or None). ``logits_dtype`` is the dtype the driver's GEMMs hand over
-    (None: the input dtype). Heads are hashable (static configuration of the program)."""
+    (None: the input dtype). Heads are hashable (static configuration of the program).
+    ``takes_padded_vocab``: as for :class:`common.Head` (padded logits and ``v=``, dz padded)."""
 
     logits_dtype = None
+    takes_padded_vocab = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -350,9 +352,23 @@ def _pad(a, n: int, value=0):
 
 
 def _chunk_logits(st, xs, ws, xt, wt, start, size):
-    """``ws`` / ``wt``: :class:`common.VocabWeight` (GEMMs cut at the aligned bulk of V)."""
+    """``ws`` / ``wt``: :class:`common.VocabWeight` (V padded to a multiple of 8)."""
     dt = st.head.logits_dtype
     return ws.logits(_tokens(xs, start, size), dt), wt.logits(_tokens(xt, start, size), dt)
+
+
+def _head_loss(st, ws, zs, zt, y):
+    if st.head.takes_padded_vocab:
+        return st.head.loss(zs, zt, y, v=ws.v)
+    return st.head.loss(ws.trim(zs), ws.trim(zt), y)
+
+
+def _head_loss_grad(st, ws, zs, zt, y, coef, grad_dtype):
+    """(loss, dz) with dz of the padded width."""
+    if st.head.takes_padded_vocab:
+        return st.head.loss_grad(zs, zt, y, coef, grad_dtype, v=ws.v)
+    loss, dz = st.head.loss_grad(ws.trim(zs), ws.trim(zt), y, coef, grad_dtype)
+    return loss, ws.pad(dz)
 
 
 def _y_chunk(y, start, size):
@@ -370,16 +386,16 @@ def _forward(st: _Static, xs, ws, xt, wt, y):
 
     def body(start, size, tok):
         zs, zt = _chunk_logits(st, xs, ws, xt, wt, start, size)
-        return lax.dynamic_update_slice_in_dim(tok, st.head.loss(zs, zt, _y_chunk(ys, start, size)),
-                                               start, 0)
+        return lax.dynamic_update_slice_in_dim(
+            tok, _head_loss(st, ws, zs, zt, _y_chunk(ys, start, size)), start, 0)
 
     tok = common.walk(n_p, st.sub_chunk, body, common.zeros_like_axes((n_p,), jnp.float32, xs))
     return tok[:n] * m, m
 
 
 def _grads(st: _Static, xs, ws, xt, wt, y, g, dx_dtype):
-    """One sweep: masked per-token losses, dX (in ``dx_dtype``) and dW (float32, a tuple of
-    :class:`common.VocabWeight` parts: :func:`common.join_vocab`) for the
+    """One sweep: masked per-token losses, dX (in ``dx_dtype``) and dW (float32, with
+    :class:`common.VocabWeight`'s padded rows: :func:`common.trim_vocab`) for the
     upstream gradient g ((N,) per token, already divided by Σm for "mean"). Per chunk, the logits come
     in sub-chunks and the head writes their gradient into the chunk's [chunk, V] buffer; the
     dX / dW GEMMs then run once per chunk (dW's float32 accumulator is read and written once
@@ -400,19 +416,20 @@ def _grads(st: _Static, xs, ws, xt, wt, y, g, dx_dtype):
         def sub_body(s0, length, sub_carry):
             tok, dz = sub_carry
             zs, zt = _chunk_logits(st, xs, ws, xt, wt, s0, length)
-            l_c, dz_c = st.head.loss_grad(zs, zt, _y_chunk(ys, s0, length),
-                                          _tokens(coef, s0, length), xs.dtype)
+            l_c, dz_c = _head_loss_grad(st, ws, zs, zt, _y_chunk(ys, s0, length),
+                                        _tokens(coef, s0, length), xs.dtype)
             return (lax.dynamic_update_slice_in_dim(tok, l_c, s0, 0),
                     lax.dynamic_update_slice_in_dim(dz, dz_c, s0 - start, 0))
 
         # every row is overwritten by a sub-chunk
-        dz = common.zeros_like_axes((size, st.v), xs.dtype, xs)
+        dz = common.zeros_like_axes((size, ws.vp), xs.dtype, xs)
         tok, dz = common.walk(size, min(st.sub_chunk, size), sub_body, (tok, dz), start0=start)
         if need_dx:
             dx = lax.dynamic_update_slice_in_dim(
                 dx, ws.grad_input(dz, dx_dtype), start, 0)
         if need_dw:  # the first chunk assigns: no zero-fill
-            dw = common.add_parts(dw, ws.grad_weight(dz, _tokens(xs, start, size)))
+            dw_c = ws.grad_weight(dz, _tokens(xs, start, size))
+            dw = dw_c if dw is None else dw + dw_c
         return tok, dx, dw
 
     dx0 = common.zeros_like_axes(xs.shape, dx_dtype, xs) if need_dx else None
@@ -461,7 +478,7 @@ def _custom_vjp_fn(st: _Static):
             dx, dw, post, dt = res[0], res[1], res[2], res[3].dtype
             g = g.astype(jnp.float32) * post
             scale = lambda a: None if a is None else (g * a).astype(dt)
-            return scale(dx), scale(common.join_vocab(dw, st.layout)), None, None, None
+            return scale(dx), scale(common.trim_vocab(dw, st.v, st.layout)), None, None, None
     else:
         def f_fwd(xs, ws, xt, wt, y):
             tok, m = _forward(st, xs, ws, xt, wt, y)
@@ -470,7 +487,7 @@ def _custom_vjp_fn(st: _Static):
         def f_bwd(res, g):
             xs, ws, xt, wt, y = res
             _, dx, dw = _grads(st, xs, ws, xt, wt, y, g.astype(jnp.float32), xs.dtype)
-            dw = common.join_vocab(dw, st.layout)
+            dw = common.trim_vocab(dw, st.v, st.layout)
             return dx, None if dw is None else dw.astype(ws.dtype), None, None, None
 
     f.defvjp(f_fwd, f_bwd)

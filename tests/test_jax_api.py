@@ -112,7 +112,7 @@ def test_flax_hv_layout_uses_the_kernel_as_is(backend, v):
     """A Flax Dense kernel (H, V) with weight_layout="hv": right values and an (H, V) gradient,
     and nowhere in the traced program (forward, backward, nested loops) is the weight or its
     gradient transposed or copied (the GEMMs read it through their dimension numbers; an odd V
-    is sliced at its aligned bulk, see the next test)."""
+    is padded, see the next test)."""
     x, w, y, _ = _problem(h=12, v=v, salt=4)
     kernel = jnp.asarray(np.asarray(w).T)  # (H, V), as flax.linen.Dense stores it
     f = lambda x, k: lj.linear_cross_entropy(x, k, y, weight_layout="hv", backend=backend,
@@ -135,21 +135,50 @@ def test_flax_hv_layout_uses_the_kernel_as_is(backend, v):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_odd_vocabularies_run_every_gemm_on_aligned_parts(backend, layout):
     """V = 61: no GEMM of the forward or backward has V as a dimension (an odd leading
-    dimension puts XLA's GPU GEMMs on slow kernels, 2-4x); they run on the aligned bulk (56)
-    and the tail, and the results stay right."""
+    dimension puts XLA's GPU GEMMs on slow kernels, 2-4x); they run on the vocabulary padded
+    to 64, and the results stay right."""
     x, w, y, b = _problem(h=12, v=61, salt=7, bias=True)
     k = w if layout == "vh" else jnp.asarray(np.asarray(w).T)
     f = lambda x, k, b: lj.linear_cross_entropy(x, k, y, linear_bias=b, weight_layout=layout,
                                                 backend=backend, chunk_size=8)
     vg = jax.value_and_grad(f, argnums=(0, 1, 2))
     dims = {d for shape in gemm_shapes(jax.make_jaxpr(vg)(x, k, b).jaxpr) for d in shape}
-    assert 61 not in dims and {56, 5} <= dims, sorted(dims)
+    assert 61 not in dims and 64 in dims, sorted(dims)
     loss, (dx, dk, db) = jax.jit(vg)(x, k, b)
     ref = _ref(x, w, y, b)
     _assert_close(loss, ref["loss"])
     _assert_close(dx, ref["dx"])
     _assert_close(dk if layout == "vh" else dk.T, ref["dw"])
     _assert_close(db, ref["db"])
+
+
+@pytest.mark.parametrize("fp32_logits", [False, True])
+def test_pallas_kernel_ignores_and_zeroes_the_padded_vocabulary(fp32_logits):
+    """The Pallas row kernel on logits padded past V (as the driver hands them over at an odd
+    V) with NaN in the padded columns: loss and lse as on the unpadded logits, dz the same in
+    the real columns and exactly 0 in the padded ones (the dX GEMM reads them), whether dz
+    overwrites the logits (bf16) or is its own buffer (fp32 logits)."""
+    from logitless import _jax_common as common
+    from logitless.pallas_kernels.linear_cross_entropy import PallasHead
+    n, v, vp = 11, 61, 64
+    rng = np.random.default_rng([SEED, 31])
+    dt = jnp.float32 if fp32_logits else jnp.bfloat16
+    z = jnp.asarray(rng.standard_normal((n, v)) * 3, dt)
+    zp = jnp.concatenate([z, jnp.full((n, vp - v), jnp.nan, dt)], axis=1)
+    y = jnp.asarray(rng.integers(0, v, n), jnp.int32)
+    opts = spec.LinearCrossEntropyOptions(label_smoothing=0.1, z_loss=1e-3)
+    coefs, _ = common.token_coefficients(y, None, opts, v)
+    coefs = common.with_upstream(coefs, 0.5, 0.25)
+    bias = jnp.asarray(rng.standard_normal(v), jnp.bfloat16)
+    head = PallasHead(softcap=30.0, smoothing=True, block_rows=2, block_v=16, num_warps=4,
+                      num_stages=1, grid_size=None, interpret=True, fp32_logits=fp32_logits)
+    want = head.loss_lse_grad(z, y, coefs, bias, None, jnp.bfloat16, v=v)
+    got = head.loss_lse_grad(zp, y, coefs, bias, None, jnp.bfloat16, v=v)
+    for a, b in zip(got[:2], want[:2]):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    dz = np.asarray(got[2].astype(jnp.float32))
+    np.testing.assert_array_equal(dz[:, :v], np.asarray(want[2].astype(jnp.float32)))
+    assert (dz[:, v:] == 0).all(), dz[:, v:]
 
 
 class _CompileCounter:

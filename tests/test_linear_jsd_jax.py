@@ -157,19 +157,42 @@ def test_flax_hv_layout_uses_the_kernels_as_they_are(backend, v):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_odd_vocabularies_run_every_gemm_on_aligned_parts(backend, layout):
     """V = 61: no GEMM (student and teacher logits, dX, dW) has V as a dimension; they run on
-    the aligned bulk (56) and the tail (see tests/test_jax_api.py's test of the same name)."""
+    the vocabulary padded to 64 (see tests/test_jax_api.py's test of the same name)."""
     xs, ws, xt, wt, y = _problem(v=61, salt=8)
     t = (lambda a: a) if layout == "vh" else (lambda a: jnp.asarray(np.asarray(a).T))
     f = lambda xs, ks: lj.linear_jsd(xs, ks, xt, t(wt), y, weight_layout=layout,
                                      backend=backend, chunk_size=8, **_tuning(backend))
     vg = jax.value_and_grad(f, argnums=(0, 1))
     dims = {d for shape in gemm_shapes(jax.make_jaxpr(vg)(xs, t(ws)).jaxpr) for d in shape}
-    assert 61 not in dims and {56, 5} <= dims, sorted(dims)
+    assert 61 not in dims and 64 in dims, sorted(dims)
     loss, (dx, dk) = jax.jit(vg)(xs, t(ws))
     ref = _ref(xs, ws, xt, wt, y)
     _close(loss, ref["loss"])
     _close(dx, ref["dx"])
     _close(dk if layout == "vh" else dk.T, ref["dw"])
+
+
+@pytest.mark.parametrize("beta, block_v, segment", [(0.0, 4, 16), (0.5, 4, 16), (0.5, 2, 2)])
+def test_pallas_kernels_ignore_and_zero_the_padded_vocabulary(beta, block_v, segment):
+    """The Pallas JSD kernels on logits padded past V with NaN in the padded columns: loss as
+    unpadded, dz the same in the real columns and exactly 0 in the padded ones (with 2-column
+    segments the gradient launch has a segment more than the statistics launches)."""
+    from logitless.pallas_kernels.linear_jsd import PallasHead
+    n, v, vp = 9, 61, 64
+    rng = np.random.default_rng([SEED, 32])
+    zs, zt = (jnp.asarray(rng.standard_normal((n, v)) * 2, jnp.float32) for _ in range(2))
+    pad = lambda z: jnp.concatenate([z, jnp.full((n, vp - v), jnp.nan, z.dtype)], axis=1)
+    y = jnp.asarray(rng.integers(-1, v, n), jnp.int32)
+    coef = jnp.asarray(rng.random(n), jnp.float32)
+    head = PallasHead(kind=spec.LinearJSDOptions(beta=beta).kind, beta=beta, temperature=1.5,
+                      hard_w=0.3, block_rows=2, block_v=block_v, num_warps=4, num_stages=1,
+                      segment_size=segment, interpret=True)
+    want = head.loss_grad(zs, zt, y, coef, jnp.bfloat16, v=v)
+    got = head.loss_grad(pad(zs), pad(zt), y, coef, jnp.bfloat16, v=v)
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+    dz = np.asarray(got[1].astype(jnp.float32))
+    np.testing.assert_array_equal(dz[:, :v], np.asarray(want[1].astype(jnp.float32)))
+    assert (dz[:, v:] == 0).all(), dz[:, v:]
 
 
 def _args():

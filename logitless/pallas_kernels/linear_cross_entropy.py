@@ -59,9 +59,12 @@ def _rows_kernel(z_ref, y_ref, coef_ref, *refs, v, block_rows, block_v, grid_siz
     walks each row's vocabulary in ``block_v`` columns: sweep 1 forward, sweep 2 (the gradient)
     backward, so that it starts on the columns sweep 1 read last (still in cache).
 
-    refs: [bias (V,)], [class weights (V,) f32], loss (C,) f32, lse (C,) f32, [dz (C, V),
-    aliasing z unless z is float32 logits of half-precision inputs]. Every load is masked, so ragged row / vocabulary ends never read out of
-    bounds; masked logits read as 0 (finite) and are excluded from the reductions.
+    refs: [bias (V,)], [class weights (V,) f32], loss (C,) f32, lse (C,) f32, [dz (C, vp),
+    aliasing z unless z is float32 logits of half-precision inputs]. ``z`` and ``dz`` may be
+    wider than ``v`` (the padded vocabulary of ``_jax_common.VocabWeight``): columns past ``v``
+    are not read, and their gradient is written as 0. Every load is masked, so ragged row /
+    vocabulary ends never read out of bounds; masked logits read as 0 (finite) and are
+    excluded from the reductions.
     """
     refs = list(refs)
     bias_ref = refs.pop(0) if has_bias else None
@@ -125,7 +128,7 @@ def _rows_kernel(z_ref, y_ref, coef_ref, *refs, v, block_rows, block_v, grid_siz
                                         softcap=softcap, smoothing=smoothing)
                 return dz, cmask, span
 
-            launch.store_grad_backwards(dz_ref, rows, rmask, n_vblocks, sweep2)
+            launch.store_grad_backwards(dz_ref, rows, rmask, block_v, sweep2)
 
     launch.walk_row_blocks(row_block, n_rows, block_rows, grid_size)
 
@@ -141,13 +144,14 @@ class PallasHead(common.Head):
     grid_size: Optional[int]  # None: one program per row block
     interpret: bool
     fp32_logits: bool = False
+    takes_padded_vocab = True  # (not a field) no trimmed copy of the logits for the kernel
 
     @property
     def logits_dtype(self):
         return jnp.float32 if self.fp32_logits else None
 
-    def _call(self, z, y, coefs, bias, cw, grad_dtype=None):
-        n_rows, v = z.shape
+    def _call(self, z, y, coefs, bias, cw, grad_dtype=None, *, v):
+        n_rows = z.shape[0]
         block_rows, block_v, grid_size = launch.tile(self, n_rows, v)
         has_cw = cw is not None and self.smoothing  # class weights enter the kernel only here
         inputs = [z, y, coefs.reshape(-1)] + ([bias] if bias is not None else []) \
@@ -167,11 +171,11 @@ class PallasHead(common.Head):
                            aliases={0: 2} if in_place else {},
                            name="logitless_linear_cross_entropy_rows")
 
-    def loss_lse(self, z, y, coefs, bias, cw):
-        return self._call(z, y, coefs, bias, cw)
+    def loss_lse(self, z, y, coefs, bias, cw, *, v):
+        return self._call(z, y, coefs, bias, cw, v=v)
 
-    def loss_lse_grad(self, z, y, coefs, bias, cw, grad_dtype):
-        return self._call(z, y, coefs, bias, cw, grad_dtype)
+    def loss_lse_grad(self, z, y, coefs, bias, cw, grad_dtype, *, v):
+        return self._call(z, y, coefs, bias, cw, grad_dtype, v=v)
 
 
 def linear_cross_entropy(p: common.Prepared, opts: spec.LinearCrossEntropyOptions, *,

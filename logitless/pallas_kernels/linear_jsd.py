@@ -68,7 +68,9 @@ _ROWVALS = 8  # m_a, log s_a, m_b, log s_b, c, l_z, kk, coef per row for pass 3
 
 
 def _segment(zs_ref, zt_ref, y_ref, *, v, block_rows, block_v, seg_blocks):
-    """(rows, rmask, block) of this program: block(t) loads the segment's t-th column block."""
+    """(rows, rmask, block) of this program: block(t) loads the segment's t-th column block
+    (columns past ``v``, the padded vocabulary of ``_jax_common.VocabWeight``, read as 0 and
+    are masked out; ``m2`` covers the rows' real columns, ``wm2`` the buffer's width)."""
     n_rows = zs_ref.shape[0]
     r0 = pl.program_id(0) * block_rows
     c0 = pl.program_id(1) * (seg_blocks * block_v)
@@ -81,11 +83,12 @@ def _segment(zs_ref, zt_ref, y_ref, *, v, block_rows, block_v, seg_blocks):
         cmask = cols < v
         span = pl.ds(c0 + t * block_v, block_v)
         m2 = rmask[:, None] & cmask[None, :]
+        wm2 = rmask[:, None] & (cols < zs_ref.shape[1])[None, :]
         zs = plgpu.load(zs_ref.at[rows, span], mask=m2, other=0.0).astype(jnp.float32)
         zt = plgpu.load(zt_ref.at[rows, span], mask=m2, other=0.0).astype(jnp.float32)
         is_target = (cols[None, :] == y[:, None]) if y is not None else \
             jnp.zeros((block_rows, block_v), bool)
-        return zs, zt, cmask, is_target, span, m2
+        return zs, zt, cmask, is_target, span, m2, wm2
 
     return rows, rmask, block
 
@@ -107,7 +110,7 @@ def _stats_kernel(zs_ref, zt_ref, *refs, has_y, inv_t, seg_blocks, kw, **tile):
     rows, rmask, block = _segment(zs_ref, zt_ref, y_ref, seg_blocks=seg_blocks, **tile)
 
     def body(t, carry):
-        zs, zt, cmask, is_target, _, _ = block(t)
+        zs, zt, cmask, is_target, _, _, _ = block(t)
         return jc.stats_update(carry, zs * inv_t, zt * inv_t, zs, cmask, is_target, **kw)
 
     stats = lax.fori_loop(launch.I0, np.int32(seg_blocks), body,
@@ -120,7 +123,7 @@ def _sums_kernel(zs_ref, zt_ref, row_ref, out_ref, *, inv_t, seg_blocks, beta, *
     m_a, ls_a, c = (_load_row_values(row_ref, k, rows, rmask) for k in range(3))
 
     def body(t, carry):
-        zs, zt, cmask, _, _, _ = block(t)
+        zs, zt, cmask, _, _, _, _ = block(t)
         return jc.jsd_sums_update(carry, zs * inv_t, zt * inv_t, m_a, ls_a, c, cmask,
                                   beta=beta)
 
@@ -138,10 +141,12 @@ def _grad_kernel(zs_ref, zt_ref, *refs, has_y, inv_t, seg_blocks, beta, temperat
                                                for k in range(_ROWVALS))
 
     def body(t, carry):
-        zs, zt, _, is_target, span, m2 = block(t)
+        zs, zt, _, is_target, span, m2, wm2 = block(t)
         dz = jc.grad_block(zs * inv_t, zt * inv_t, zs, is_target, m_a, ls_a, m_b, ls_b, c, l_z,
                            kk, coef, coef * hard_w, beta=beta, temperature=temperature, **kw)
-        plgpu.store(dz_ref.at[rows, span], dz.astype(dz_ref.dtype), mask=m2)
+        # the padded classes' gradient is 0 (the dX / dW GEMMs read the whole width)
+        plgpu.store(dz_ref.at[rows, span], jnp.where(m2, dz, 0.0).astype(dz_ref.dtype),
+                    mask=wm2)
         return carry
 
     lax.fori_loop(launch.I0, np.int32(seg_blocks), body, 0)
@@ -160,15 +165,17 @@ class PallasHead(jc.Head):
     segment_size: int
     interpret: bool
     fp32_logits: bool = True
+    takes_padded_vocab = True  # (not a field) no trimmed copies of the logits for the kernels
 
     @property
     def logits_dtype(self):
         return jnp.float32 if self.fp32_logits else None
 
-    def _call(self, zs, zt, y, coef, grad_dtype):
+    def _call(self, zs, zt, y, coef, grad_dtype, *, v):
         """Three launches (two for the KL kinds or the loss alone), grid (row blocks,
-        segments); the per-row merges between them run in XLA."""
-        n_rows, v = zs.shape
+        segments); the per-row merges between them run in XLA. The gradient's segments cover
+        the buffers' whole width (the padded vocabulary, whose gradient is 0)."""
+        n_rows, width = zs.shape
         block_rows, block_v = launch.block_shape(self, n_rows, v)
         seg_blocks = min(max(1, self.segment_size // block_v), ceil_div(v, block_v))
         n_seg = ceil_div(v, seg_blocks * block_v)
@@ -182,7 +189,7 @@ class PallasHead(jc.Head):
         parts = lambda k: jax.ShapeDtypeStruct((n_seg * k, n_rows), jnp.float32)
         ys = [y] if y is not None else []
 
-        def run(kernel, inputs, out, name, aliases=None):
+        def run(kernel, inputs, out, name, aliases=None, grid=grid):
             return launch.call(self, kernel, inputs, out, grid=grid, aliases=aliases or {},
                                name=name)
 
@@ -209,14 +216,15 @@ class PallasHead(jc.Head):
                                    **tile),
                  [zs, zt] + ys + [jnp.stack([m_a, ls_a, m_b, ls_b, c, l_z, kk, coef])],
                  jax.ShapeDtypeStruct(zs.shape, grad_dtype), "logitless_linear_jsd_grad",
-                 aliases={0: 0} if in_place else None)
+                 aliases={0: 0} if in_place else None,
+                 grid=(grid[0], ceil_div(width, seg_blocks * block_v)))
         return loss, dz
 
-    def loss(self, zs, zt, y):
-        return self._call(zs, zt, y, None, None)
+    def loss(self, zs, zt, y, *, v):
+        return self._call(zs, zt, y, None, None, v=v)
 
-    def loss_grad(self, zs, zt, y, coef, grad_dtype):
-        return self._call(zs, zt, y, coef, grad_dtype)
+    def loss_grad(self, zs, zt, y, coef, grad_dtype, *, v):
+        return self._call(zs, zt, y, coef, grad_dtype, v=v)
 
 
 def linear_jsd(p: jc.Prepared, opts: spec.LinearJSDOptions, *, chunk_size=None,

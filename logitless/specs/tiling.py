@@ -61,8 +61,10 @@ def plan_token_chunks(n: int, v: int, *, bytes_per_element: int,
 # Half-precision GEMM libraries (cuBLAS, XLA's GPU GEMMs) take their fast tensor-core kernels
 # only when every leading dimension is a multiple of 8 elements (16 bytes). A vocabulary like
 # GPT-2's 50257 puts V on a leading dimension of the logits and their gradient, and every GEMM
-# of the op then runs 2-4x slower (H100). So the backends run their GEMMs over the vocabulary
-# in parts: the aligned bulk, and the few classes past it.
+# of the op then runs 2-4x slower (H100). The PyTorch backends run their GEMMs over the
+# vocabulary in parts (:func:`vocab_parts`: the aligned bulk, and the few classes past it) into
+# buffers whose rows are padded; the JAX drivers, which cannot pad a buffer's rows, pad the
+# vocabulary itself (:func:`padded_vocab`).
 VOCAB_ALIGN = 8
 
 
@@ -71,6 +73,11 @@ def vocab_parts(v: int):
     multiple of :data:`VOCAB_ALIGN` (or below it), else the aligned bulk and the rest."""
     bulk = v - v % VOCAB_ALIGN
     return ((0, v),) if bulk in (0, v) else ((0, bulk), (bulk, v))
+
+
+def padded_vocab(v: int) -> int:
+    """``v`` rounded up to a multiple of :data:`VOCAB_ALIGN`."""
+    return -(-v // VOCAB_ALIGN) * VOCAB_ALIGN
 
 
 BALANCE_MULTIPLE = 8  # balanced chunk sizes are multiples of this: padding adds fewer per chunk
