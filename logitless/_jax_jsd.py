@@ -23,7 +23,7 @@ from jax import lax
 
 from . import _jax_common as common
 from .specs import linear_jsd as spec
-from .specs.tiling import BALANCE_MULTIPLE, ChunkPlan, balanced, ceil_div, plan_token_chunks
+from .specs.tiling import ChunkPlan
 
 __all__ = ["linear_jsd", "available_backends"]
 
@@ -335,22 +335,6 @@ def _tokens(a, start, size):
     return lax.dynamic_slice_in_dim(a, start, size, axis=0)
 
 
-def _padded(n: int, size: int) -> int:
-    """n, or n padded to whole pieces of ``size`` where that adds under BALANCE_MULTIPLE tokens
-    per piece (a balanced plan): every piece then runs through the loop's one traced body. A ragged last
-    piece is another body, whose buffers XLA does not share with the loop's (H100, pallas at
-    N = 8192: 4.2-5.8 GB of temporaries with a ragged last chunk, 2.6-3.2 GB without)."""
-    pieces = ceil_div(n, size) if n else 0
-    return pieces * size if 0 < pieces * size - n < BALANCE_MULTIPLE * pieces else n
-
-
-def _pad(a, n: int, value=0):
-    """``a`` (or None) padded with ``value`` to n tokens along axis 0."""
-    if a is None or a.shape[0] == n:
-        return a
-    return jnp.pad(a, [(0, n - a.shape[0])] + [(0, 0)] * (a.ndim - 1), constant_values=value)
-
-
 def _chunk_logits(st, xs, ws, xt, wt, start, size):
     """``ws`` / ``wt``: :class:`common.VocabWeight` (V padded to a multiple of 8)."""
     dt = st.head.logits_dtype
@@ -380,8 +364,8 @@ def _forward(st: _Static, xs, ws, xt, wt, y):
     n = xs.shape[0]
     m = token_mask(y, n, st.opts, st.v)
     ys = None if y is None else common.column_targets(y, st.opts, st.v)
-    n_p = _padded(n, st.sub_chunk)  # padding tokens: zero states, no target, sliced off
-    xs, xt, ys = _pad(xs, n_p), _pad(xt, n_p), _pad(ys, n_p, -1)
+    n_p = common.padded_tokens(n, st.sub_chunk)  # padding tokens: zero states, no target, sliced off
+    xs, xt, ys = common.pad_tokens(xs, n_p), common.pad_tokens(xt, n_p), common.pad_tokens(ys, n_p, -1)
     ws, wt = common.VocabWeight(ws, st.layout), common.VocabWeight(wt, st.layout)
 
     def body(start, size, tok):
@@ -406,8 +390,8 @@ def _grads(st: _Static, xs, ws, xt, wt, y, g, dx_dtype):
     coef = g * m
     need_dx, need_dw = st.needs
     # padding tokens (zero states, no target, coefficient 0: zero gradient rows) are sliced off
-    n_p = _padded(n, st.plan.chunk)
-    xs, xt, ys, coef = _pad(xs, n_p), _pad(xt, n_p), _pad(ys, n_p, -1), _pad(coef, n_p)
+    n_p = common.padded_tokens(n, st.plan.chunk)
+    xs, xt, ys, coef = common.pad_tokens(xs, n_p), common.pad_tokens(xt, n_p), common.pad_tokens(ys, n_p, -1), common.pad_tokens(coef, n_p)
     ws, wt = common.VocabWeight(ws, st.layout), common.VocabWeight(wt, st.layout)
 
     def body(start, size, carry):
@@ -501,16 +485,13 @@ def plan_chunks(p: Prepared, fp32_logits: bool, share: int, budget, chunk_size,
     C / c when fp32 logits of half-precision inputs, 1 otherwise), both from one budget;
     ``temporaries``: [c, V] float32 working arrays a head keeps besides the logits. Chunks
     from the budget are made equal (``balanced``), so that the drivers can pad the tokens to
-    a whole number of them (``_padded``)."""
+    a whole number of them (``common.padded_tokens``)."""
     in_bytes = p.xs.dtype.itemsize
     logit_bytes = 4 if fp32_logits else in_bytes
     share = share if logit_bytes > in_bytes else 1
     per_token = in_bytes + (2 * logit_bytes + 4 * (temporaries - 1)) / share
-    plan = plan_token_chunks(p.problem.n, p.problem.v, bytes_per_element=max(1, round(per_token)),
-                             budget_bytes=budget,
-                             chunk_size=chunk_size)
-    if chunk_size is None:  # equal chunks, padded to a whole number (see _padded)
-        plan = balanced(plan)
+    plan = common.token_plan(p.problem.n, p.problem.v, bytes_per_element=max(1, round(per_token)),
+                             budget_bytes=budget, chunk_size=chunk_size)
     if logits_chunk_size is None:
         sub = plan.chunk if (share == 1 or plan.chunk <= 128) else \
             max(128, plan.chunk // share // 128 * 128)

@@ -14,7 +14,6 @@ from jax import lax
 
 from . import _jax_common as common
 from .specs import linear_cross_entropy as spec
-from .specs.tiling import plan_token_chunks
 
 TUNING = ("chunk_size", "memory_budget")
 
@@ -62,8 +61,7 @@ def linear_cross_entropy(p: common.Prepared, opts: spec.LinearCrossEntropyOption
                          chunk_size=None, memory_budget=None):
     """Returns ``(loss, lse)``: loss reduced per ``opts.reduction`` (flat for "none")."""
     # budget the float32 working copy of a chunk's logits and of their gradient
-    plan = plan_token_chunks(p.problem.n, p.problem.v, bytes_per_element=8,
-                             budget_bytes=memory_budget,
-                             chunk_size=chunk_size)
+    plan = common.token_plan(p.problem.n, p.problem.v, bytes_per_element=8,
+                             budget_bytes=memory_budget, chunk_size=chunk_size)
     head = XlaHead(softcap=opts.softcap, smoothing=opts.uses_smoothing)
     return common.chunked_linear_cross_entropy(p, opts, plan, head)

@@ -152,6 +152,39 @@ def test_odd_vocabularies_run_every_gemm_on_aligned_parts(backend, layout):
     _assert_close(db, ref["db"])
 
 
+@pytest.mark.parametrize("backend, budget, chunk", [("xla", 61 * 8 * 16, 16),
+                                                     ("pallas", 61 * 4 * 32, 24)])
+def test_chunks_from_the_budget_pad_the_tokens_to_whole_chunks(backend, budget, chunk):
+    """N = 37 with a budget for 16 (xla) / 32 (pallas) tokens: the chunks are made equal and
+    the tokens padded to a whole number of them (XLA would give a ragged last chunk buffers of
+    its own), so every GEMM runs on exactly ``chunk`` tokens; per-token losses, lse and the
+    gradients (per-token cotangents) stay right and unpadded."""
+    x, w, y, b = _problem(n=37, h=12, v=61, salt=9, bias=True)
+    f = lambda x, w, b: lj.linear_cross_entropy(x, w, y, linear_bias=b, reduction="none",
+                                                return_lse=True, backend=backend,
+                                                memory_budget=budget)
+    dims = {d for shape in gemm_shapes(jax.make_jaxpr(
+        lambda x, w, b: jax.vjp(f, x, w, b)[1]((jnp.ones(37), jnp.ones(37))))(x, w, b).jaxpr)
+        for d in shape}
+    assert dims == {12, 64, chunk}, sorted(dims)
+    (tok, lse), vjp = jax.vjp(f, x, w, b)
+    g, h = (jnp.asarray(np.random.default_rng([SEED, 33, k]).standard_normal(37), jnp.float32)
+            for k in range(2))
+    dx, dw, db = vjp((g, h))
+    assert tok.shape == lse.shape == (37,) and dx.shape == x.shape
+    ref = _ref(x, w, y, b, reduction="none", return_lse=True)
+    _assert_close(tok, ref["loss"])
+    _assert_close(lse, ref["lse"])
+    full = spec.reference(*(np.asarray(a, np.float64) for a in (x, w)), np.asarray(y),
+                          bias=np.asarray(b, np.float64), grad_output=np.asarray(g, np.float64),
+                          grad_lse=np.asarray(h, np.float64),
+                          options=spec.LinearCrossEntropyOptions(reduction="none",
+                                                                 return_lse=True))
+    _assert_close(dx, full["dx"])
+    _assert_close(dw, full["dw"])
+    _assert_close(db, full["db"])
+
+
 @pytest.mark.parametrize("fp32_logits", [False, True])
 def test_pallas_kernel_ignores_and_zeroes_the_padded_vocabulary(fp32_logits):
     """The Pallas row kernel on logits padded past V (as the driver hands them over at an odd

@@ -36,7 +36,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from .. import _jax_common as common
 from ..specs import linear_cross_entropy as spec
-from ..specs.tiling import ceil_div, plan_token_chunks
+from ..specs.tiling import ceil_div
 from . import _launch as launch
 
 TUNING = ("chunk_size", "memory_budget", "block_rows", "block_v", "num_warps", "num_stages",
@@ -200,7 +200,7 @@ def linear_cross_entropy(p: common.Prepared, opts: spec.LinearCrossEntropyOption
         softcap=opts.softcap, smoothing=opts.uses_smoothing, **settings,
         grid_size=launch.resolve_grid(GPU_DEFAULTS, grid_size, settings["interpret"]))
     bytes_per = p.x.dtype.itemsize + (4 if fp32_logits and p.x.dtype.itemsize < 4 else 0)
-    plan = plan_token_chunks(p.problem.n, p.problem.v, bytes_per_element=bytes_per,
+    plan = common.token_plan(p.problem.n, p.problem.v, bytes_per_element=bytes_per,
                              budget_bytes=launch.pick(GPU_DEFAULTS, memory_budget,
                                                       "memory_budget"),
                              chunk_size=chunk_size)
