@@ -71,16 +71,16 @@ def test_jit_value_and_grad_and_teacher_cotangents(backend):
 def test_budget_plan_pads_to_equal_chunks(backend, reduction, monkeypatch):
     """A plan from the memory budget: equal chunks, the tokens padded to a whole number of
     them (no ragged last chunk); the padding must not reach the loss or the gradients."""
-    from logitless import _jax_jsd
+    from logitless import _jax_common
     n, v = 37, 100
     xs, ws, xt, wt, y = _problem(n=n, v=v, salt=7)
     # float32 inputs: 12 bytes per logit for pallas (gradient + two logits), 40 for xla (its
     # eight working arrays): budgets that make 24-token chunks, then 2 × 24 = 48 (11 padded)
     budget = 24 * v * (12 if backend == "pallas" else 40)
     padded = []
-    pad = _jax_jsd._pad
-    monkeypatch.setattr(_jax_jsd, "_pad", lambda a, m, value=0: (
-        padded.append((None if a is None else a.shape[0], m)), pad(a, m, value))[1])
+    pad = _jax_common.pad_tokens
+    monkeypatch.setattr(_jax_common, "pad_tokens", lambda a, m, value=0, axis=0: (
+        padded.append((None if a is None else a.shape[axis], m)), pad(a, m, value, axis))[1])
     opts = dict(beta=0.3, temperature=2.0, hard_loss_weight=0.5, reduction=reduction)
     g = np.random.default_rng(SEED).standard_normal(n) if reduction == "none" else None
     f = lambda xs, ws: lj.linear_jsd(xs, ws, xt, wt, y, backend=backend, memory_budget=budget,
