@@ -86,11 +86,11 @@ def _global_terms(st, x, w, bias, y, cw):
     n = x.shape[0]
     v, mask, bad, own, y_loc = _ownership(st, y)
     smoothing = st.opts.uses_smoothing
+    wv = common.VocabWeight(w, st.layout)  # a local V not a multiple of 8: padded GEMMs
 
     def body(start, size, carry):
         lse_l, cy_l, wc_l = carry
-        c = _capped(common.logits(common._tokens(x, start, size), w, st.layout), bias,
-                    st.opts.softcap)
+        c = _capped(wv.trim(wv.logits(common._tokens(x, start, size))), bias, st.opts.softcap)
         yl = common._tokens(y_loc, start, size)
         is_t = lax.broadcasted_iota(jnp.int32, c.shape, 1) == yl[:, None]
         upd = lambda a, val: lax.dynamic_update_slice_in_dim(a, val, start, 0)
@@ -139,24 +139,24 @@ def _grads(st, x, w, bias, y, cw, lse, omega, big_omega, g_tok, h_tok):
     n = x.shape[0]
     v, mask, _, own, y_loc = _ownership(st, y)
     b, sm, smo, zw = _coefs(st, omega, mask.astype(jnp.float32), big_omega, v)
-    dx_dims = (((1,), (0,)), ((), ())) if st.layout == "vh" else (((1,), (1,)), ((), ()))
+    wv = common.VocabWeight(w, st.layout)  # a local V not a multiple of 8: padded GEMMs
 
     def body(start, size, carry):
         dx, dw, db = carry
         tk = lambda a: common._tokens(a, start, size)
         xc = tk(x)
-        c = _capped(common.logits(xc, w, st.layout), bias, st.opts.softcap)
+        c = _capped(wv.trim(wv.logits(xc)), bias, st.opts.softcap)
         is_t = (lax.broadcasted_iota(jnp.int32, c.shape, 1) == tk(y_loc)[:, None]) & \
             tk(own)[:, None]
         dz = common.grad_logits(c, tk(lse), is_t, cw, tk(b), tk(sm), tk(smo), tk(zw),
                                 tk(g_tok), tk(h_tok), softcap=st.opts.softcap,
                                 smoothing=st.opts.uses_smoothing).astype(x.dtype)
         # this device's part of dX in fp32, summed over the axis, rounded once
-        part = lax.dot_general(dz, w, dx_dims, preferred_element_type=jnp.float32,
-                               precision=common._precision(dz, w))
+        dz_p = wv.pad(dz)
+        part = wv.grad_input(dz_p, jnp.float32)
         dx = lax.dynamic_update_slice_in_dim(
             dx, lax.psum(part, st.axis_name).astype(x.dtype), start, 0)
-        dw_c = common.grad_weight(dz, xc, st.layout)
+        dw_c = wv.grad_weight(dz_p, xc)
         dw = dw_c if dw is None else dw + dw_c
         if bias is not None:
             db_c = jnp.sum(dz.astype(jnp.float32), axis=0)
@@ -168,7 +168,7 @@ def _grads(st, x, w, bias, y, cw, lse, omega, big_omega, g_tok, h_tok):
     if dw is None:  # no tokens
         dw = common.zeros_like_axes(w.shape, jnp.float32, w)
         db = None if bias is None else common.zeros_like_axes(bias.shape, jnp.float32, w)
-    return dx, dw, db
+    return dx, common.trim_vocab(dw, wv.v, st.layout), db
 
 
 @functools.lru_cache(maxsize=256)
