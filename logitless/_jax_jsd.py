@@ -323,7 +323,7 @@ class Head:
 @dataclasses.dataclass(frozen=True)
 class _Static:
     opts: spec.LinearJSDOptions
-    plan: ChunkPlan        # tokens per dX / dW chunk: one [chunk, V] gradient buffer
+    plan: ChunkPlan        # tokens per dX / dW chunk: one [chunk, vp] gradient buffer
     sub_chunk: int         # tokens per logits GEMM and head call (<= plan.chunk)
     v: int
     layout: str
@@ -364,8 +364,10 @@ def _forward(st: _Static, xs, ws, xt, wt, y):
     n = xs.shape[0]
     m = token_mask(y, n, st.opts, st.v)
     ys = None if y is None else common.column_targets(y, st.opts, st.v)
-    n_p = common.padded_tokens(n, st.sub_chunk)  # padding tokens: zero states, no target, sliced off
-    xs, xt, ys = common.pad_tokens(xs, n_p), common.pad_tokens(xt, n_p), common.pad_tokens(ys, n_p, -1)
+    # padding tokens (zero states, no target) are sliced off
+    n_p = common.padded_tokens(n, st.sub_chunk)
+    pad = common.pad_tokens
+    xs, xt, ys = pad(xs, n_p), pad(xt, n_p), pad(ys, n_p, -1)
     ws, wt = common.VocabWeight(ws, st.layout), common.VocabWeight(wt, st.layout)
 
     def body(start, size, tok):
@@ -380,8 +382,9 @@ def _forward(st: _Static, xs, ws, xt, wt, y):
 def _grads(st: _Static, xs, ws, xt, wt, y, g, dx_dtype):
     """One sweep: masked per-token losses, dX (in ``dx_dtype``) and dW (float32, with
     :class:`common.VocabWeight`'s padded rows: :func:`common.trim_vocab`) for the
-    upstream gradient g ((N,) per token, already divided by Σm for "mean"). Per chunk, the logits come
-    in sub-chunks and the head writes their gradient into the chunk's [chunk, V] buffer; the
+    upstream gradient g ((N,) per token, already divided by Σm for "mean"). Per chunk, the logits
+    come in sub-chunks and the head writes their gradient into the chunk's [chunk, vp] buffer
+    (vp: V padded to a multiple of 8, :class:`common.VocabWeight`); the
     dX / dW GEMMs then run once per chunk (dW's float32 accumulator is read and written once
     per chunk, so chunks should be large; the logits buffers stay small)."""
     n = xs.shape[0]
@@ -391,7 +394,8 @@ def _grads(st: _Static, xs, ws, xt, wt, y, g, dx_dtype):
     need_dx, need_dw = st.needs
     # padding tokens (zero states, no target, coefficient 0: zero gradient rows) are sliced off
     n_p = common.padded_tokens(n, st.plan.chunk)
-    xs, xt, ys, coef = common.pad_tokens(xs, n_p), common.pad_tokens(xt, n_p), common.pad_tokens(ys, n_p, -1), common.pad_tokens(coef, n_p)
+    pad = common.pad_tokens
+    xs, xt, ys, coef = pad(xs, n_p), pad(xt, n_p), pad(ys, n_p, -1), pad(coef, n_p)
     ws, wt = common.VocabWeight(ws, st.layout), common.VocabWeight(wt, st.layout)
 
     def body(start, size, carry):

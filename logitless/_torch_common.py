@@ -94,11 +94,6 @@ def check_triton_device(t: torch.Tensor, name: str, what: str, interpreted: bool
                          f"{name} is on {t.device}")
 
 
-# cuBLAS takes its fast kernels (16-byte vectorized; on Hopper the sm90 ones) only when a GEMM's
-# dimensions are multiples of 8 half-precision elements: at an odd vocabulary (GPT-2's 50257)
-# every GEMM with V as a dimension fell to sm75 "align1" kernels at ~1/6 the speed (H100
-# profile, DESIGN.md). Those GEMMs go in two parts: the 8-aligned bulk of the vocabulary rows,
-# then the < 8 left.
 def mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a @ b`` with an fp32 result straight from half-precision operands (CUDA: no upcast
     copies; elsewhere the operands are upcast)."""
@@ -121,6 +116,11 @@ def thin_mm_(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
     return out.add_(r) if add else out.copy_(r)
 
 
+# cuBLAS takes its fast kernels (16-byte vectorized; on Hopper the sm90 ones) only when a GEMM's
+# dimensions are multiples of 8 half-precision elements: at an odd vocabulary (GPT-2's 50257)
+# every GEMM with V as a dimension fell to sm75 "align1" kernels at ~1/6 the speed (H100
+# profile, DESIGN.md). Those GEMMs go in two parts (specs.tiling.vocab_parts): the 8-aligned
+# bulk of the vocabulary rows, then the < 8 left.
 def vocab_mm_(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, axis: int) -> torch.Tensor:
     """``out = a @ b`` where ``out``'s dimension ``axis`` runs over vocabulary rows (the logits'
     columns, axis 1; a dW slice's rows, axis 0): one GEMM per :func:`vocab_parts` part, those

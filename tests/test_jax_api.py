@@ -124,7 +124,8 @@ def test_flax_hv_layout_uses_the_kernel_as_is(backend, v):
     _assert_close(loss, ref["loss"])
     _assert_close(dx, ref["dx"])
     _assert_close(dk.T, ref["dw"])
-    weight_shapes = {kernel.shape, kernel.shape[::-1]}
+    vp = -(-v // 8) * 8  # the padded vocabulary's GEMMs: their weight must not move either
+    weight_shapes = {kernel.shape, kernel.shape[::-1], (12, vp), (vp, 12)}
     moved = [e for e in jaxpr_eqns(jax.make_jaxpr(vg)(x, kernel).jaxpr)
              if e.primitive.name in ("transpose", "copy", "copy_p")
              and any(tuple(getattr(v.aval, "shape", ())) in weight_shapes for v in e.invars)]
@@ -570,6 +571,13 @@ def test_pallas_lowers_to_triton_with_every_option():
                           block_v=256, grid_size=7)
     assert hlo.count("xla.gpu.triton") >= 4  # forward and gradient kernels, full and tail chunks
     assert "xla.gpu.triton" in _lower_for_cuda(300, 64, 1000, chunk_size=128, fp32_logits=True)
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(fp32_logits=True), dict(block_v=4)], ids=str)
+def test_pallas_lowers_to_triton_at_an_odd_vocabulary(kw):
+    """V = 1001: the padded logits (1008 wide) with the gradient stored over the whole width."""
+    hlo = _lower_for_cuda(300, 64, 1001, chunk_size=128, **kw)
+    assert hlo.count("xla.gpu.triton") >= 2  # the gradient kernels of the full and tail chunks
 
 
 # --------------------------------------------------------------------- global_token_count
