@@ -22,8 +22,8 @@ import numpy as np
 from jax import lax
 
 from .specs import linear_cross_entropy as spec
-from .specs.tiling import (BALANCE_MULTIPLE, VOCAB_ALIGN, ChunkPlan, balanced, ceil_div,
-                           padded_vocab, plan_token_chunks)
+from .specs.tiling import (BALANCE_MULTIPLE, ChunkPlan, balanced, ceil_div, padded_vocab,
+                           plan_token_chunks)
 
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _INT32 = np.iinfo(np.int32)
@@ -362,7 +362,7 @@ class VocabWeight:
         self.layout = layout
         axis = _vocab_axis(layout)
         self.v = w.shape[axis]
-        self.vp = self.v if self.v % VOCAB_ALIGN == 0 else padded_vocab(self.v)
+        self.vp = padded_vocab(self.v)
         pad = [(0, 0), (0, 0)]
         pad[axis] = (0, self.vp - self.v)
         self.w = w if self.vp == self.v else jnp.pad(w, pad)

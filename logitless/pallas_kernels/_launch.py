@@ -140,21 +140,23 @@ def call(head, kernel, inputs, out_shape, *, grid: tuple, aliases, name: str):
                                                            num_stages=head.num_stages))
 
 
-def store_grad_backwards(dz_ref, rows, rmask, block_v: int, grad_block) -> None:
+def store_grad_backwards(dz_ref, rows, rmask, v: int, block_v: int, grad_block) -> None:
     """Inside a kernel, the gradient sweep of a row block: ``grad_block(j) -> (dz, cmask,
     span)`` for column blocks j of ``block_v`` columns from the last to the first (the previous
     sweep read the last ones last), each stored in ``dz_ref``'s dtype over the whole width of
-    ``dz_ref``: zero in the columns past the real vocabulary (``cmask`` false), the padded
-    classes of ``_jax_common.VocabWeight``."""
+    ``dz_ref``. Where that is wider than the vocabulary ``v`` (the padded classes of
+    ``_jax_common.VocabWeight``), the columns past ``v`` (``cmask`` false) get 0."""
     width = dz_ref.shape[1]
     n_vblocks = ceil_div(width, block_v)
 
     def sweep(t, carry):
         j = n_vblocks - 1 - t
         dz, cmask, span = grad_block(j)
-        wmask = (j * block_v + iota(block_v)) < width
-        plgpu.store(dz_ref.at[rows, span], jnp.where(cmask[None, :], dz, 0.0).astype(dz_ref.dtype),
-                    mask=rmask[:, None] & wmask[None, :])
+        if width > v:
+            dz = jnp.where(cmask[None, :], dz, 0.0)
+            cmask = (j * block_v + iota(block_v)) < width
+        plgpu.store(dz_ref.at[rows, span], dz.astype(dz_ref.dtype),
+                    mask=rmask[:, None] & cmask[None, :])
         return carry
 
     lax.fori_loop(I0, np.int32(n_vblocks), sweep, 0)

@@ -128,7 +128,7 @@ def _rows_kernel(z_ref, y_ref, coef_ref, *refs, v, block_rows, block_v, grid_siz
                                         softcap=softcap, smoothing=smoothing)
                 return dz, cmask, span
 
-            launch.store_grad_backwards(dz_ref, rows, rmask, block_v, sweep2)
+            launch.store_grad_backwards(dz_ref, rows, rmask, v, block_v, sweep2)
 
     launch.walk_row_blocks(row_block, n_rows, block_rows, grid_size)
 

@@ -70,7 +70,7 @@ _ROWVALS = 8  # m_a, log s_a, m_b, log s_b, c, l_z, kk, coef per row for pass 3
 def _segment(zs_ref, zt_ref, y_ref, *, v, block_rows, block_v, seg_blocks):
     """(rows, rmask, block) of this program: block(t) loads the segment's t-th column block
     (columns past ``v``, the padded vocabulary of ``_jax_common.VocabWeight``, read as 0 and
-    are masked out; ``m2`` covers the rows' real columns, ``wm2`` the buffer's width)."""
+    are masked out; ``m2`` covers the rows' real columns)."""
     n_rows = zs_ref.shape[0]
     r0 = pl.program_id(0) * block_rows
     c0 = pl.program_id(1) * (seg_blocks * block_v)
@@ -83,12 +83,11 @@ def _segment(zs_ref, zt_ref, y_ref, *, v, block_rows, block_v, seg_blocks):
         cmask = cols < v
         span = pl.ds(c0 + t * block_v, block_v)
         m2 = rmask[:, None] & cmask[None, :]
-        wm2 = rmask[:, None] & (cols < zs_ref.shape[1])[None, :]
         zs = plgpu.load(zs_ref.at[rows, span], mask=m2, other=0.0).astype(jnp.float32)
         zt = plgpu.load(zt_ref.at[rows, span], mask=m2, other=0.0).astype(jnp.float32)
         is_target = (cols[None, :] == y[:, None]) if y is not None else \
             jnp.zeros((block_rows, block_v), bool)
-        return zs, zt, cmask, is_target, span, m2, wm2
+        return zs, zt, cmask, is_target, span, m2, cols
 
     return rows, rmask, block
 
@@ -141,12 +140,13 @@ def _grad_kernel(zs_ref, zt_ref, *refs, has_y, inv_t, seg_blocks, beta, temperat
                                                for k in range(_ROWVALS))
 
     def body(t, carry):
-        zs, zt, _, is_target, span, m2, wm2 = block(t)
+        zs, zt, _, is_target, span, m2, cols = block(t)
         dz = jc.grad_block(zs * inv_t, zt * inv_t, zs, is_target, m_a, ls_a, m_b, ls_b, c, l_z,
                            kk, coef, coef * hard_w, beta=beta, temperature=temperature, **kw)
-        # the padded classes' gradient is 0 (the dX / dW GEMMs read the whole width)
-        plgpu.store(dz_ref.at[rows, span], jnp.where(m2, dz, 0.0).astype(dz_ref.dtype),
-                    mask=wm2)
+        if dz_ref.shape[1] > tile["v"]:  # the padded classes' gradient is 0 (the GEMMs read them)
+            dz = jnp.where(m2, dz, 0.0)
+            m2 = rmask[:, None] & (cols < dz_ref.shape[1])[None, :]
+        plgpu.store(dz_ref.at[rows, span], dz.astype(dz_ref.dtype), mask=m2)
         return carry
 
     lax.fori_loop(launch.I0, np.int32(seg_blocks), body, 0)
