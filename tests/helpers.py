@@ -99,6 +99,29 @@ def gemm_shapes(jaxpr):
             for v in (*e.invars, *e.outvars)]
 
 
+# ============================================================================== row padding
+def filled_rows_buffers(monkeypatch, fill):
+    """Make ``_torch_common.rows_buffer`` fill its buffers, padding included, with ``fill``;
+    returns the (cols, load_cols) pairs the row kernels are launched with."""
+    import torch
+
+    from logitless import _torch_common as common
+    real_buffer, real_load = common.rows_buffer, common.load_cols
+    loads = []
+
+    def buffer(*args, **kwargs):
+        b = real_buffer(*args, **kwargs)
+        torch.as_strided(b, (b.shape[0], b.stride(0)), (b.stride(0), 1)).fill_(fill)
+        return b
+
+    def load_cols(cols, *bufs):
+        loads.append((cols, real_load(cols, *bufs)))
+        return loads[-1][1]
+    monkeypatch.setattr(common, "rows_buffer", buffer)
+    monkeypatch.setattr(common, "load_cols", load_cols)
+    return loads
+
+
 # ============================================================================== GPU
 def check_cuda_graph_training(head, loss_fn, batches):
     """A training step of ``head`` (zero_grad, ``loss_fn(head.weight, *inputs)``, backward, an

@@ -22,7 +22,8 @@ import pytest
 
 import backends  # noqa: F401  (registers the backends)
 from harness import SEED, cases_under_test, check_backend, under_test
-from helpers import assert_close_abs, check_cuda_graph_training, no_host_sync, torch_jsd_loss
+from helpers import (assert_close_abs, check_cuda_graph_training, filled_rows_buffers,
+                     no_host_sync, torch_jsd_loss)
 from logitless.specs import linear_jsd as spec
 from op_linear_jsd import OP, Case
 
@@ -544,6 +545,36 @@ def test_triton_tunings_match_the_torch_backend(tuning, reduction):
         assert _rel(a, b) < (5e-2 if loose else 1e-2)
 
 
+@pytest.mark.parametrize("tuning", ["fused", "three-launches", "bf16-logits", "none"])
+def test_triton_row_padding_is_loaded_but_never_counted(monkeypatch, tuning):
+    """The row kernel loads and stores each row up to V rounded to 16 (``common.load_cols``:
+    vectorized accesses). Whatever the padding of the logits and dz buffers holds must not
+    reach a result: NaN there gives bit-for-bit the results of zeros there, in every pass
+    (β strictly between 0 and 1 runs all three, the hard-label term at T ≠ 1 its own sums)."""
+    torch = _torch()
+    xs, ws, xt, wt, y = _data(37, 24, 20, 61, seed=23)  # rows padded to 64
+    kw = dict(backend="triton", beta=0.4, temperature=1.5, hard_loss_weight=0.2, chunk_size=16)
+    kw.update({"fused": {}, "none": dict(reduction="none"),
+               "three-launches": dict(block_v=16, segment_size=32, row_sync=False),
+               "bf16-logits": dict(fp32_logits=False)}[tuning])
+    if tuning == "bf16-logits":
+        xs, ws, xt, wt = (t.bfloat16() for t in (xs, ws, xt, wt))
+    up = torch.rand(37, device=xs.device) if tuning == "none" else None
+
+    def run(fill):
+        loads = filled_rows_buffers(monkeypatch, fill)
+        got = _loss_and_grads(xs, ws, xt, wt, y, up, **kw)
+        monkeypatch.undo()
+        return got, loads
+
+    zeros, loads = run(0.0)
+    assert any(wide > cols for cols, wide in loads), loads  # the padding was in reach
+    junk, _ = run(float("nan"))
+    for a, b in zip(junk, zeros):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 def test_triton_torch_compile_fullgraph_matches_eager():
     torch = _torch()
     xs, ws, xt, wt, y = _data(37, 33, 20, 97, seed=2)
@@ -771,7 +802,7 @@ def test_gpu_barrier_timeout_poisons_instead_of_hanging():
     part = torch.empty(rows, 2, jsd_rows.NUM_FIELDS, device="cuda")
     sync = torch.zeros(2 + rows, dtype=torch.int32, device="cuda")
     jsd_rows.jsd_rows_kernel[(1,)](
-        zs, v, zt, v, zs, 0, zs, zs, 0, loss, part, sync, rows, v, -100, 1.0, 0.5, 0.5, 0.0,
+        zs, v, zt, v, zs, 0, zs, zs, 0, loss, part, sync, rows, v, v, -100, 1.0, 0.5, 0.5, 0.0,
         KIND=2, HAS_Y=False, HARD=False, T_ONE=True, WRITE_LOSS=True, WRITE_GRAD=False,
         PHASE=0, SEGS=2, SEGS_P2=2, SEG=seg, BLOCK=32, MAX_SPIN=1000)
     torch.cuda.synchronize()

@@ -7,7 +7,8 @@ import torch
 
 import logitless.torch as lt
 from harness import SEED
-from helpers import check_cuda_graph_training, graph_batches, no_host_sync
+from helpers import (check_cuda_graph_training, filled_rows_buffers, graph_batches,
+                     no_host_sync)
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -132,6 +133,59 @@ def test_no_grad_forward_matches():
         a = lt.linear_cross_entropy(x, w, y, backend="triton", reduction="none")
     b = lt.linear_cross_entropy(x, w, y, backend="torch", reduction="none")
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", ["fast", "low_memory", "none", "own_gemm"])
+def test_row_padding_is_loaded_but_never_counted(monkeypatch, case):
+    """The row kernel loads and stores each row up to V rounded to 16 (``common.load_cols``;
+    vectorized accesses: a V of 50257 ran 2.6x slower on an H100 than 50272). Whatever the
+    padding holds must not reach a result: NaN there gives bit-for-bit the results of zeros
+    there, with every option that sums over the row (class weights x smoothing, softcap)."""
+    n, h, v = 37, 24, 61  # rows padded to 64; low-memory vocabulary chunks of 24 / 13 columns
+    dtype = torch.bfloat16 if case == "own_gemm" else torch.float32
+    x, w, y = _data(n, h, v, dtype=dtype, seed=21)
+    g = torch.Generator().manual_seed(SEED + 22)
+    b = torch.randn(v, generator=g).to(DEV, dtype)
+    cw = torch.rand(v, generator=g).to(DEV)
+    kw = dict(backend="triton", linear_bias=b, weight=cw, softcap=5.0, z_loss=1e-3,
+              chunk_size=16, label_smoothing=0.1)
+    if case == "low_memory":
+        kw.update(low_memory=True, vocab_chunk_size=24)
+    elif case == "none":
+        kw.update(reduction="none")
+    elif case == "own_gemm":
+        kw.update(logits_gemm="triton", label_smoothing=0.0)
+    up = torch.rand(n, generator=g).to(DEV) if case == "none" else None
+
+    def run(fill):
+        loads = filled_rows_buffers(monkeypatch, fill)
+        xg, wg = x.detach().requires_grad_(), w.detach().requires_grad_()
+        loss = lt.linear_cross_entropy(xg, wg, y, **kw)
+        loss.backward(up)
+        monkeypatch.undo()
+        return (loss.detach(), xg.grad, wg.grad), loads
+
+    zeros, loads = run(0.0)
+    assert any(wide > cols for cols, wide in loads), loads  # the padding was in reach
+    junk, _ = run(float("nan"))
+    for a, b_ in zip(junk, zeros):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, b_, rtol=0, atol=0)
+
+
+def test_load_cols_stays_inside_every_row():
+    from logitless import _torch_common as common
+    buf = common.rows_buffer(5, 50257, torch.bfloat16, "cpu")
+    assert common.load_cols(50257, buf) == 50272
+    assert common.load_cols(100, buf[:, 300:400]) == 112   # a column view: the row goes on
+    assert common.load_cols(61, torch.empty(5, 61)) == 61  # unpadded rows
+    assert common.load_cols(61, torch.empty(5, 62)[:, :61]) == 61  # 64 would reach the next row
+    assert common.load_cols(61, torch.empty(5, 70)[:, :61]) == 64
+    assert common.load_cols(61, buf, torch.empty(5, 61)) == 61  # one buffer decides for all
+    last = torch.empty(3 * 64 + 61)  # the last row's padding is missing from the storage
+    assert common.load_cols(61, torch.as_strided(last, (4, 61), (64, 1))) == 61
+    assert common.load_cols(61, torch.as_strided(torch.empty(4 * 64), (4, 61), (64, 1))) == 64
+    assert common.load_cols(61, torch.empty(0, 61)) == 64  # no rows, nothing to read
 
 
 # ----------------------------------------------------------------------------- logits_gemm

@@ -47,13 +47,14 @@ def _finite_ref(m):
 
 
 @triton.jit
-def _logit(base, bias_ptr, col_offset, cols, mask, HAS_BIAS: tl.constexpr):
-    """Logits ``cols`` of a row as fp32: the stored GEMM product plus, with a bias, its entry
-    added here in fp32. cuBLAS (H100, torch 2.11) rounds twice when it adds a bias into a
+def _logit(base, bias_ptr, col_offset, cols, lmask, mask, HAS_BIAS: tl.constexpr):
+    """Logits ``cols`` of a row as fp32: the stored GEMM product (loaded where ``lmask``, which
+    may reach into the row's padding: past ``mask`` the values are junk for the caller to mask)
+    plus, with a bias, its entry added here in fp32. cuBLAS (H100, torch 2.11) rounds twice when it adds a bias into a
     strided output whose width is a multiple of 8 (our buffers are column views): round(round(
     xWᵀ) + b) in ~30% of the entries; here it is round(xWᵀ) + b, with nothing rounded after the
     bias is in."""
-    z = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
+    z = tl.load(base + cols, mask=lmask, other=0.0).to(tl.float32)
     if HAS_BIAS:
         z += tl.load(bias_ptr + col_offset + cols, mask=mask, other=0.0).to(tl.float32)
     return z
@@ -65,7 +66,7 @@ def cross_entropy_rows_kernel(
     y_ptr, cw_ptr, omega_sum_ptr,
     lse_ptr, loss_ptr,
     g_ptr, g_stride, h_ptr,
-    n_rows, n_cols, col_offset, V, ignore_index,
+    n_rows, n_cols, n_load, col_offset, V, ignore_index,
     eps, z_loss, softcap, stat_m_ptr, stat_s_ptr, n_tiles,
     COMPUTE_LSE: tl.constexpr, WRITE_GRAD: tl.constexpr, FROM_TILES: tl.constexpr,
     HAS_CW: tl.constexpr, SMOOTH: tl.constexpr, HAS_Z: tl.constexpr,
@@ -113,13 +114,13 @@ def cross_entropy_rows_kernel(
                 for start in range(0, n_cols, BLOCK_V):
                     cols = start + offs
                     cmask = cols < n_cols
-                    z = _logit(base, bias_ptr, col_offset, cols, cmask, HAS_BIAS)
-                    c = _cap(z, softcap, HAS_SOFTCAP)  # finite everywhere (masked lanes: z = 0)
+                    z = _logit(base, bias_ptr, col_offset, cols, cols < n_load, cmask, HAS_BIAS)
+                    c = _cap(z, softcap, HAS_SOFTCAP)  # junk (even NaN) in the row's padding
                     if SMOOTH:
                         if HAS_CW:
                             wv = tl.load(cw_ptr + col_offset + cols, mask=cmask,
                                          other=0.0).to(tl.float32)
-                            wc += tl.sum(wv * c, 0)
+                            wc += tl.sum(tl.where(cmask, wv * c, 0.0), 0)
                         else:
                             wc += tl.sum(tl.where(cmask, c, 0.0), 0)
                     c = tl.where(cmask, c, -float("inf"))
@@ -129,7 +130,8 @@ def cross_entropy_rows_kernel(
                     m = m_new
             lse = m + tl.log(s)
             here = (y_local >= 0) & (y_local < n_cols) & valid
-            z_y = _logit(base, bias_ptr, col_offset, tl.where(here, y_local, 0), here, HAS_BIAS)
+            z_y = _logit(base, bias_ptr, col_offset, tl.where(here, y_local, 0), here, here,
+                         HAS_BIAS)
             c_y = _cap(z_y, softcap, HAS_SOFTCAP)
             loss = (1.0 - eps) * omega * (lse - c_y)
             if SMOOTH:
@@ -160,7 +162,8 @@ def cross_entropy_rows_kernel(
             for i in range(0, n_blocks):
                 cols = (n_blocks - 1 - i) * BLOCK_V + offs
                 cmask = cols < n_cols
-                z = _logit(base, bias_ptr, col_offset, cols, cmask, HAS_BIAS)
+                lmask = cols < n_load
+                z = _logit(base, bias_ptr, col_offset, cols, lmask, cmask, HAS_BIAS)
                 c = _cap(z, softcap, HAS_SOFTCAP)
                 d = coef_p * tl.exp(c - lse)
                 d -= tl.where(cols == y_local, coef_y, 0.0)
@@ -179,4 +182,6 @@ def cross_entropy_rows_kernel(
                     bits = d.to(tl.uint32, bitcast=True)
                     bits += 0x7FFF + ((bits >> 16) & 1)
                     d = bits.to(tl.float32, bitcast=True)
-                tl.store(base + cols, d.to(logits_ptr.dtype.element_ty), mask=cmask)
+                # the padding too (junk there, read by no GEMM): a bound that is a multiple
+                # of 16 lets the store vectorize, as the loads
+                tl.store(base + cols, d.to(logits_ptr.dtype.element_ty), mask=lmask)

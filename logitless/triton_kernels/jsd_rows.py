@@ -62,10 +62,11 @@ GAP = tl.constexpr(spec.GAP)
 
 
 @triton.jit
-def _load_block(s_row, t_row, cols, cmask, inv_t):
-    """a = z_s/T and b = z_t/T (fp32), and the raw student logits z_s."""
-    zs = tl.load(s_row + cols, mask=cmask, other=0.0).to(tl.float32)
-    zt = tl.load(t_row + cols, mask=cmask, other=0.0).to(tl.float32)
+def _load_block(s_row, t_row, cols, lmask, inv_t):
+    """a = z_s/T and b = z_t/T (fp32), and the raw student logits z_s, loaded where ``lmask``:
+    it may reach into the rows' padding (see ``common.load_cols``), junk the callers mask."""
+    zs = tl.load(s_row + cols, mask=lmask, other=0.0).to(tl.float32)
+    zt = tl.load(t_row + cols, mask=lmask, other=0.0).to(tl.float32)
     return zs * inv_t, zt * inv_t, zs
 
 
@@ -98,7 +99,7 @@ def _online(m, s, x):
 
 
 @triton.jit
-def _seg_stats(s_row, t_row, col0, col1, y_local, inv_t, KIND: tl.constexpr,
+def _seg_stats(s_row, t_row, col0, col1, col1_load, y_local, inv_t, KIND: tl.constexpr,
                HARD: tl.constexpr, T_ONE: tl.constexpr, BLOCK: tl.constexpr):
     """Pass 1 over columns [col0, col1): (m_a, s_a, m_b, s_b, u, md, w, m_z, s_z, z_y) with
     u = Σ e^(a−m_a)·expm1(b − a), md = max(b − a), w = Σ e^(b−m_b)·(b − a) (forward KL) or
@@ -118,7 +119,7 @@ def _seg_stats(s_row, t_row, col0, col1, y_local, inv_t, KIND: tl.constexpr,
     for start in range(col0, col1, BLOCK):
         cols = start + offs
         cmask = cols < col1
-        a, b, zs = _load_block(s_row, t_row, cols, cmask, inv_t)
+        a, b, zs = _load_block(s_row, t_row, cols, cols < col1_load, inv_t)
         d = tl.where(cmask, b - a, 0.0)
         ma_new = tl.maximum(m_a, tl.max(tl.where(cmask, a, -float("inf")), 0))
         ra = tl.exp(m_a - ma_new)
@@ -262,7 +263,7 @@ def _log_p_over_m(delta, lam, beta, omb, FORM: tl.constexpr):
 
 
 @triton.jit
-def _seg_jsd_sums(s_row, t_row, col0, col1, inv_t, m_a, ls_a, c, beta, omb,
+def _seg_jsd_sums(s_row, t_row, col0, col1, col1_load, inv_t, m_a, ls_a, c, beta, omb,
                   FORM: tl.constexpr, BLOCK: tl.constexpr):
     """Pass 2 (0 < β < 1) over [col0, col1): −Σ Q·Λ and Σ Q (K is their ratio: Q carries the
     rounding of L_a as a factor common to the row, which K must not; see
@@ -275,7 +276,7 @@ def _seg_jsd_sums(s_row, t_row, col0, col1, inv_t, m_a, ls_a, c, beta, omb,
     for start in range(col0, col1, BLOCK):
         cols = start + offs
         cmask = cols < col1
-        a, b, zs = _load_block(s_row, t_row, cols, cmask, inv_t)
+        a, b, zs = _load_block(s_row, t_row, cols, cols < col1_load, inv_t)
         q, p, delta, lam = _jsd_terms(a, b, m_a, ls_a, c, beta, omb, FORM)
         qlam = q * lam
         k -= tl.sum(tl.where(cmask, qlam, 0.0), 0)
@@ -286,17 +287,17 @@ def _seg_jsd_sums(s_row, t_row, col0, col1, inv_t, m_a, ls_a, c, beta, omb,
 
 
 @triton.jit
-def _seg_grad(s_row, t_row, dz_row, col0, col1, y_local, inv_t, m_a, ls_a, m_b, ls_b, c, l_z,
-              kk, beta, omb, coef, hard_coef, poison, KIND: tl.constexpr, HARD: tl.constexpr,
+def _seg_grad(s_row, t_row, dz_row, col0, col1_load, y_local, inv_t, m_a, ls_a, m_b, ls_b, c,
+              l_z, kk, beta, omb, coef, hard_coef, poison, KIND: tl.constexpr, HARD: tl.constexpr,
               T_ONE: tl.constexpr, ROUND_BF16: tl.constexpr, FORM: tl.constexpr,
               BLOCK: tl.constexpr):
-    """Pass 3 over [col0, col1): dz = coef·∂J/∂a + hard_coef·(S − [v = y]) (+ poison), with
+    """Pass 3 over [col0, col1_load): dz = coef·∂J/∂a + hard_coef·(S − [v = y]) (+ poison), with
     coef = g·m/T, hard_coef = g·m·w_h, kk the row's KL (reverse KL) or K (JSD)."""
     offs = tl.arange(0, BLOCK)
-    for start in range(col0, col1, BLOCK):
+    for start in range(col0, col1_load, BLOCK):
         cols = start + offs
-        cmask = cols < col1
-        a, b, zs = _load_block(s_row, t_row, cols, cmask, inv_t)
+        lmask = cols < col1_load  # the padding too: junk there, read by no GEMM
+        a, b, zs = _load_block(s_row, t_row, cols, lmask, inv_t)
         if KIND == 0:
             lq = _log_q(a, m_a, ls_a)
             delta = (b - a) - c
@@ -321,7 +322,7 @@ def _seg_grad(s_row, t_row, dz_row, col0, col1, y_local, inv_t, m_a, ls_a, m_b, 
         d += poison
         if ROUND_BF16:
             d = round_bf16_bits(d)
-        tl.store(dz_row + cols, d.to(dz_row.dtype.element_ty), mask=cmask)
+        tl.store(dz_row + cols, d.to(dz_row.dtype.element_ty), mask=lmask)
 
 
 @triton.jit
@@ -355,8 +356,8 @@ def _wait_row(cnt_ptr, abort_ptr, target, MAX_SPIN: tl.constexpr):
 
 @triton.jit
 def _row_segment(row, seg, s_ptr, s_stride, t_ptr, t_stride, dz_ptr, dz_stride, y_ptr, g_ptr,
-                 g_stride, loss_ptr, part_ptr, sync_ptr, V, ignore_index, inv_t, beta, omb,
-                 hard_w, KIND: tl.constexpr, HAS_Y: tl.constexpr, HARD: tl.constexpr,
+                 g_stride, loss_ptr, part_ptr, sync_ptr, V, V_LOAD, ignore_index, inv_t, beta,
+                 omb, hard_w, KIND: tl.constexpr, HAS_Y: tl.constexpr, HARD: tl.constexpr,
                  T_ONE: tl.constexpr, WRITE_LOSS: tl.constexpr, WRITE_GRAD: tl.constexpr,
                  PHASE: tl.constexpr, SEGS: tl.constexpr, SEGS_P2: tl.constexpr,
                  SEG: tl.constexpr, BLOCK: tl.constexpr, ROUND_BF16: tl.constexpr,
@@ -367,6 +368,7 @@ def _row_segment(row, seg, s_ptr, s_stride, t_ptr, t_stride, dz_ptr, dz_stride, 
     dz_row = dz_ptr + row64 * dz_stride
     col0 = seg * SEG
     col1 = tl.minimum(col0 + SEG, V)
+    col1_load = tl.minimum(col0 + SEG, V_LOAD)  # a multiple of 16 where the rows are padded
     if HAS_Y:
         y = tl.load(y_ptr + row64).to(tl.int64)
         keep = y != ignore_index
@@ -386,7 +388,7 @@ def _row_segment(row, seg, s_ptr, s_stride, t_ptr, t_stride, dz_ptr, dz_stride, 
         # ---------------------------------------------------------------- pass 1
         if PHASE <= 1:
             m_a, s_a, m_b, s_b, u, md, w, m_z, s_z, z_y = _seg_stats(
-                s_row, t_row, col0, col1, y_local, inv_t, KIND, HARD, T_ONE, BLOCK)
+                s_row, t_row, col0, col1, col1_load, y_local, inv_t, KIND, HARD, T_ONE, BLOCK)
             if SEGS > 1:
                 p = part + seg * _NF
                 tl.store(p + F_MA, m_a)
@@ -427,8 +429,9 @@ def _row_segment(row, seg, s_ptr, s_stride, t_ptr, t_stride, dz_ptr, dz_stride, 
             jj = zero
             if KIND == 2:
                 if PHASE != 3:
-                    k_seg, j_seg, q_seg = _seg_jsd_sums(s_row, t_row, col0, col1, inv_t, m_a,
-                                                        ls_a, c, beta, omb, FORM, BLOCK)
+                    k_seg, j_seg, q_seg = _seg_jsd_sums(s_row, t_row, col0, col1, col1_load,
+                                                        inv_t, m_a, ls_a, c, beta, omb, FORM,
+                                                        BLOCK)
                     if SEGS > 1:
                         tl.store(part + seg * _NF + F_K, k_seg)
                         tl.store(part + seg * _NF + F_J, j_seg)
@@ -460,8 +463,8 @@ def _row_segment(row, seg, s_ptr, s_stride, t_ptr, t_stride, dz_ptr, dz_stride, 
                         tl.store(loss_ptr + row64, loss + nan)
                 if WRITE_GRAD:
                     g = tl.load(g_ptr + row64 * g_stride).to(tl.float32)
-                    _seg_grad(s_row, t_row, dz_row, col0, col1, y_local, inv_t, m_a, ls_a, m_b,
-                              ls_b, c, l_z, kk, beta, omb, g * inv_t, g * hard_w, nan, KIND,
+                    _seg_grad(s_row, t_row, dz_row, col0, col1_load, y_local, inv_t, m_a, ls_a,
+                              m_b, ls_b, c, l_z, kk, beta, omb, g * inv_t, g * hard_w, nan, KIND,
                               HARD, T_ONE, ROUND_BF16, FORM, BLOCK)
     else:
         if PHASE == 0 or PHASE == 3:
@@ -469,14 +472,14 @@ def _row_segment(row, seg, s_ptr, s_stride, t_ptr, t_stride, dz_ptr, dz_stride, 
                 if seg == 0:
                     tl.store(loss_ptr + row64, tl.where(bad, float("nan"), 0.0))
             if WRITE_GRAD:
-                _zero_seg(dz_row, col0, col1, BLOCK)
+                _zero_seg(dz_row, col0, col1_load, BLOCK)
 
 
 @triton.jit
 def jsd_rows_kernel(
     s_ptr, s_stride, t_ptr, t_stride, dz_ptr, dz_stride,
     y_ptr, g_ptr, g_stride, loss_ptr, part_ptr, sync_ptr,
-    n_rows, V, ignore_index, inv_t, beta, omb, hard_w,
+    n_rows, V, V_LOAD, ignore_index, inv_t, beta, omb, hard_w,
     KIND: tl.constexpr, HAS_Y: tl.constexpr, HARD: tl.constexpr, T_ONE: tl.constexpr,
     WRITE_LOSS: tl.constexpr, WRITE_GRAD: tl.constexpr, PHASE: tl.constexpr,
     SEGS: tl.constexpr, SEGS_P2: tl.constexpr, SEG: tl.constexpr, BLOCK: tl.constexpr,
@@ -486,7 +489,8 @@ def jsd_rows_kernel(
     """Per-token loss (``loss_ptr``, fp32) and/or the student logit gradient (``dz_ptr``) for
     rows [0, n_rows) of the student / teacher logits buffers. ``inv_t`` = 1/T, ``g`` the
     upstream gradient per row (``g_stride`` 0: one for all rows), ``part_ptr``
-    fp32 [n_rows, SEGS, NUM_FIELDS] partials (SEGS > 1), ``sync_ptr`` int32 [2 + n_rows] zeros
+    fp32 [n_rows, SEGS, NUM_FIELDS] partials, ``V_LOAD`` >= V the columns each row of the
+    buffers has (``common.load_cols``: loads with a bound that is a multiple of 16 vectorize), (SEGS > 1), ``sync_ptr`` int32 [2 + n_rows] zeros
     (``PHASE`` 0 with SEGS > 1: the ticket counter, the abort flag, one counter per row)."""
     if PHASE == 0:
         if SEGS > 1:
@@ -495,21 +499,21 @@ def jsd_rows_kernel(
             while ticket < total:
                 _row_segment(ticket // SEGS, ticket % SEGS, s_ptr, s_stride, t_ptr, t_stride,
                              dz_ptr, dz_stride, y_ptr, g_ptr, g_stride, loss_ptr, part_ptr,
-                             sync_ptr, V, ignore_index, inv_t, beta, omb, hard_w, KIND, HAS_Y,
-                             HARD, T_ONE, WRITE_LOSS, WRITE_GRAD, PHASE, SEGS, SEGS_P2, SEG,
+                             sync_ptr, V, V_LOAD, ignore_index, inv_t, beta, omb, hard_w, KIND,
+                             HAS_Y, HARD, T_ONE, WRITE_LOSS, WRITE_GRAD, PHASE, SEGS, SEGS_P2, SEG,
                              BLOCK, ROUND_BF16, MAX_SPIN, FORM)
                 ticket = tl.atomic_add(sync_ptr, 1, sem="relaxed")
         else:
             for row in range(tl.program_id(0), n_rows, tl.num_programs(0)):
                 _row_segment(row, 0, s_ptr, s_stride, t_ptr, t_stride, dz_ptr, dz_stride,
-                             y_ptr, g_ptr, g_stride, loss_ptr, part_ptr, sync_ptr, V,
+                             y_ptr, g_ptr, g_stride, loss_ptr, part_ptr, sync_ptr, V, V_LOAD,
                              ignore_index, inv_t, beta, omb, hard_w, KIND, HAS_Y, HARD, T_ONE,
                              WRITE_LOSS, WRITE_GRAD, PHASE, SEGS, SEGS_P2, SEG, BLOCK,
                              ROUND_BF16, MAX_SPIN, FORM)
     else:
         pid = tl.program_id(0)
         _row_segment(pid // SEGS, pid % SEGS, s_ptr, s_stride, t_ptr, t_stride, dz_ptr,
-                     dz_stride, y_ptr, g_ptr, g_stride, loss_ptr, part_ptr, sync_ptr, V,
+                     dz_stride, y_ptr, g_ptr, g_stride, loss_ptr, part_ptr, sync_ptr, V, V_LOAD,
                      ignore_index, inv_t, beta, omb, hard_w, KIND, HAS_Y, HARD, T_ONE,
                      WRITE_LOSS, WRITE_GRAD, PHASE, SEGS, SEGS_P2, SEG, BLOCK, ROUND_BF16,
                      MAX_SPIN, FORM)
@@ -562,12 +566,14 @@ def compile_report(arch: int = 90, variants=None) -> str:
     ptxas = _cuda_tool("ptxas", arch)
     sig = dict(s_ptr="*fp32", s_stride="i32", t_ptr="*fp32", t_stride="i32", dz_ptr="*bf16",
                dz_stride="i32", y_ptr="*i64", g_ptr="*fp32", g_stride="i32", loss_ptr="*fp32",
-               part_ptr="*fp32", sync_ptr="*i32", n_rows="i32", V="i32", ignore_index="i32",
+               part_ptr="*fp32", sync_ptr="*i32", n_rows="i32", V="i32", V_LOAD="i32",
+               ignore_index="i32",
                inv_t="fp32", beta="fp32", omb="fp32", hard_w="fp32")
     # what the launcher's specialization sees at runtime: 16-aligned buffers and row strides
     # (the buffers' rows are padded), V a multiple of 16 (as 128256)
     names = list(sig)
-    aligned = [n for n in names if n.endswith("_ptr") or n.endswith("_stride") or n == "V"]
+    aligned = [n for n in names if n.endswith("_ptr") or n.endswith("_stride")
+               or n in ("V", "V_LOAD")]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned
              if n != "g_stride"}
     lines = []

@@ -116,7 +116,7 @@ def _rows(buf, bias, n_rows, n_cols, col_offset, y, cw, omega_sum, lse, loss, g,
         lse, dummy if loss is None else loss,
         dummy if g is None else g, 0 if g is None or g.numel() == 1 else 1,
         dummy if h is None else h,
-        n_rows, n_cols, col_offset, v, ignore_index,
+        n_rows, n_cols, common.load_cols(n_cols, buf), col_offset, v, ignore_index,
         eps, z_loss, 1.0 if softcap is None else softcap,
         dummy if stats is None else stats[0], dummy if stats is None else stats[1],
         0 if stats is None else stats[0].shape[1],
@@ -160,7 +160,7 @@ def _forward(x, w, bias, y, cw, omega_sum, opts_t, cfg, grad_mode, needs, accum_
     rows = min(cfg.chunk, n)
     own_gemm = cfg.logits_gemm == LOGITS_GEMM["triton"] and n > 0
     if own_gemm:  # rows padded for the tensor descriptors; per-tile softmax statistics
-        buf = torch.empty(rows, stats_gemm.padded_cols(v), dtype=x.dtype, device=dev)[:, :v]
+        buf = common.rows_buffer(rows, v, x.dtype, dev)  # 16-byte aligned rows
         n_tiles = stats_gemm.stat_tiles(v, _interpret())
         stat_pair = (torch.empty(rows, n_tiles, dtype=torch.float32, device=dev),
                      torch.empty(rows, n_tiles, dtype=torch.float32, device=dev))

@@ -109,7 +109,8 @@ def _row_kernel(zs, zt, dz, y, g, loss, opts_t, v, cfg: Config, write_loss, writ
             y if y is not None else dummy, g if g is not None else dummy,
             0 if (g is None or g.numel() == 1) else 1,
             loss if loss is not None else dummy, part, sync,
-            rows, v, ignore_index, 1.0 / temperature, beta, 1.0 - beta, hard_w)
+            rows, v, common.load_cols(v, *(t for t in (zs, zt, dz) if t is not None)),
+            ignore_index, 1.0 / temperature, beta, 1.0 - beta, hard_w)
     meta = dict(KIND=kind, HAS_Y=y is not None, HARD=hard_w > 0, T_ONE=temperature == 1.0,
                 WRITE_LOSS=write_loss, WRITE_GRAD=write_grad, SEGS=segs,
                 SEGS_P2=max(2, next_power_of_2(segs)), SEG=cfg.segment, BLOCK=cfg.block,
