@@ -62,9 +62,10 @@ def _rows_kernel(z_ref, y_ref, coef_ref, *refs, v, block_rows, block_v, grid_siz
     refs: [bias (V,)], [class weights (V,) f32], loss (C,) f32, lse (C,) f32, [dz (C, vp),
     aliasing z unless z is float32 logits of half-precision inputs]. ``z`` and ``dz`` may be
     wider than ``v`` (the padded vocabulary of ``_jax_common.VocabWeight``): columns past ``v``
-    are not read, and their gradient is written as 0. Every load is masked, so ragged row /
-    vocabulary ends never read out of bounds; masked logits read as 0 (finite) and are
-    excluded from the reductions.
+    are loaded (a mask bound such as 50257 would keep every load scalar; the padded width, a
+    multiple of 8, lets them vectorize) but masked out of every reduction, and their gradient
+    is written as 0. Every load is masked at the width, so ragged row / vocabulary ends never
+    read out of bounds; masked logits read as 0 (finite).
     """
     refs = list(refs)
     bias_ref = refs.pop(0) if has_bias else None
@@ -89,7 +90,8 @@ def _rows_kernel(z_ref, y_ref, coef_ref, *refs, v, block_rows, block_v, grid_siz
             cols = j * block_v + launch.iota(block_v)
             cmask = cols < v
             span = pl.ds(j * block_v, block_v)
-            z = plgpu.load(z_ref.at[rows, span], mask=rmask[:, None] & cmask[None, :],
+            lmask = cmask if z_ref.shape[1] == v else cols < z_ref.shape[1]
+            z = plgpu.load(z_ref.at[rows, span], mask=rmask[:, None] & lmask[None, :],
                            other=0.0).astype(jnp.float32)
             if has_bias:
                 z = z + plgpu.load(bias_ref.at[span], mask=cmask,

@@ -69,8 +69,9 @@ _ROWVALS = 8  # m_a, log s_a, m_b, log s_b, c, l_z, kk, coef per row for pass 3
 
 def _segment(zs_ref, zt_ref, y_ref, *, v, block_rows, block_v, seg_blocks):
     """(rows, rmask, block) of this program: block(t) loads the segment's t-th column block
-    (columns past ``v``, the padded vocabulary of ``_jax_common.VocabWeight``, read as 0 and
-    are masked out; ``m2`` covers the rows' real columns)."""
+    over the buffers' whole width (``lmask``: the padded vocabulary of
+    ``_jax_common.VocabWeight`` too, so that the loads vectorize; a mask bound such as 50257
+    would keep them scalar); ``cmask`` keeps the columns past ``v`` out of every sum."""
     n_rows = zs_ref.shape[0]
     r0 = pl.program_id(0) * block_rows
     c0 = pl.program_id(1) * (seg_blocks * block_v)
@@ -82,12 +83,12 @@ def _segment(zs_ref, zt_ref, y_ref, *, v, block_rows, block_v, seg_blocks):
         cols = c0 + t * block_v + launch.iota(block_v)
         cmask = cols < v
         span = pl.ds(c0 + t * block_v, block_v)
-        m2 = rmask[:, None] & cmask[None, :]
-        zs = plgpu.load(zs_ref.at[rows, span], mask=m2, other=0.0).astype(jnp.float32)
-        zt = plgpu.load(zt_ref.at[rows, span], mask=m2, other=0.0).astype(jnp.float32)
+        lmask = rmask[:, None] & (cols < zs_ref.shape[1])[None, :]
+        zs = plgpu.load(zs_ref.at[rows, span], mask=lmask, other=0.0).astype(jnp.float32)
+        zt = plgpu.load(zt_ref.at[rows, span], mask=lmask, other=0.0).astype(jnp.float32)
         is_target = (cols[None, :] == y[:, None]) if y is not None else \
             jnp.zeros((block_rows, block_v), bool)
-        return zs, zt, cmask, is_target, span, m2, cols
+        return zs, zt, cmask, is_target, span, lmask
 
     return rows, rmask, block
 
@@ -109,7 +110,7 @@ def _stats_kernel(zs_ref, zt_ref, *refs, has_y, inv_t, seg_blocks, kw, **tile):
     rows, rmask, block = _segment(zs_ref, zt_ref, y_ref, seg_blocks=seg_blocks, **tile)
 
     def body(t, carry):
-        zs, zt, cmask, is_target, _, _, _ = block(t)
+        zs, zt, cmask, is_target, _, _ = block(t)
         return jc.stats_update(carry, zs * inv_t, zt * inv_t, zs, cmask, is_target, **kw)
 
     stats = lax.fori_loop(launch.I0, np.int32(seg_blocks), body,
@@ -122,7 +123,7 @@ def _sums_kernel(zs_ref, zt_ref, row_ref, out_ref, *, inv_t, seg_blocks, beta, *
     m_a, ls_a, c = (_load_row_values(row_ref, k, rows, rmask) for k in range(3))
 
     def body(t, carry):
-        zs, zt, cmask, _, _, _, _ = block(t)
+        zs, zt, cmask, _, _, _ = block(t)
         return jc.jsd_sums_update(carry, zs * inv_t, zt * inv_t, m_a, ls_a, c, cmask,
                                   beta=beta)
 
@@ -140,13 +141,12 @@ def _grad_kernel(zs_ref, zt_ref, *refs, has_y, inv_t, seg_blocks, beta, temperat
                                                for k in range(_ROWVALS))
 
     def body(t, carry):
-        zs, zt, _, is_target, span, m2, cols = block(t)
+        zs, zt, cmask, is_target, span, lmask = block(t)
         dz = jc.grad_block(zs * inv_t, zt * inv_t, zs, is_target, m_a, ls_a, m_b, ls_b, c, l_z,
                            kk, coef, coef * hard_w, beta=beta, temperature=temperature, **kw)
-        if dz_ref.shape[1] > tile["v"]:  # the padded classes' gradient is 0 (the GEMMs read them)
-            dz = jnp.where(m2, dz, 0.0)
-            m2 = rmask[:, None] & (cols < dz_ref.shape[1])[None, :]
-        plgpu.store(dz_ref.at[rows, span], dz.astype(dz_ref.dtype), mask=m2)
+        if zs_ref.shape[1] > tile["v"]:  # the padded classes' gradient is 0 (the GEMMs read them)
+            dz = jnp.where(cmask[None, :], dz, 0.0)
+        plgpu.store(dz_ref.at[rows, span], dz.astype(dz_ref.dtype), mask=lmask)
         return carry
 
     lax.fori_loop(launch.I0, np.int32(seg_blocks), body, 0)
