@@ -642,6 +642,9 @@ def _custom_vjp_fn(st: _Static):
         g = g.astype(jnp.float32)
         if opts.reduction == "mean":
             g = g / mean_denominator(omega)
+        # an ignored token's gradient is 0 whatever its upstream g (F.cross_entropy's rule):
+        # selected, as g·0 would turn an inf or NaN there into NaN in every dW row
+        g = jnp.where(y != opts.ignore_index, g, 0.0)
         coefs, _ = token_coefficients(y, cw, opts, st.v)
         coefs = with_upstream(coefs, g, h.astype(jnp.float32))
         _, _, dx, dw, db = _grads(st, x, w, bias, y, cw, coefs)

@@ -390,7 +390,9 @@ def _grads(st: _Static, xs, ws, xt, wt, y, g, dx_dtype):
     n = xs.shape[0]
     m = token_mask(y, n, st.opts, st.v)
     ys = None if y is None else common.column_targets(y, st.opts, st.v)
-    coef = g * m
+    # an ignored token (m = 0) gets 0 whatever its upstream g (F.cross_entropy's rule), as g·0
+    # would turn an inf or NaN g into NaN in every dW row; a bad target's NaN m stays
+    coef = jnp.where(m == 0, 0.0, g * m)
     need_dx, need_dw = st.needs
     # padding tokens (zero states, no target, coefficient 0: zero gradient rows) are sliced off
     n_p = common.padded_tokens(n, st.plan.chunk)

@@ -229,7 +229,8 @@ def refuse_forward_ad(op: str, *named) -> None:
             raise NotImplementedError(
                 f"{op} does not support forward-mode AD (torch.func.jvp, jacfwd, "
                 f"torch.autograd.forward_ad): {name} carries a tangent. Its fused backward is "
-                "reverse mode only; use torch.func.vjp / jacrev, or compute it unfused.")
+                "reverse mode only; use torch.autograd (loss.backward(), torch.autograd.grad), or "
+                "compute it unfused.")
 
 
 def widen_targets(y: torch.Tensor, ignore_index: int) -> torch.Tensor:
@@ -365,6 +366,9 @@ def grad_capped_logits(c, t: TokenTerms, g_tok, h_tok, class_weight, opts, weigh
     """dc = g·(A·p − B·onehot(y) − m·(ε/V)·w) + h·p for one chunk (fp32/fp64, [C, V])."""
     v = c.shape[1]
     eps = opts.label_smoothing
+    # an ignored token's gradient is 0 whatever its upstream gradient (F.cross_entropy's
+    # rule): selected, as g·0 would turn an inf or NaN there into NaN in every dW row
+    g_tok = torch.where(t.mask != 0, g_tok, 0.0)
     p = torch.exp(c - t.lse[:, None])
     a = (1 - eps) * t.omega + 2 * opts.z_loss * t.omega * t.lse
     if opts.uses_smoothing:

@@ -91,8 +91,8 @@ def linear_cross_entropy(x, linear_weight, labels, *, linear_bias=None, weight=N
               ``fp32_logits=False`` (True: float32 logits, the gradient in a second buffer);
               ``interpret=None`` (True unless JAX's default backend is a GPU).
 
-    Sharding: inside ``jax.shard_map`` (``check_vma`` on or off) data parallelism works as
-    for any JAX op: a weight replicated over a data axis gets the sum of the shards' dW. With
+    Sharding: inside ``jax.shard_map`` (``check_vma`` on or off) data parallelism and
+    ``axis_name=`` work; for data parallelism, as for any JAX op: a weight replicated over a data axis gets the sum of the shards' dW. With
     Explicit mesh axes (``jax.sharding.set_mesh``, or arrays sharded on such a mesh) the op
     runs under ``jax.sharding.auto_axes``, per-token outputs sharded like ``labels``.
     ``backend="pallas"`` interpreted (off a GPU) cannot run inside ``shard_map`` with

@@ -11,9 +11,11 @@ Two implementations behind one entry point:
   post-accumulate hook), so one parameter's shard gradient exists at a time. The real
   parameters never enter the shard graphs: their gradient hooks (DDP's reducer, FSDP,
   ``register_hook``) fire once, with the summed gradient the Function returns, and autograd
-  adds it to any ``.grad`` left by earlier micro-batches. Autocast state is recorded in
+  adds it to any ``.grad`` left by earlier micro-batches. Module hooks run once per shard
+  (and again in the recompute), on shard-sized tensors. Autocast state is recorded in
   forward and re-entered for the recompute.
-* **fused SwiGLU** (a :class:`SwiGLUMLP` without hooks or overrides): two
+* **fused SwiGLU** (a :class:`SwiGLUMLP` without module hooks of any kind or overridden
+  forwards, on it or its projections: it never calls the modules): two
   ``torch.library`` ops. The backward recomputes only the gate/up GEMMs (the shard's output is
   never needed), writes ``h``, ``dh``, ``d gate`` and ``d up`` into two and a half shard-sized
   buffers reused for every shard, and accumulates each weight gradient *in place* with cuBLAS
@@ -309,14 +311,21 @@ def _fused_backward(ctx, dy):
 _tiled_swiglu_fwd.register_autograd(_fused_backward, setup_context=_fused_setup_context)
 
 
+def _runs_class_forward_only(m: nn.Module, cls) -> bool:
+    """Calling ``m`` runs ``cls.forward`` and nothing else: no subclass or instance-level
+    forward (accelerate's ``add_hook_to_module`` sets one on the instance) and no hooks of any
+    kind, forward or backward. The fused path never calls the modules, so it would skip them."""
+    return (type(m).forward is cls.forward and "forward" not in vars(m)
+            and not (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks
+                     or m._backward_pre_hooks))
+
+
 def _fused_swiglu_parts(mlp) -> Optional[tuple]:
     """The weights of a plain :class:`SwiGLUMLP` (no hooks, no overridden forward), or None."""
-    if type(mlp).forward is not SwiGLUMLP.forward or mlp._forward_hooks or \
-            mlp._forward_pre_hooks:
+    if not _runs_class_forward_only(mlp, SwiGLUMLP):
         return None
     lins = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
-    if any(type(m).forward is not nn.Linear.forward or m._forward_hooks or m._forward_pre_hooks
-           for m in lins):
+    if not all(_runs_class_forward_only(m, nn.Linear) for m in lins):
         return None
     return tuple(m.weight for m in lins) + tuple(m.bias for m in lins)
 

@@ -126,7 +126,9 @@ def _backward(xs, ws, xt, wt, y, denom, g_loss, opts, plan, need_x, need_w):
     n, v = xs.shape[0], ws.shape[0]
     g = g_loss.to(acc)
     g_tok = g if opts.reduction == "none" else (g / denom).expand(n)  # denom 1 for "sum"
-    g_tok = g_tok * _mask(y, n, opts, g_tok)
+    # an ignored token's gradient is 0 whatever its upstream gradient (F.cross_entropy's
+    # rule): selected, as g·0 would turn an inf or NaN there into NaN in every dW row
+    g_tok = torch.where(_mask(y, n, opts, g_tok) != 0, g_tok, 0.0)
     dx = torch.empty(xs.shape, dtype=xs.dtype, device=xs.device) if need_x else None
     dw = torch.empty(v, xs.shape[1], dtype=acc, device=xs.device) if need_w else None
     first = True

@@ -135,7 +135,9 @@ def _reduce(st, tok, omega):
     return total / common.mean_denominator(omega) if st.opts.reduction == "mean" else total
 
 
-def _grads(st, x, w, bias, y, cw, lse, omega, big_omega, g_tok, h_tok):
+def _grads(st, x, w, bias, y, cw, lse, omega, big_omega, g_tok, h_tok, sum_dx=True):
+    """dX (``sum_dx``: summed over the axis here; else each device's part, which an unchecked
+    ``shard_map`` sums itself), this device's dW slice and db slice."""
     n = x.shape[0]
     v, mask, _, own, y_loc = _ownership(st, y)
     b, sm, smo, zw = _coefs(st, omega, mask.astype(jnp.float32), big_omega, v)
@@ -154,8 +156,9 @@ def _grads(st, x, w, bias, y, cw, lse, omega, big_omega, g_tok, h_tok):
         # this device's part of dX in fp32, summed over the axis, rounded once
         dz_p = wv.pad(dz)
         part = wv.grad_input(dz_p, jnp.float32)
-        dx = lax.dynamic_update_slice_in_dim(
-            dx, lax.psum(part, st.axis_name).astype(x.dtype), start, 0)
+        if sum_dx:
+            part = lax.psum(part, st.axis_name)
+        dx = lax.dynamic_update_slice_in_dim(dx, part.astype(x.dtype), start, 0)
         dw_c = wv.grad_weight(dz_p, xc)
         dw = dw_c if dw is None else dw + dw_c
         if bias is not None:
@@ -188,12 +191,20 @@ def _custom_vjp_fn(st: _Static):
         x, w, bias, y, cw, lse, omega, big_omega = res
         g, h = cts
         n = x.shape[0]
+        # shard_map(check_vma=False) hands each device 1/n of a replicated output's cotangent
+        # and sums a replicated input's (x's) cotangent over the axis itself, as it transposes
+        # the psum it cannot see in this rule: undo the first, let it do the second (dW and db
+        # came out divided by the axis size). With check_vma the cotangents arrive whole.
+        unchecked = not common.varying_axes(lax.axis_index(st.axis_name))
+        if unchecked:
+            g, h = lax.psum(g, st.axis_name), lax.psum(h, st.axis_name)
         g = g.astype(jnp.float32)
         if st.opts.reduction == "mean":
             g = g / common.mean_denominator(omega)
-        g_tok = jnp.broadcast_to(g, (n,))
+        g_tok = jnp.where(y != st.opts.ignore_index, g, 0.0)  # ignored: 0 whatever g is
         h_tok = jnp.broadcast_to(h.astype(jnp.float32), (n,))
-        dx, dw, db = _grads(st, x, w, bias, y, cw, lse, omega, big_omega, g_tok, h_tok)
+        dx, dw, db = _grads(st, x, w, bias, y, cw, lse, omega, big_omega, g_tok, h_tok,
+                            sum_dx=not unchecked)
         return (dx, dw.astype(w.dtype), None if db is None else db.astype(bias.dtype),
                 None, None)
 
@@ -222,6 +233,11 @@ def global_token_count(labels, *, ignore_index: int = -100, weight=None, axis_na
     error: a ``ValueError`` for concrete labels, a NaN count under tracing (as the loss does),
     never a silently clamped class."""
     labels = jnp.asarray(labels)
+    if not jnp.issubdtype(labels.dtype, jnp.integer):
+        raise TypeError(f"labels must be integers, got dtype {labels.dtype}")
+    raw = labels
+    # as the loss reads them: in uint8, -100 would wrap to class 156 and 256 to 0
+    labels = common.labels_int32(labels, ignore_index)
     mask = labels != ignore_index
     if weight is None:
         count = jnp.sum(mask, dtype=jnp.float32)
@@ -230,7 +246,7 @@ def global_token_count(labels, *, ignore_index: int = -100, weight=None, axis_na
         if weight.ndim != 1:
             raise ValueError(f"weight (class weights) must be 1-D, got shape {weight.shape}")
         v = weight.shape[0]
-        common.check_concrete_labels(labels, v, ignore_index)
+        common.check_concrete_labels(raw, v, ignore_index)
         bad = mask & ((labels < 0) | (labels >= v))
         count = jnp.sum(jnp.where(mask & ~bad, weight[jnp.where(mask & ~bad, labels, 0)], 0.0))
         count = jnp.where(jnp.any(bad), jnp.nan, count)

@@ -147,6 +147,7 @@ class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
         h_tok = None if g_lse is None else g_lse.to(acc)
         eps, v = opts.label_smoothing, shard.v
         mask = (y != opts.ignore_index).to(acc)
+        g_tok = torch.where(mask != 0, g_tok, 0.0)  # ignored: 0 whatever the upstream
         own, y_loc = _owned(y, shard, opts.ignore_index)
         # per-token coefficients of dc = coef·p − [v = y]·tgt − sm·w_v (the spec's A, B terms)
         a = (1 - eps) * omega + 2 * opts.z_loss * omega * lse

@@ -88,6 +88,33 @@ def test_none_reduction_and_lse_keep_the_label_shape(backend):
     _assert_close(dw, ref["dw"])
 
 
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+@pytest.mark.parametrize("lse", [False, True])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ignored_tokens_get_zero_gradient_whatever_their_cotangent(backend, lse, bad):
+    """"none" losses with an inf or NaN cotangent at ignored tokens (a per-sequence mean over
+    an all-padding sequence): their gradient is 0, as F.cross_entropy gives, i.e. bit for bit
+    the result of a 0 cotangent there. The backward had multiplied the cotangent by the token's
+    0 weight: NaN in every dW row. An lse cotangent on an ignored token still flows."""
+    x, w, y, b = _problem(n=13, bias=True, salt=5)
+    y = y.at[1::3].set(-100).at[0].set(3)
+    ign = np.asarray(y) == -100
+    rng = np.random.default_rng([SEED, 6])
+    g0 = np.where(ign, 0.0, rng.random(13)).astype(np.float32)
+    gl = jnp.asarray(rng.random(13), jnp.float32)
+    f = lambda x, w, b: lj.linear_cross_entropy(x, w, y, linear_bias=b, reduction="none",
+                                                return_lse=lse, label_smoothing=0.1,
+                                                z_loss=1e-3, backend=backend, chunk_size=5)
+    out, pullback = jax.vjp(f, x, w, b)
+
+    def grads(g):
+        g = jnp.asarray(g)
+        return pullback((g, gl) if lse else g)
+    for got, want in zip(grads(np.where(ign, np.float32(bad), g0)), grads(g0)):
+        assert np.isfinite(np.asarray(got)).all()
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_vmap_over_a_leading_batch_axis(backend):
     """vmap of value_and_grad over sequences sharing one weight: each sequence is its own

@@ -329,6 +329,42 @@ def test_check_shapes_problem_and_hard_loss_needs_target():
                           options=spec.LinearJSDOptions(hard_loss_weight=0.1))
 
 
+@pytest.mark.parametrize("beta, scale, gap", [(1e-25, 20.0, 1.0), (1e-25, 5.0, 1.0),
+                                               (1e-8, 1.0, 1e-3), (1 - 1e-9, 5.0, 1.0),
+                                               (0.5, 30.0, 1.0)])
+def test_float64_reference_matches_60_digit_arithmetic(beta, scale, gap):
+    """The oracle itself at β near 0 or 1 and far-apart or nearly equal heads: J and dX
+    against mpmath at 60 digits. Plain differences of log M had lost the small one of
+    log Q − log M / log P − log M: at β = 1e-25 the reference's dX was all 0 (rel err 1), a
+    1.7e-1 loss error at β = 1e-8 with heads 1e-3 apart (a review found it); now ~1e-12."""
+    import mpmath as mp
+    rng = np.random.default_rng([SEED, 41])
+    n, h, v = 3, 6, 11
+    xs = rng.standard_normal((n, h))
+    ws = rng.standard_normal((v, h)) * scale / np.sqrt(h)
+    wt = ws + gap * rng.standard_normal((v, h)) * scale / np.sqrt(h)
+    got = spec.reference(xs, ws, xs, wt, options=spec.LinearJSDOptions(beta=beta,
+                                                                      reduction="sum"))
+    with mp.workdps(60):
+        b = mp.mpf(beta)
+        loss, dz = mp.mpf(0), np.zeros((n, v))
+        for i in range(n):
+            za = [mp.fsum(mp.mpf(p) * mp.mpf(q) for p, q in zip(xs[i], ws[k])) for k in range(v)]
+            zb = [mp.fsum(mp.mpf(p) * mp.mpf(q) for p, q in zip(xs[i], wt[k])) for k in range(v)]
+            la, lb = (mp.log(mp.fsum(mp.exp(t) for t in z)) for z in (za, zb))
+            q = [mp.exp(t - la) for t in za]
+            p = [mp.exp(t - lb) for t in zb]
+            m = [b * pk + (1 - b) * qk for pk, qk in zip(p, q)]
+            ell = [mp.log(qk / mk) for qk, mk in zip(q, m)]
+            kl_qm = mp.fsum(qk * lk for qk, lk in zip(q, ell))
+            loss += mp.fsum(b * pk * mp.log(pk / mk) for pk, mk in zip(p, m)) + (1 - b) * kl_qm
+            dz[i] = [float((1 - b) * qk * (lk - kl_qm)) for qk, lk in zip(q, ell)]
+    assert loss > 0
+    assert abs(got["loss"] - float(loss)) <= 1e-9 * float(loss)
+    dx = dz @ ws
+    assert np.linalg.norm(got["dx"] - dx) <= 1e-9 * np.linalg.norm(dx)
+
+
 def test_reference_rejects_bad_targets():
     x, w = np.ones((4, 3)), np.ones((5, 3))
     with pytest.raises(ValueError, match="target out of range"):

@@ -66,6 +66,26 @@ def test_jit_value_and_grad_and_teacher_cotangents(backend):
                                rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ignored_tokens_get_zero_gradient_whatever_their_cotangent(backend, bad):
+    """"none" losses with an inf or NaN cotangent at ignored tokens: their gradient is 0 (as
+    for linear cross-entropy, and as the Triton kernel always did), bit for bit the result of
+    a 0 cotangent there; the backward had multiplied the cotangent by the token's 0 mask."""
+    xs, ws, xt, wt, y = _problem(n=13, salt=7)
+    y = y.at[1::3].set(-100).at[0].set(3)
+    ign = np.asarray(y) == -100
+    g0 = np.where(ign, 0.0, np.random.default_rng([SEED, 8]).random(13)).astype(np.float32)
+    f = lambda xs, ws: lj.linear_jsd(xs, ws, xt, wt, y, reduction="none", beta=0.3,
+                                     hard_loss_weight=0.2, backend=backend, chunk_size=5,
+                                     **_tuning(backend))
+    _, pullback = jax.vjp(f, xs, ws)
+    got = pullback(jnp.asarray(np.where(ign, np.float32(bad), g0)))
+    for a, b in zip(got, pullback(jnp.asarray(g0))):
+        assert np.isfinite(np.asarray(a)).all()
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_budget_plan_pads_to_equal_chunks(backend, reduction, monkeypatch):

@@ -416,6 +416,36 @@ def test_fused_path_is_taken_only_for_a_plain_swiglu_mlp(monkeypatch):
     assert calls == [1]  # a hook must run: generic
 
 
+@pytest.mark.parametrize("change", ["backward_hook", "backward_pre_hook", "linear_backward_hook",
+                                    "instance_forward", "linear_instance_forward"])
+def test_hooks_and_instance_forwards_take_the_generic_path(change):
+    """The fused path never calls the modules: a backward hook (on the MLP or a projection) or a
+    forward set on an instance (accelerate's add_hook_to_module does that) must take the
+    generic path, which runs them, and give what the untiled module gives. The fused path had
+    skipped them silently (hooks never fired; an override was ignored)."""
+    m, x = _small(seed=9)
+    fired = []
+    if change == "backward_hook":
+        m.register_full_backward_hook(lambda mod, gi, go: fired.append(1))
+    elif change == "backward_pre_hook":
+        m.register_full_backward_pre_hook(lambda mod, go: fired.append(1))
+    elif change == "linear_backward_hook":
+        m.down_proj.register_full_backward_hook(lambda mod, gi, go: fired.append(1))
+    else:
+        lin = m if change == "instance_forward" else m.gate_proj
+        plain = lin.forward
+        lin.forward = lambda t: 2.0 * plain(t)
+    want = _grads(m, x, m)
+    fired_untiled, fired[:] = len(fired), []
+    got = _grads(m, x, lambda t: lt.tiled_mlp(m, t, num_shards=2))
+    if change.endswith("hook"):
+        assert fired_untiled == 1 and len(fired) >= 1
+    torch.testing.assert_close(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1])
+    for n in want[2]:
+        torch.testing.assert_close(got[2][n], want[2][n])
+
+
 def test_empty_sequence():
     """No tokens: zero gradients for every parameter on both paths, as the untiled module
     gets (a None on one rank would leave DDP waiting for its gradient)."""

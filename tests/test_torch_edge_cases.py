@@ -321,6 +321,50 @@ def test_negative_class_weight_sum_divides_like_f_cross_entropy(backend):
     _close(got, want)
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("op", ["ce", "ce-lse", "ce-low-memory", "jsd"])
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_ignored_tokens_get_zero_gradient_whatever_their_upstream(backend, op, bad):
+    """Per-token losses (reduction="none") with an inf or NaN upstream gradient at ignored
+    tokens (e.g. a per-sequence mean over an all-padding sequence): their gradient is 0, as
+    F.cross_entropy gives, so the result equals that for a 0 upstream there, bit for bit. The
+    backends had multiplied g by the token's 0 weight: NaN in every dW row (Triton JSD, which
+    zero-fills ignored rows, excepted). An lse gradient on an ignored token still flows."""
+    if op == "jsd":
+        xs, ws, xt, wt, y = _jsd_data(13, 8, 6, 37, seed=31)
+        fn = lambda g: lambda x, w: lt.linear_jsd(x, w, xt, wt, y, reduction="none",
+                                                  backend=backend, beta=0.3)
+        leaves = (xs, ws)
+    else:
+        x, w, b, y = _lce_data(13, 8, 37, seed=31, bias=True)
+        kw = dict(reduction="none", backend=backend, label_smoothing=0.1, z_loss=1e-3,
+                  linear_bias=b)
+        if op == "ce-low-memory" and backend == "triton":
+            kw.update(low_memory=True)
+        lse_g = torch.rand(13, device=DEV)
+
+        def fn(g):
+            def f(x, w):
+                out = lt.linear_cross_entropy(x, w, y, return_lse=op == "ce-lse", **kw)
+                return out if op != "ce-lse" else out[0] * g + out[1] * lse_g
+            return f
+        leaves = (x, w)
+    y[1::3] = -100  # some ignored tokens, and some not, whatever the draw
+    y[0] = 3
+    y_ign = y == -100
+    g0 = torch.rand(13, device=DEV).masked_fill(y_ign, 0.0)
+    g_bad = g0.masked_fill(y_ign, bad)
+
+    def grads(g):
+        ls = [t.detach().requires_grad_() for t in leaves]
+        out = fn(g)(*ls)
+        out.backward(g if op != "ce-lse" else torch.ones_like(out))
+        return [t.grad for t in ls]
+    for got, want in zip(grads(g_bad), grads(g0)):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def test_autocast_leaves_float64_alone_like_f_linear():
     x, w, _, y = _lce_data(6, 8, 5, seed=13)
     x, w = x.double(), w.double()

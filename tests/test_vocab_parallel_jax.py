@@ -15,6 +15,8 @@ def test_vocab_parallel_jax_equals_spec():
     assert not res["failures"], "\n".join(res["failures"])
     assert res["checked"] >= 40, res  # the case matrix really ran (2 and 4 devices)
     assert res["count"] == 6.0, res   # global_token_count psum-ed over a "dp" axis
+    # narrow labels counted as the loss reads them (see the worker)
+    assert res["narrow_counts"] == [4.0, 4.0, 3.0], res
     assert res["concrete_labels_rel_err"] <= 1e-5, res  # closed-over global labels
     for msg in res["bad_concrete"]:  # ... and out-of-range ones an error, as documented
         assert "target out of range" in msg and "[0, 10)" in msg, res

@@ -223,6 +223,26 @@ def _log_softmax(u):
     return u - (mx + np.log(np.exp(u - mx).sum(axis=1, keepdims=True)))
 
 
+def _log_ratios_to_m(delta, beta):
+    """(log Q − log M, log P − log M) from δ = log P − log Q, for 0 < β < 1, in the forms
+    that do not cancel (the kernels' forms, in float64): log M/Q = log1p(β·expm1(δ)) for
+    β <= HIGH_BETA, and log M/P = log1p((1−β)·expm1(−δ)) above it; each as a logaddexp
+    where expm1 would overflow. Plain differences of log M had lost the small one of the two
+    as β → 0 (or 1): at β = 1e-25 the reference's dz was all 0 (a review, against 60-digit
+    arithmetic)."""
+    big = 700.0  # expm1 overflows float64 past ~709
+    if beta <= HIGH_BETA:
+        lam = np.where(delta > big, np.logaddexp(np.log(beta) + delta, np.log1p(-beta)),
+                       np.log1p(beta * np.expm1(np.minimum(delta, big))))
+        # δ − Λ cancels where Λ ≈ log β + δ (far apart): −log(β + (1−β)·e^−δ) there
+        lpm = np.where(delta > FAR, -np.logaddexp(np.log(beta), np.log1p(-beta) - delta),
+                       delta - lam)
+        return -lam, lpm
+    mu = np.where(-delta > big, np.logaddexp(np.log1p(-beta) - delta, np.log(beta)),
+                  np.log1p((1.0 - beta) * np.expm1(np.minimum(-delta, big))))
+    return -delta - mu, -mu
+
+
 def reference(x_s, W_s, x_t, W_t, y=None, *, options: LinearJSDOptions = None,
               grad_output=None):
     """Float64 forward and *analytic* backward (the formulas above, not autodiff).
@@ -256,10 +276,9 @@ def reference(x_s, W_s, x_t, W_t, y=None, *, options: LinearJSDOptions = None,
             jsd = (q * lam).sum(axis=1)
             da = q * (lam - jsd[:, None])
         else:
-            logm = np.logaddexp(np.log(beta) + logp, np.log1p(-beta) + logq)
-            ell = logq - logm
+            ell, lpm = _log_ratios_to_m(logp - logq, beta)
             kl_qm = (q * ell).sum(axis=1)
-            jsd = beta * (p * (logp - logm)).sum(axis=1) + (1 - beta) * kl_qm
+            jsd = beta * (p * lpm).sum(axis=1) + (1 - beta) * kl_qm
             da = (1 - beta) * q * (ell - kl_qm[:, None])
 
     m = token_mask(y, n, opts.ignore_index)

@@ -146,7 +146,9 @@ def cross_entropy_rows_kernel(
             lse = tl.load(lse_ptr + row64).to(tl.float32)
 
         if WRITE_GRAD:
-            g = tl.load(g_ptr + row64 * g_stride).to(tl.float32)
+            # an ignored token's gradient is 0 whatever its upstream g (F.cross_entropy's rule):
+            # selected, as g·0 would turn an inf or NaN g into NaN in every dW row
+            g = tl.where(valid, tl.load(g_ptr + row64 * g_stride).to(tl.float32), 0.0)
             a = (1.0 - eps) * omega
             if HAS_Z:
                 a += 2.0 * z_loss * omega * lse
