@@ -35,7 +35,9 @@ Backward. Let g_i be the upstream gradient of token i's loss — ``g`` for "sum"
     dz_iv = dc_iv · (1 − (c_iv/s)²)        softcap chain rule (tanh' = 1 − tanh²); dz = dc without
     dX = dz · W        dW = dzᵀ · X        db = Σ_i dz_i
 
-Ignored tokens have m = ω = 0, hence zero loss and zero gradient (unless lse is used).
+Ignored tokens have m = ω = 0, hence zero loss and zero gradient (unless lse is used), whatever
+their loss's upstream gradient g_i: an inf or NaN there gives 0, not g_i·0 (as in
+``F.cross_entropy``).
 """
 from __future__ import annotations
 
@@ -236,6 +238,7 @@ def reference(x, W, y, *, bias=None, weight=None, options: LinearCrossEntropyOpt
         grad_output = np.ones(n) if opts.reduction == "none" else 1.0
     g = np.asarray(grad_output, np.float64)
     g_tok = g if opts.reduction == "none" else np.full(n, g / denom)
+    g_tok = np.where(m > 0, g_tok, 0.0)  # ignored: 0 whatever g is (inf or NaN included)
     h_tok = np.zeros(n) if grad_lse is None else np.asarray(grad_lse, np.float64)
 
     A = (1 - eps) * omega + m * (eps / v) * w.sum() + 2 * zeta * omega * lse

@@ -51,7 +51,8 @@ gradient of token i's loss — ``g`` for "sum", ``g/Σm`` for "mean" (0 when Σm
 
 (The general case: J = β·Σ P log P + (1−β)·Σ Q log Q − Σ M log M, since Σ_v M_v log M_v =
 Σ_v (β P_v + (1−β) Q_v) log M_v; differentiating in Q_v gives (1−β)(log Q_v + 1 − log M_v − 1).)
-Ignored tokens have m = 0: zero loss, zero gradient.
+Ignored tokens have m = 0: zero loss, zero gradient, whatever their upstream gradient (an inf
+or NaN there gives 0, not NaN·0).
 
 Precision notes for implementations:
 
@@ -298,6 +299,7 @@ def reference(x_s, W_s, x_t, W_t, y=None, *, options: LinearJSDOptions = None,
         grad_output = np.ones(n) if opts.reduction == "none" else 1.0
     g = np.asarray(grad_output, np.float64)
     g_tok = g if opts.reduction == "none" else np.full(n, g / denom)
-    dz = (g_tok * m)[:, None] * (da / T + opts.hard_loss_weight * dce)
+    g_tok = np.where(m > 0, g_tok * m, 0.0)  # ignored: 0 whatever g is (inf or NaN included)
+    dz = g_tok[:, None] * (da / T + opts.hard_loss_weight * dce)
     return dict(loss=loss, token_loss=token_loss, jsd=jsd, ce=ce, grad_logits=dz,
                 dx=dz @ W_s, dw=dz.T @ x_s)

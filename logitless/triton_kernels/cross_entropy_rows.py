@@ -49,11 +49,11 @@ def _finite_ref(m):
 @triton.jit
 def _logit(base, bias_ptr, col_offset, cols, lmask, mask, HAS_BIAS: tl.constexpr):
     """Logits ``cols`` of a row as fp32: the stored GEMM product (loaded where ``lmask``, which
-    may reach into the row's padding: past ``mask`` the values are junk for the caller to mask)
-    plus, with a bias, its entry added here in fp32. cuBLAS (H100, torch 2.11) rounds twice when it adds a bias into a
-    strided output whose width is a multiple of 8 (our buffers are column views): round(round(
-    xWᵀ) + b) in ~30% of the entries; here it is round(xWᵀ) + b, with nothing rounded after the
-    bias is in."""
+    may reach into the row's padding: past ``mask`` the values are junk for the caller to
+    mask) plus, with a bias, its entry added here in fp32. cuBLAS (H100, torch 2.11) rounds
+    twice when it adds a bias into a strided output whose width is a multiple of 8 (our
+    buffers are column views): round(round(xWᵀ) + b) in ~30% of the entries; here it is
+    round(xWᵀ) + b, with nothing rounded after the bias is in."""
     z = tl.load(base + cols, mask=lmask, other=0.0).to(tl.float32)
     if HAS_BIAS:
         z += tl.load(bias_ptr + col_offset + cols, mask=mask, other=0.0).to(tl.float32)
