@@ -122,6 +122,26 @@ def filled_rows_buffers(monkeypatch, fill):
     return loads
 
 
+def assert_row_padding_never_counted(monkeypatch, compute):
+    """``compute()`` -> tensors, run with the padding of every ``rows_buffer`` filled with 0,
+    then with NaN: the row kernels must have had the padding in reach (a launch whose
+    ``load_cols`` exceeds its columns), and the results must be finite and equal bit for bit."""
+    import torch
+
+    def run(fill):
+        loads = filled_rows_buffers(monkeypatch, fill)
+        out = compute()
+        monkeypatch.undo()
+        return out, loads
+
+    zeros, loads = run(0.0)
+    assert any(wide > cols for cols, wide in loads), loads
+    junk, _ = run(float("nan"))
+    for a, b in zip(junk, zeros):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 # ============================================================================== GPU
 def check_cuda_graph_training(head, loss_fn, batches):
     """A training step of ``head`` (zero_grad, ``loss_fn(head.weight, *inputs)``, backward, an
