@@ -581,7 +581,7 @@ def test_triton_tunings_match_the_torch_backend(tuning, reduction):
         assert _rel(a, b) < (5e-2 if loose else 1e-2)
 
 
-@pytest.mark.parametrize("tuning", ["fused", "three-launches", "bf16-logits", "none"])
+@pytest.mark.parametrize("tuning", ["fused-none", "three-launches-bf16"])
 def test_triton_row_padding_is_loaded_but_never_counted(monkeypatch, tuning):
     """The row kernel loads and stores each row up to V rounded to 16 (``common.load_cols``:
     vectorized accesses). Whatever the padding of the logits and dz buffers holds must not
@@ -590,12 +590,12 @@ def test_triton_row_padding_is_loaded_but_never_counted(monkeypatch, tuning):
     torch = _torch()
     xs, ws, xt, wt, y = _data(37, 24, 20, 61, seed=23)  # rows padded to 64
     kw = dict(backend="triton", beta=0.4, temperature=1.5, hard_loss_weight=0.2, chunk_size=16)
-    kw.update({"fused": {}, "none": dict(reduction="none"),
-               "three-launches": dict(block_v=16, segment_size=32, row_sync=False),
-               "bf16-logits": dict(fp32_logits=False)}[tuning])
-    if tuning == "bf16-logits":
+    kw.update({"fused-none": dict(reduction="none"),
+               "three-launches-bf16": dict(block_v=16, segment_size=32, row_sync=False,
+                                           fp32_logits=False)}[tuning])
+    if tuning.endswith("bf16"):
         xs, ws, xt, wt = (t.bfloat16() for t in (xs, ws, xt, wt))
-    up = torch.rand(37, device=xs.device) if tuning == "none" else None
+    up = torch.rand(37, device=xs.device) if tuning.endswith("none") else None
 
     assert_row_padding_never_counted(
         monkeypatch, lambda: _loss_and_grads(xs, ws, xt, wt, y, up, **kw))
