@@ -149,15 +149,15 @@ def mm_over_vocab(dz: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch
     return out
 
 
+ROW_ALIGN = 16  # logits rows padded to 16 elements: vectorized row kernels, aligned cuBLAS ld
+
+
 def rows_buffer(rows: int, cols: int, dtype: torch.dtype, device) -> torch.Tensor:
     """A ``[rows, cols]`` buffer whose rows start at 16-element boundaries (a view of
     ``[rows, cols rounded up to 16]``): the row kernels' loads and stores then vectorize and
     cuBLAS gets an aligned leading dimension whatever the vocabulary size (e.g. 50257)."""
     return torch.empty(rows, -(-cols // ROW_ALIGN) * ROW_ALIGN, dtype=dtype,
                        device=device)[:, :cols]
-
-
-ROW_ALIGN = 16
 
 
 def load_cols(cols: int, *bufs: torch.Tensor) -> int:
