@@ -13,6 +13,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import common  # noqa: E402
+from logitless._torch_common import rows_buffer  # noqa: E402
 from logitless.triton_kernels import linear_cross_entropy as tl_lce  # noqa: E402
 from logitless.triton_kernels import logits_gemm as sg  # noqa: E402
 
@@ -34,7 +35,7 @@ def probe(c_tok, h, v, reps, out):
     x = torch.randn(c_tok, h, device=dev, dtype=torch.bfloat16)
     w = torch.randn(v, h, device=dev, dtype=torch.bfloat16) * h ** -0.5
     y = torch.randint(0, v, (c_tok,), device=dev)
-    buf = torch.empty(c_tok, sg.padded_cols(v), device=dev, dtype=torch.bfloat16)[:, :v]
+    buf = rows_buffer(c_tok, v, torch.bfloat16, dev)  # TMA: 16-byte aligned rows
     f32 = dict(device=dev, dtype=torch.float32)
     lse, loss, g = torch.empty(c_tok, **f32), torch.empty(c_tok, **f32), torch.ones(1, **f32)
     cfg = tl_lce.Config(c_tok, v, 0, 0)

@@ -90,7 +90,7 @@ def _rows_kernel(z_ref, y_ref, coef_ref, *refs, v, block_rows, block_v, grid_siz
             cols = j * block_v + launch.iota(block_v)
             cmask = cols < v
             span = pl.ds(j * block_v, block_v)
-            lmask = cmask if z_ref.shape[1] == v else cols < z_ref.shape[1]
+            lmask = cols < z_ref.shape[1]  # the padding too: a bound of 8k vectorizes
             z = plgpu.load(z_ref.at[rows, span], mask=rmask[:, None] & lmask[None, :],
                            other=0.0).astype(jnp.float32)
             if has_bias:

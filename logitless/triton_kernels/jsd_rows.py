@@ -288,11 +288,11 @@ def _seg_jsd_sums(s_row, t_row, col0, col1, col1_load, inv_t, m_a, ls_a, c, beta
 
 @triton.jit
 def _seg_grad(s_row, t_row, dz_row, col0, col1_load, y_local, inv_t, m_a, ls_a, m_b, ls_b, c,
-              l_z, kk, beta, omb, coef, hard_coef, poison, KIND: tl.constexpr, HARD: tl.constexpr,
-              T_ONE: tl.constexpr, ROUND_BF16: tl.constexpr, FORM: tl.constexpr,
+              l_z, kk, beta, omb, coef, hard_coef, poison, KIND: tl.constexpr,
+              HARD: tl.constexpr, T_ONE: tl.constexpr, ROUND_BF16: tl.constexpr, FORM: tl.constexpr,
               BLOCK: tl.constexpr):
-    """Pass 3 over [col0, col1_load): dz = coef·∂J/∂a + hard_coef·(S − [v = y]) (+ poison), with
-    coef = g·m/T, hard_coef = g·m·w_h, kk the row's KL (reverse KL) or K (JSD)."""
+    """Pass 3 over [col0, col1_load): dz = coef·∂J/∂a + hard_coef·(S − [v = y]) (+ poison),
+    with coef = g·m/T, hard_coef = g·m·w_h, kk the row's KL (reverse KL) or K (JSD)."""
     offs = tl.arange(0, BLOCK)
     for start in range(col0, col1_load, BLOCK):
         cols = start + offs
@@ -489,9 +489,10 @@ def jsd_rows_kernel(
     """Per-token loss (``loss_ptr``, fp32) and/or the student logit gradient (``dz_ptr``) for
     rows [0, n_rows) of the student / teacher logits buffers. ``inv_t`` = 1/T, ``g`` the
     upstream gradient per row (``g_stride`` 0: one for all rows), ``part_ptr``
-    fp32 [n_rows, SEGS, NUM_FIELDS] partials, ``V_LOAD`` >= V the columns each row of the
-    buffers has (``common.load_cols``: loads with a bound that is a multiple of 16 vectorize), (SEGS > 1), ``sync_ptr`` int32 [2 + n_rows] zeros
-    (``PHASE`` 0 with SEGS > 1: the ticket counter, the abort flag, one counter per row)."""
+    fp32 [n_rows, SEGS, NUM_FIELDS] partials (SEGS > 1), ``sync_ptr`` int32 [2 + n_rows] zeros
+    (``PHASE`` 0 with SEGS > 1: the ticket counter, the abort flag, one counter per row).
+    ``V_LOAD`` >= V: the columns every row of the buffers has (``common.load_cols``; a load
+    bound that is a multiple of 16 vectorizes, one of V = 50257 does not)."""
     if PHASE == 0:
         if SEGS > 1:
             total = n_rows * SEGS
@@ -500,8 +501,8 @@ def jsd_rows_kernel(
                 _row_segment(ticket // SEGS, ticket % SEGS, s_ptr, s_stride, t_ptr, t_stride,
                              dz_ptr, dz_stride, y_ptr, g_ptr, g_stride, loss_ptr, part_ptr,
                              sync_ptr, V, V_LOAD, ignore_index, inv_t, beta, omb, hard_w, KIND,
-                             HAS_Y, HARD, T_ONE, WRITE_LOSS, WRITE_GRAD, PHASE, SEGS, SEGS_P2, SEG,
-                             BLOCK, ROUND_BF16, MAX_SPIN, FORM)
+                             HAS_Y, HARD, T_ONE, WRITE_LOSS, WRITE_GRAD, PHASE, SEGS, SEGS_P2,
+                             SEG, BLOCK, ROUND_BF16, MAX_SPIN, FORM)
                 ticket = tl.atomic_add(sync_ptr, 1, sem="relaxed")
         else:
             for row in range(tl.program_id(0), n_rows, tl.num_programs(0)):
@@ -567,8 +568,7 @@ def compile_report(arch: int = 90, variants=None) -> str:
     sig = dict(s_ptr="*fp32", s_stride="i32", t_ptr="*fp32", t_stride="i32", dz_ptr="*bf16",
                dz_stride="i32", y_ptr="*i64", g_ptr="*fp32", g_stride="i32", loss_ptr="*fp32",
                part_ptr="*fp32", sync_ptr="*i32", n_rows="i32", V="i32", V_LOAD="i32",
-               ignore_index="i32",
-               inv_t="fp32", beta="fp32", omb="fp32", hard_w="fp32")
+               ignore_index="i32", inv_t="fp32", beta="fp32", omb="fp32", hard_w="fp32")
     # what the launcher's specialization sees at runtime: 16-aligned buffers and row strides
     # (the buffers' rows are padded), V a multiple of 16 (as 128256)
     names = list(sig)

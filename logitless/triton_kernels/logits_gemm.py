@@ -87,12 +87,6 @@ def tiles(interpret: bool) -> dict:
     return INTERPRET_TILES if interpret else GPU_TILES
 
 
-def padded_cols(v: int) -> int:
-    """Row length of a logits buffer the kernel writes: TMA wants 16-byte aligned row strides,
-    and the row kernel's loads vectorize over rows padded to 16 (``common.load_cols``)."""
-    return (v + 15) // 16 * 16
-
-
 def unsupported_options(dtype: torch.dtype, label_smoothing) -> str:
     """Why the op's dtype / options rule this GEMM out ('' when they do not)."""
     if dtype not in (torch.bfloat16, torch.float16):
