@@ -205,7 +205,8 @@ def linear_jsd(student_input, student_weight, teacher_input, teacher_weight, tar
     dtype first, as ``F.linear`` would cast them.
 
     Forward-mode AD (``torch.func.jvp``, ``jacfwd``) is refused (NotImplementedError);
-    ``torch.func.vmap`` of the forward works (per sample).
+    ``torch.func.vmap`` of the forward works (per sample) on "triton" and "torch"; "pallas"
+    refuses any ``torch.func`` transform (NotImplementedError).
 
     Returns:
         The loss (float32; float64 for float64 inputs): a scalar, or per-token for "none".

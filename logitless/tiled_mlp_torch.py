@@ -5,8 +5,8 @@ Two implementations behind one entry point:
 
 * **generic** (any ``nn.Module`` MLP): an ``autograd.Function`` whose inputs are ``x`` *and
   the module's parameters*. Forward runs the shards under ``no_grad``; backward recomputes
-  each shard through ``torch.func.functional_call`` with *detached aliases* of the parameters
-  (same storage, separate autograd leaves) and ``torch.autograd.backward(..., inputs=...)``.
+  each shard with *detached aliases* of the parameters swapped into the module (same storage,
+  separate autograd leaves; every name a parameter is registered under, restored after) and ``torch.autograd.backward(..., inputs=...)``.
   Each alias's per-shard gradient is added into an accumulator the moment it is ready (a
   post-accumulate hook), so one parameter's shard gradient exists at a time. The real
   parameters never enter the shard graphs: their gradient hooks (DDP's reducer, FSDP,
@@ -38,6 +38,7 @@ CUDA for ``x``'s device), restored as ``torch.utils.checkpoint`` does, so dropou
 """
 from __future__ import annotations
 
+import contextlib
 from typing import List, Optional
 
 import torch
@@ -301,7 +302,16 @@ def _fused_setup_context(ctx, inputs, output):
     ctx.shard, ctx.accum_fp32 = shard, accum_fp32
 
 
+# create_graph=True: the recompute's gradients are summed outside any graph
+NO_DOUBLE_BACKWARD = (
+    "tiled_mlp has no double backward (create_graph=True): its backward recomputes the MLP "
+    "shard by shard and returns summed gradients that are not themselves differentiable. For "
+    "a penalty on the gradient, call the MLP untiled.")
+
+
 def _fused_backward(ctx, dy):
+    if torch.is_grad_enabled():
+        raise RuntimeError(NO_DOUBLE_BACKWARD)
     saved = ctx.saved_tensors
     needs = list(ctx.needs_input_grad[:7])
     grads = _tiled_swiglu_bwd(dy.contiguous(), *saved, ctx.shard, needs, ctx.accum_fp32)
@@ -374,10 +384,12 @@ class _GenericRun:
                 alias.register_post_accumulate_grad_hook(self._accumulator(acc, i, p, k))
             aliases[name] = alias
         wanted = [aliases[n] for n, need in zip(self.names, need_params) if need]
+        alias_of = {id(self.mlp.get_parameter(n)): a for n, a in aliases.items()}
         dx2 = torch.empty_like(x2) if need_x else None
         dev = x.device.type
         cpu_rng, cuda_rng = self.rng
         with torch.random.fork_rng(devices=[x.device] if x.is_cuda else []), \
+                _parameters_swapped(self.mlp, alias_of), \
                 torch.enable_grad(), torch.autocast(dev, enabled=self.autocast[0],
                                                     dtype=self.autocast[1]):
             torch.set_rng_state(cpu_rng)
@@ -387,7 +399,7 @@ class _GenericRun:
             # through the untiled module gives them (None only for ones the MLP never uses)
             for s, e in (list(self.plan.bounds()) or [(0, 0)]):
                 xs = self.shard_view(x2, s, e).detach().requires_grad_(need_x)
-                ys = torch.func.functional_call(self.mlp, aliases, (xs,))
+                ys = self.mlp(xs)
                 inputs = ([xs] if need_x else []) + wanted
                 if ys.requires_grad:
                     torch.autograd.backward(ys, dy2[s:e].view(ys.shape), inputs=inputs)
@@ -411,6 +423,24 @@ class _GenericRun:
         return hook
 
 
+@contextlib.contextmanager
+def _parameters_swapped(mlp: nn.Module, alias_of: dict):
+    """``mlp``'s parameters replaced by their aliases (``alias_of[id(parameter)]``) under every
+    name they are registered under, and put back after. By hand rather than through
+    ``torch.func.functional_call``: with one submodule registered under two names
+    (``self.b = self.a``), functional_call (torch 2.13) left the alias in place, and the real
+    Parameter never received a gradient again."""
+    swapped = [(m, name, p) for m in mlp.modules() for name, p in m._parameters.items()
+               if p is not None and id(p) in alias_of]
+    try:
+        for m, name, p in swapped:
+            m._parameters[name] = alias_of[id(p)]
+        yield
+    finally:
+        for m, name, p in swapped:
+            m._parameters[name] = p
+
+
 def _check_output(ys, x_shape, tokens):
     if not isinstance(ys, torch.Tensor):
         raise TypeError(f"the MLP must return one tensor, got {type(ys).__name__}")
@@ -429,8 +459,10 @@ class _TiledFunction(torch.autograd.Function):
         return run.forward(x)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
+        # (once_differentiable errs only when dy requires grad; loss.backward()'s does not)
+        if torch.is_grad_enabled():
+            raise RuntimeError(NO_DOUBLE_BACKWARD)
         x, *params = ctx.saved_tensors
         dx, grads = ctx.run.backward(x, params, dy, ctx.needs_input_grad[1],
                                      ctx.needs_input_grad[2:])
@@ -464,7 +496,8 @@ def tiled_mlp(mlp: nn.Module, x: torch.Tensor, *, num_shards: Optional[int] = No
     Returns:
         ``[..., T, H_out]``. Each parameter's gradient reaches autograd once per backward.
 
-    Forward-mode AD (``torch.func.jvp``) is refused: backward is reverse mode only.
+    Forward-mode AD (``torch.func.jvp``) is refused: backward is reverse mode only; so is a
+    double backward (``create_graph=True``).
     """
     if not isinstance(mlp, nn.Module):
         raise TypeError(f"mlp must be a torch.nn.Module, got {type(mlp).__name__}")

@@ -149,7 +149,8 @@ def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weig
 
     Forward-mode AD (``torch.func.jvp``, ``jacfwd``) is refused (NotImplementedError): the
     op has a reverse-mode backward only. ``torch.func.vmap`` of the forward works (per
-    sample).
+    sample) on ``"triton"`` and ``"torch"``; ``"pallas"`` refuses any ``torch.func``
+    transform (NotImplementedError: DLPack cannot export its wrapped tensors).
 
     Activation checkpointing: inside a *non-reentrant* ``torch.utils.checkpoint`` (the
     default ``use_reentrant=False``), the fast Triton path's first, discarded forward still

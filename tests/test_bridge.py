@@ -377,6 +377,10 @@ def test_jax_function_autograd_semantics(gen):
     # only some inputs require grad: the others get None
     gx, = torch.autograd.grad(op(x, w.detach(), y, b.detach(), scale=1.0)[0].sum(), x)
     assert gx.shape == x.shape
+    # create_graph=True: an error, also when the incoming gradient does not require grad
+    # (it had run, handing back a gradient with no graph: a gradient penalty became 0)
+    with pytest.raises(RuntimeError, match=r"_jax_ce \(a JaxFunction\) has no double backward"):
+        torch.autograd.grad(op(x, w, y, b, scale=1.0)[0].sum(), x, create_graph=True)
 
 
 def test_jax_function_gradient_of_reduced_none_output(gen):

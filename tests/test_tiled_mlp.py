@@ -356,6 +356,54 @@ def test_frozen_parameters_and_input(cls):
             assert_fp32_close(p.grad, full[n])
 
 
+@pytest.mark.parametrize("cls", [lt.SwiGLUMLP, LlamaMLP], ids=["fused", "generic"])
+def test_double_backward_is_a_clear_error(cls):
+    """create_graph=True raises, also when the incoming gradient does not require grad:
+    once_differentiable had let it through on the generic path (a gradient penalty became
+    0, silently) and the fused path gave PyTorch's 'no autograd formula' message."""
+    m, x = _small(cls, seed=5)
+    x = x.detach().requires_grad_()
+    with pytest.raises(RuntimeError, match="tiled_mlp has no double backward"):
+        torch.autograd.grad(lt.tiled_mlp(m, x, num_shards=3).sum(), x, create_graph=True)
+
+
+class _TwiceRegistered(nn.Module):
+    """One Linear under two names (``self.b = self.a``) and one Parameter in two modules."""
+
+    def __init__(self, h):
+        super().__init__()
+        self.a = nn.Linear(h, h)
+        self.b = self.a
+        self.c, self.d = nn.Linear(h, h, bias=False), nn.Linear(h, h, bias=False)
+        self.d.weight = self.c.weight
+
+    def forward(self, x):
+        return self.d(torch.tanh(self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))))
+
+
+def test_generic_path_with_shared_submodules_and_parameters_trains_like_untiled():
+    """torch.func.functional_call had left a twice-registered submodule holding the backward's
+    detached alias: the Parameter got no gradient from the second step on (3 SGD steps:
+    the tiled loss stalled at the second step's value)."""
+    torch.manual_seed(SEED % 2**31)
+    untiled = _TwiceRegistered(8).double()
+    tiled = copy.deepcopy(untiled)
+    params = dict(tiled.named_parameters())
+    x = torch.randn(2, 9, 8, dtype=torch.float64)
+    for step in range(3):
+        for m, fn in ((untiled, untiled), (tiled, lambda x: lt.tiled_mlp(tiled, x, num_shards=4))):
+            m.zero_grad(set_to_none=True)
+            loss = fn(x).square().sum()
+            loss.backward()
+            with torch.no_grad():
+                for p in m.parameters():
+                    p -= 0.05 * p.grad
+        assert dict(tiled.named_parameters()) == params  # the same Parameter objects
+        assert all(type(p) is nn.Parameter for p in tiled.parameters())
+        for (n, p), q in zip(tiled.named_parameters(), untiled.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-12, msg=f"step {step}: {n}")
+
+
 def test_only_the_input_needs_a_gradient():
     m, x = _small(seed=4)
     _, dx, _ = _grads(m, x, m)

@@ -122,8 +122,11 @@ def test_triton_gradients_from_autograd_grad_are_plain_tensors(kw):
         g.mul_(0.5)
 
 
-@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("backend", ["triton", "torch", "pallas"])
 def test_double_backward_is_a_clear_error(backend):
+    """The error comes even when the incoming gradient does not require grad (loss.backward's
+    does not): the bridge (pallas) had relied on once_differentiable, which then let
+    create_graph=True through and dropped the second-order term silently."""
     x, w, _, y = _lce_data(12, 8, 19, seed=5)
     x.requires_grad_()
     loss = lt.linear_cross_entropy(x, w, y, backend=backend)
@@ -458,6 +461,26 @@ def test_vmap_runs_per_sample(backend):
         yb[1, 2] = 11
         with pytest.raises(RuntimeError, match=re.escape(spec.target_range_message(11, -100))):
             torch.func.vmap(ce)(xb, yb)
+
+
+def test_bridge_under_torch_func_transforms_is_a_clear_error():
+    """backend="pallas" cannot take torch.func's wrapped tensors (DLPack): a clear
+    NotImplementedError naming the op, not PyTorch's 'Batching rule not implemented for
+    aten::_assert_async' (what README promised for vmap held for triton and torch only)."""
+    x, w, _, y = _lce_data(12, 8, 11, seed=34)
+    ce = lambda x, y: lt.linear_cross_entropy(x, w, y, backend="pallas")
+    msg = r"linear_cross_entropy: the JAX bridge .* torch\.func transform"
+    with pytest.raises(NotImplementedError, match=msg):
+        torch.func.vmap(ce)(x.reshape(3, 4, 8), y.reshape(3, 4))
+    with pytest.raises(NotImplementedError, match=msg):
+        torch.func.grad(lambda x: ce(x, y))(x)
+    xs, ws, xt, wt, yy = _jsd_data(12, 8, 5, 11, seed=35)
+    with pytest.raises(NotImplementedError, match=r"linear_jsd: the JAX bridge"):
+        torch.func.vmap(lambda a, b, y: lt.linear_jsd(a, ws, b, wt, y, backend="pallas"))(
+            xs.reshape(3, 4, 8), xt.reshape(3, 4, 5), yy.reshape(3, 4))
+    # outside a transform the bridge still checks the targets itself
+    with pytest.raises(RuntimeError, match="target out of range"):
+        lt.linear_jsd(xs, ws, xt, wt, torch.full_like(yy, 11), backend="pallas")
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])

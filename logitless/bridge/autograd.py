@@ -118,8 +118,8 @@ def _build_plan(fn, static, kinds) -> _Plan:
 class _Call:
     """Per-call state handed through ``Function.apply`` (not a tensor: autograd ignores it)."""
 
-    def __init__(self, kinds, exported, arrays):
-        self.plan, self.kinds = None, kinds
+    def __init__(self, kinds, exported, arrays, no_double_backward):
+        self.plan, self.kinds, self.no_double_backward = None, kinds, no_double_backward
         # Inputs in the order the plan numbers them ("in", k): differentiable, then constants.
         d = [i for i, k in enumerate(k for k in kinds if k) if k == "d"]
         n = [i for i, k in enumerate(k for k in kinds if k) if k == "n"]
@@ -135,7 +135,7 @@ class _Bridge(torch.autograd.Function):
         out_leaves, kept = plan.fwd(call.diff, call.other)
         outs = [to_torch(o) for o in out_leaves]
         by_source = {"in": call.exported, "out": outs, "res": [to_torch(r) for r in kept]}
-        ctx.plan, ctx.kinds = plan, call.kinds
+        ctx.plan, ctx.kinds, ctx.no_double_backward = plan, call.kinds, call.no_double_backward
         ctx.save_for_backward(*(by_source[kind][i] for kind, i in plan.sources))
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(
@@ -143,8 +143,12 @@ class _Bridge(torch.autograd.Function):
         return tuple(outs)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable  # a clear error for create_graph=True
     def backward(ctx, *grads):
+        # create_graph=True: the pullback runs in JAX, outside PyTorch's graph. (A plain
+        # once_differentiable errs only when an incoming gradient requires grad, which the
+        # gradient of loss.backward() does not: the second-order term vanished silently.)
+        if torch.is_grad_enabled():
+            raise RuntimeError(ctx.no_double_backward)
         plan, kinds = ctx.plan, ctx.kinds
         present = tuple(g is not None for g in grads)
         if not any(present):
@@ -163,9 +167,14 @@ class JaxFunction:
     """Wrap ``fn(*arrays, **static)`` (a JAX function returning an array or a tuple of arrays)
     as a PyTorch-callable, autograd-aware op. See the module docstring."""
 
-    def __init__(self, fn: Callable, *, name: Optional[str] = None):
+    def __init__(self, fn: Callable, *, name: Optional[str] = None,
+                 no_double_backward: Optional[str] = None):
         self.fn = fn
         self.name = name or getattr(fn, "__name__", "jax_function")
+        # the error for a backward under create_graph=True
+        self.no_double_backward = no_double_backward or (
+            f"{self.name} (a JaxFunction) has no double backward (create_graph=True): its "
+            "backward is JAX's pullback, which PyTorch's autograd cannot differentiate")
         self._plans: Dict[Any, _Plan] = {}
         self._primal: Dict[Any, Callable] = {}
         self._lock = threading.Lock()
@@ -205,15 +214,32 @@ class JaxFunction:
             if t is not None and not isinstance(t, torch.Tensor):
                 raise TypeError(f"{self.name}: positional argument {i} must be a torch.Tensor or "
                                 f"None, got {type(t).__name__}; pass Python values as keywords")
+        refuse_functorch(self.name, *tensors)
         static_key = self._static_key(static)
         kinds = tuple(_kind(t, f"{self.name}: argument {i}") for i, t in enumerate(tensors))
         if not (torch.is_grad_enabled() and "d" in kinds):
             return self._forward_only(static_key, static, tensors)
         exported, arrays = zip(*(_export(t, None) for t in tensors if t is not None))
-        call = _Call(kinds, exported, arrays)
+        call = _Call(kinds, exported, arrays, self.no_double_backward)
         call.plan = self._plan(static_key, static, kinds, call.diff + call.other)
         outs = _Bridge.apply(call, *tensors)
         return jax.tree_util.tree_unflatten(call.plan.out_tree, outs)
+
+
+# torch.func's wrappers (vmap's BatchedTensor, grad's) have no memory of their own to export
+_FUNCTORCH_WRAPPED = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
+
+
+def refuse_functorch(name: str, *tensors) -> None:
+    """A clear error for tensors under a ``torch.func`` transform (``vmap``, ``grad``, ...):
+    they cannot cross to JAX through DLPack (without this, PyTorch's "Batching rule not
+    implemented" for some op on the way)."""
+    if _FUNCTORCH_WRAPPED is not None and any(
+            t is not None and _FUNCTORCH_WRAPPED(t) for t in tensors):
+        raise NotImplementedError(
+            f"{name}: the JAX bridge (backend='pallas') cannot run under a torch.func "
+            "transform (vmap, grad, jacrev, ...): its tensors cross to JAX through DLPack. "
+            "Use torch.autograd, backend='triton' or 'torch', or jax.vmap on the JAX side.")
 
 
 def _typed(v):

@@ -27,9 +27,11 @@ import torch
 from .. import _torch_common as common
 from .. import jax as lj
 from ..specs import linear_cross_entropy as spec
-from .autograd import JaxFunction
+from .autograd import JaxFunction, refuse_functorch
 
 __all__ = ["TUNING", "linear_cross_entropy"]
+# the front door leaves the target range check to bridged() (after the torch.func refusal)
+CHECKS_TARGETS = True
 
 _JAX_BACKEND = "pallas"
 _JAX_BACKEND_MODULES = {"pallas": "logitless.pallas_kernels.linear_cross_entropy",
@@ -54,7 +56,8 @@ def _jax_loss(x, w, y, bias, class_weight, *, opts, layout, backend, tuning, nee
     return out if opts.return_lse else (out,)
 
 
-_OP = JaxFunction(_jax_loss, name="linear_cross_entropy")
+_OP = JaxFunction(_jax_loss, name="linear_cross_entropy",
+                  no_double_backward=common.NO_DOUBLE_BACKWARD.format(op="linear_cross_entropy"))
 
 
 def _weight_and_layout(w: torch.Tensor):
@@ -68,6 +71,8 @@ def _weight_and_layout(w: torch.Tensor):
 
 def bridged(p: common.Prepared, opts: spec.LinearCrossEntropyOptions, jax_backend: str, tuning):
     """The torch-backend contract over any JAX backend (``"pallas"``, ``"xla"``)."""
+    refuse_functorch("linear_cross_entropy", p.x, p.w, p.y, p.bias, p.class_weight)
+    common.check_targets(p.y, p.problem.v, opts.ignore_index)  # after: vmap can't batch it
     if p.x.dtype == torch.float64:
         raise TypeError("float64 inputs are not supported by the JAX backends (JAX runs "
                         "without x64); use backend='torch' or float32")

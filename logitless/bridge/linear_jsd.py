@@ -16,12 +16,15 @@ import importlib
 
 import torch
 
+from .. import _torch_common as common
 from .. import _torch_jsd as jsd_common
 from .. import _jax_jsd as jax_jsd
 from ..specs import linear_jsd as spec
-from .autograd import JaxFunction
+from .autograd import JaxFunction, refuse_functorch
 
 __all__ = ["TUNING", "linear_jsd"]
+# the front door leaves the target range check to bridged() (after the torch.func refusal)
+CHECKS_TARGETS = True
 
 _JAX_BACKEND = "pallas"
 _JAX_BACKEND_MODULES = {"pallas": "logitless.pallas_kernels.linear_jsd",
@@ -39,7 +42,8 @@ def _jax_loss(xs, ws, xt, wt, y, *, opts, layout, backend, tuning, needs):
     return jax_jsd.run(xs, ws, xt, wt, y, opts, layout, backend, dict(tuning), needs)
 
 
-_OP = JaxFunction(_jax_loss, name="linear_jsd")
+_OP = JaxFunction(_jax_loss, name="linear_jsd",
+                  no_double_backward=common.NO_DOUBLE_BACKWARD.format(op="linear_jsd"))
 
 
 def _in_layout(w: torch.Tensor, layout: str) -> torch.Tensor:
@@ -50,6 +54,9 @@ def _in_layout(w: torch.Tensor, layout: str) -> torch.Tensor:
 
 def bridged(p: jsd_common.Prepared, opts: spec.LinearJSDOptions, jax_backend: str, tuning):
     """The torch-backend contract over any JAX backend ("pallas", "xla")."""
+    refuse_functorch("linear_jsd", p.xs, p.ws, p.xt, p.wt, p.y)
+    if p.y is not None:  # after: vmap can't batch it
+        common.check_targets(p.y, p.problem.v, opts.ignore_index)
     if torch.float64 in (p.xs.dtype, p.xt.dtype):
         raise TypeError("float64 inputs are not supported by the JAX backends (JAX runs "
                         "without x64); use backend='torch' or float32")
