@@ -29,7 +29,7 @@ def _acc_dtype(x):
 
 def _chunk_logits(x, w, bias, acc, softcap):
     # The GEMM runs in the input dtype, as nn.Linear would; the loss math in fp32.
-    return common.capped(F.linear(x, w, bias).to(acc), softcap)
+    return common.capped_(F.linear(x, w, bias).to(acc), softcap)
 
 
 def _forward(x, w, bias, y, class_weight, opts, plan):
@@ -44,6 +44,7 @@ def _forward(x, w, bias, y, class_weight, opts, plan):
         t = common.token_terms(c, y[s:e], class_weight, opts, omega_sum)
         token_loss[s:e] = t.loss
         lse[s:e] = t.lse
+        del c, t  # before the next chunk's logits exist: one chunk at a time
     denom = torch.ones((), dtype=acc, device=x.device)
     if opts.reduction == "none":
         return token_loss, lse, denom
@@ -77,9 +78,9 @@ def _backward(x, w, bias, y, class_weight, denom, g_loss, g_lse, opts, plan, nee
         xc = x[s:e]
         c = _chunk_logits(xc, w, bias, acc, opts.softcap)
         t = common.token_terms(c, y[s:e], class_weight, opts, omega_sum)
-        dz = common.grad_capped_logits(c, t, g_tok_all[s:e],
-                                       None if h_all is None else h_all[s:e],
-                                       class_weight, opts, omega_sum)
+        dz = common.grad_capped_logits_(c, t, g_tok_all[s:e],
+                                        None if h_all is None else h_all[s:e],
+                                        class_weight, opts, omega_sum)
         del c
         if db is not None:
             common.accumulate_rows_(db, dz, first=s == 0)
@@ -89,6 +90,7 @@ def _backward(x, w, bias, y, class_weight, denom, g_loss, g_lse, opts, plan, nee
             torch.mm(dz_low, w, out=dx[s:e])
         if dw is not None:
             common.accumulate_mm_(dw, dz_low.t(), xc, first=s == 0)
+        del dz_low, t  # before the next chunk's logits exist: one chunk at a time
     return (dx, None if dw is None else dw.to(w.dtype),
             None if db is None else db.to(bias.dtype))
 

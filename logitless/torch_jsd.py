@@ -142,6 +142,7 @@ def _backward(xs, ws, xt, wt, y, denom, g_loss, opts, plan, need_x, need_w):
             torch.mm(dz_low, ws, out=dx[s:e])
         if dw is not None:
             common.accumulate_mm_(dw, dz_low.t(), xs[s:e], first=first)
+        del dz_low  # before the next chunk's logits exist
         first = False
     if dw is not None and first:  # no tokens at all
         dw.zero_()

@@ -57,7 +57,7 @@ def _acc_dtype(x):
 
 def _chunk_logits(x, w, bias, acc, softcap):
     # The GEMM in the input dtype, as nn.Linear would; the loss math in fp32 (fp64 for fp64).
-    return common.capped(F.linear(x, w, bias).to(acc), softcap)
+    return common.capped_(F.linear(x, w, bias).to(acc), softcap)
 
 
 class _Shard:
@@ -88,7 +88,7 @@ class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
         rows = mine[:4 * n].view(4, n)
         for s, e in plan.bounds():
             c = _chunk_logits(x[s:e], w, bias, acc, opts.softcap)
-            rows[_LSE, s:e] = torch.logsumexp(c, dim=1)
+            rows[_LSE, s:e] = common.logsumexp_rows(c)
             rows[_CY, s:e] = torch.where(own[s:e], c.gather(1, y_loc[s:e, None])[:, 0], 0.0)
             if smoothing:
                 rows[_WC, s:e] = c.sum(1) if class_weight is None else c @ class_weight
@@ -167,12 +167,13 @@ class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
         for s, e in plan.bounds():
             xc = x[s:e]
             c = _chunk_logits(xc, w, bias, acc, opts.softcap)
-            dz = torch.exp(c - lse[s:e, None]).mul_(coef[s:e, None])
+            # in place where it can be: one [C, V_local] block beside c (the budget's two)
+            dz = torch.sub(c, lse[s:e, None]).exp_().mul_(coef[s:e, None])
             dz.scatter_add_(1, y_loc[s:e, None], tgt[s:e, None])
             if opts.uses_smoothing:
-                dz.sub_(sm[s:e, None] * cw[None, :])
+                dz.addr_(sm[s:e], cw.to(dz.dtype), alpha=-1)
             if opts.softcap is not None:
-                dz.mul_(1 - (c / opts.softcap) ** 2)
+                dz.mul_(c.div_(opts.softcap).square_().neg_().add_(1))
             del c
             if db is not None:
                 common.accumulate_rows_(db, dz, first=s == 0)
@@ -187,6 +188,7 @@ class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
                 # chunk buffer in flight, overlapping the next chunk's GEMMs on NCCL
                 _finish(pending, dx)
                 pending = (dist.all_reduce(part, group=shard.group, async_op=True), part, s, e)
+            del dz_low
         _finish(pending, dx)
         return (dx, None if dw is None else dw.to(w.dtype),
                 None if db is None else db.to(bias.dtype), None, None, None, None, None)

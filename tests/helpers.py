@@ -224,6 +224,56 @@ def no_host_sync():
         torch.cuda.set_sync_debug_mode(0)
 
 
+class PeakLiveBytes:
+    """Peak bytes of the storages that torch ops allocate inside the block, counted live
+    (CPU too, where no allocator statistics exist): each op's outputs are tallied under a
+    dispatch mode and freed when the last tensor on their storage dies. Storages that
+    existed before (the inputs, and views of them) do not count."""
+
+    def __init__(self, *preexisting):
+        self.peak = self.live = 0
+        self._refs = {}  # storage data_ptr -> [tensors alive, nbytes]
+        self._old = {t.untyped_storage().data_ptr() for t in preexisting}
+
+    def _release(self, key):
+        ref = self._refs[key]
+        ref[0] -= 1
+        if ref[0] == 0:
+            self.live -= ref[1]
+            del self._refs[key]
+
+    def __enter__(self):
+        import torch
+        import weakref
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_leaves
+        outer = self
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                for t in tree_leaves(out):
+                    if not isinstance(t, torch.Tensor):
+                        continue
+                    key = t.untyped_storage().data_ptr()
+                    if key in outer._old or t.untyped_storage().nbytes() == 0:
+                        continue
+                    ref = outer._refs.setdefault(key, [0, t.untyped_storage().nbytes()])
+                    if ref[0] == 0:
+                        outer.live += ref[1]
+                        outer.peak = max(outer.peak, outer.live)
+                    ref[0] += 1
+                    weakref.finalize(t, outer._release, key)
+                return out
+
+        self._mode = _Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._mode.__exit__(*exc)
+
+
 # ============================================================================ gloo ranks
 def _free_port():
     import socket

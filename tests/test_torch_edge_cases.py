@@ -122,6 +122,35 @@ def test_triton_gradients_from_autograd_grad_are_plain_tensors(kw):
         g.mul_(0.5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("options", [{}, dict(label_smoothing=0.1, softcap=5.0, weight=True)])
+def test_torch_backend_keeps_to_its_memory_budget(dtype, options):
+    """backend="torch" holds one chunk's fp32 logits and their gradient (what
+    ``memory_budget`` counts) and nothing [C, V] beside them: the previous chunk's gradient
+    (kept alive across the loop), out-of-place exp / smoothing / softcap factors and
+    logsumexp's two temporaries had made the peak 2-2.6x the budget (a review)."""
+    from helpers import PeakLiveBytes
+    from logitless import _torch_common as common
+    from logitless import torch_chunked
+    from logitless.specs import linear_cross_entropy as spec
+    from logitless.specs.tiling import plan_token_chunks
+    n, h, v = 96, 8, 4099  # dW, dX and per-token vectors: under 5% of the budget
+    x, w, b, y = _lce_data(n, h, v, dtype=dtype, seed=36, bias=True)
+    cw = torch.rand(v, device=DEV) + 0.5 if options.get("weight") else None
+    opts = spec.LinearCrossEntropyOptions(
+        label_smoothing=options.get("label_smoothing", 0.0), softcap=options.get("softcap"))
+    budget = 8 * 24 * v  # 24 tokens of fp32 logits + fp32 gradient per chunk
+    plan = plan_token_chunks(n, v, bytes_per_element=8, budget_bytes=budget)
+    assert plan.chunk == 24 and plan.num_chunks == 4
+    one = torch.ones((), device=DEV)
+    with PeakLiveBytes(x, w, b, y, one, *([cw] if cw is not None else [])) as fwd:
+        _, _, denom = torch_chunked._forward(x, w, b, y, cw, opts, plan)
+    with PeakLiveBytes(x, w, b, y, one, denom, *([cw] if cw is not None else [])) as bwd:
+        torch_chunked._backward(x, w, b, y, cw, denom, one, None, opts, plan, (True, True, True))
+    assert fwd.peak <= 1.05 * budget, fwd.peak / budget
+    assert bwd.peak <= 1.05 * budget + (v * h * 4 + v * 4), bwd.peak / budget  # + fp32 dW, db
+
+
 @pytest.mark.parametrize("backend", ["triton", "torch", "pallas"])
 def test_double_backward_is_a_clear_error(backend):
     """The error comes even when the incoming gradient does not require grad (loss.backward's
