@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import importlib.util
 import warnings
 from typing import Optional
 
@@ -82,6 +83,13 @@ def triton_gpu(device: torch.device) -> bool:
 def triton_usable(device: torch.device, loaded: dict) -> bool:
     """Whether a front door whose loaded backends are ``loaded`` can run Triton on ``device``."""
     return triton_gpu(device) and "triton" in loaded
+
+
+def available_backends(device: torch.device, loaded: dict) -> list:
+    """The PyTorch front doors' backends that can run on ``device``: Triton where its kernels
+    run, "torch", and "pallas" (the JAX port, through the bridge) where JAX is installed."""
+    return ((["triton"] if triton_usable(device, loaded) else []) + ["torch"]
+            + (["pallas"] if importlib.util.find_spec("jax") is not None else []))
 
 
 def check_triton_device(t: torch.Tensor, name: str, what: str, interpreted: bool) -> None:

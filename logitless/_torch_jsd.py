@@ -37,8 +37,7 @@ def _load(name: str):
 
 def available_backends(device="cpu"):
     """Backends that can run on ``device`` (``None`` picks the first of these)."""
-    device = torch.device(device)
-    return (["triton"] if _triton_usable(device) else []) + ["torch", "pallas"]
+    return common.available_backends(torch.device(device), _LOADED)
 
 
 def _triton_usable(device: torch.device) -> bool:
@@ -244,6 +243,8 @@ class LinearJSDLoss(torch.nn.Module):
     def __init__(self, *, beta=0.5, temperature=1.0, ignore_index=-100, reduction="mean",
                  hard_loss_weight=0.0, backend=None, **tuning):
         super().__init__()
+        if backend is not None:  # a misspelled backend fails here, not at the first forward
+            _check_backend(backend)
         if tuning:  # misspelled or foreign keywords fail here, not at the first forward
             common.check_keyword_names(type(self).__name__, tuning, _PARAMETERS,
                                        _tuning_names(backend), common.JAX_WEIGHT_LAYOUT)

@@ -33,9 +33,7 @@ def _triton_usable(device: torch.device) -> bool:
 
 def available_backends(device="cpu"):
     """Backends that can run on ``device`` (``None`` picks the first of these)."""
-    device = torch.device(device)
-    names = ["triton"] if _triton_usable(device) else []
-    return names + ["torch", "pallas"]
+    return common.available_backends(torch.device(device), _LOADED)
 
 
 _LOADED = {}
@@ -231,6 +229,8 @@ class LinearCrossEntropyLoss(torch.nn.Module):
                  z_loss=0.0, softcap=None, return_lse=False, backend=None, process_group=None,
                  vocab_start_index=None, vocab_size=None, **tuning):
         super().__init__()
+        if backend is not None:  # a misspelled backend fails here, not at the first forward
+            _check_backend(backend)
         if tuning:  # misspelled or foreign keywords fail here, not at the first forward
             common.check_keyword_names(type(self).__name__, tuning, _PARAMETERS,
                                        _tuning_names(backend))

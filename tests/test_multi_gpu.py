@@ -83,3 +83,18 @@ def test_op_on_a_gpu_that_is_not_current(case):
         assert torch.isfinite(a).all(), (case, i)
         # same kernels, same inputs, same device: equal up to cuBLAS's split-K choices
         torch.testing.assert_close(a, b, rtol=2e-2, atol=1e-5, msg=f"{case}: output {i}")
+
+
+def test_causal_lm_loss_with_the_head_on_another_gpu():
+    """device_map="auto" may put the final norm on cuda:0 and lm_head on cuda:1: the hidden
+    states go to the head's device (as accelerate's hook on lm_head moves them), and the
+    gradient comes back to cuda:0."""
+    from logitless.integrations.transformers import causal_lm_loss
+    d = _inputs(torch.device("cuda:1"))
+    hidden = d["x"].reshape(3, N // 3, H).to("cuda:0").requires_grad_()
+    labels = torch.randint(0, V, (3, N // 3), device="cuda:0")
+    loss = causal_lm_loss(hidden, d["w"], labels)
+    want = causal_lm_loss(hidden.detach().to("cuda:1"), d["w"], labels.to("cuda:1"))
+    torch.testing.assert_close(loss.cpu(), want.cpu(), rtol=1e-5, atol=0)
+    (g,) = torch.autograd.grad(loss, hidden)
+    assert g.device == hidden.device and torch.isfinite(g).all()

@@ -474,3 +474,18 @@ def test_rocm_gpus_are_not_handed_to_the_triton_kernels(monkeypatch):
     assert "triton" not in _torch_jsd.available_backends("cuda")
     assert lt._resolve(None, torch.device("cuda"), torch.bfloat16)[0] == "torch"
     assert _torch_jsd._resolve(None, torch.device("cuda"), torch.bfloat16)[0] == "torch"
+
+
+def test_modules_check_the_backend_at_construction_and_pallas_needs_jax(monkeypatch):
+    """A misspelled backend fails when the module is built, not at its first forward; and
+    "pallas" is listed only where JAX can be imported (it was listed regardless)."""
+    import importlib.util
+    from logitless import _torch_jsd
+    for cls in (lt.LinearCrossEntropyLoss, lt.LinearJSDLoss):
+        with pytest.raises(ValueError, match="backend must be None or one of"):
+            cls(backend="trition")
+    assert "pallas" in lt.available_backends() and "pallas" in _torch_jsd.available_backends()
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "jax" else find_spec(name, *a))
+    assert lt.available_backends() == ["torch"] == _torch_jsd.available_backends()

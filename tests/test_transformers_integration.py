@@ -248,8 +248,12 @@ def test_untouched_paths_and_outputs():
     assert params[0] == "input_ids" and "labels" in params  # the Trainer reads this
     args = [ids, mask] + [None] * (params.index("labels") - 2) + [labels]
     tup = fused(*args, return_dict=False, output_hidden_states=True)
-    torch.testing.assert_close(tup[0], ref(input_ids=ids, attention_mask=mask,
-                                           labels=labels).loss, rtol=1e-5, atol=0)
+    want = ref(*args, return_dict=False, output_hidden_states=True)
+    torch.testing.assert_close(tup[0], want[0], rtol=1e-5, atol=0)
+    # the logits keep their place (None): every later field where the unpatched model has it
+    assert len(tup) == len(want) and tup[1] is None and want[1].shape == (B, T, V)
+    for a, b in zip(tup[2:], want[2:]):
+        assert type(a) is type(b)
     out = fused(input_ids=ids, labels=labels, output_hidden_states=True)
     assert out.logits is None and len(out.hidden_states) == ref.config.num_hidden_layers + 1
 

@@ -205,8 +205,11 @@ def _patched_forward(model, args, kwargs):
                           num_items_in_batch=num_items_in_batch, ignore_index=ignore_index,
                           softcap=softcap, backend=state.backend, **state.tuning)
     fields = {k: v for k, v in out.items() if k not in ("loss", "logits")}
-    result = type(out)(loss=loss, **fields)
-    return result if return_dict else result.to_tuple()
+    if return_dict:
+        return type(out)(loss=loss, **fields)
+    # to_tuple() drops None fields: keep the logits' place, so that `loss, logits = out[:2]`
+    # gets None rather than the next field (the cache)
+    return (loss, None) + type(out)(**fields).to_tuple()
 
 
 def causal_lm_loss(hidden, lm_head_weight, shift_labels, *, bias=None, num_items_in_batch=None,
@@ -215,7 +218,9 @@ def causal_lm_loss(hidden, lm_head_weight, shift_labels, *, bias=None, num_items
     the logits: ``shift_labels`` already shifted (shaped like ``hidden.shape[:-1]``, or flattened
     as transformers accepts); ``sum / num_items_in_batch`` when it is given
     (an int or a tensor: no host sync), else the mean over non-ignored tokens."""
-    x, w, b = hidden, lm_head_weight, bias
+    # the head's device, as accelerate's hook on lm_head moves them (device_map="auto" may
+    # put the final norm and the head on different GPUs)
+    x, w, b = hidden.to(lm_head_weight.device), lm_head_weight, bias
     # Under autocast the front door casts all three as F.linear would; without it, hidden
     # states in another dtype than the head (e.g. an fp32 final norm) go to the head's dtype.
     if not torch.is_autocast_enabled(x.device.type) and x.dtype != w.dtype:

@@ -21,11 +21,14 @@ the PaLM z-loss weighted like the token. Reductions::
 
     "none": l_i          "sum": Σ_i l_i          "mean": Σ_i l_i / Σ_i ω_i
 
-and ``mean`` of a batch whose tokens are all ignored (Σ ω = 0) is 0, never NaN. ``lse``
+and ``mean`` divides by 1 where Σω = 0, never giving NaN: a batch whose tokens are all ignored
+has loss 0, and so has one whose targets all have class weight 0, unless label smoothing
+adds its term (weighted by every w_v), which is then returned summed (``F.cross_entropy``
+gives NaN there). ``lse``
 (returned with ``return_lse``) is lse_i of the capped logits, also for ignored tokens.
 
 Backward. Let g_i be the upstream gradient of token i's loss — ``g`` for "sum", ``g/Σω`` for
-"mean" (0 when Σω = 0), ``g_i`` for "none" — and h_i the upstream gradient of lse_i
+"mean" (``g`` when Σω = 0), ``g_i`` for "none" — and h_i the upstream gradient of lse_i
 (0 unless ``return_lse`` is used in the graph). With p_iv = exp(c_iv − lse_i)::
 
     ∂l_i/∂c_iv = A_i·p_iv − B_i·[v = y_i] − m_i·(ε/V)·w_v
@@ -176,7 +179,8 @@ def check_shapes(input_shape: Sequence[int], weight_shape: Sequence[int],
 
 
 def reduction_denominator(token_weight_sum, reduction: str):
-    """The divisor of the summed loss: Σω for "mean" (1 when it is 0, so the loss is 0), else 1.
+    """The divisor of the summed loss: Σω for "mean" (1 when it is 0: see the module docstring),
+    else 1.
     A negative Σω (negative class weights) divides as it is, as ``F.cross_entropy`` does."""
     if reduction != "mean":
         return 1.0
