@@ -507,9 +507,10 @@ def test_bridge_under_torch_func_transforms_is_a_clear_error():
     with pytest.raises(NotImplementedError, match=r"linear_jsd: the JAX bridge"):
         torch.func.vmap(lambda a, b, y: lt.linear_jsd(a, ws, b, wt, y, backend="pallas"))(
             xs.reshape(3, 4, 8), xt.reshape(3, 4, 5), yy.reshape(3, 4))
-    # outside a transform the bridge still checks the targets itself
-    with pytest.raises(RuntimeError, match="target out of range"):
-        lt.linear_jsd(xs, ws, xt, wt, torch.full_like(yy, 11), backend="pallas")
+    if DEV == "cpu":  # outside a transform the bridge still checks the targets itself (on
+        # CUDA a device-side assert, which poisons the process)
+        with pytest.raises(RuntimeError, match="target out of range"):
+            lt.linear_jsd(xs, ws, xt, wt, torch.full_like(yy, 11), backend="pallas")
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
