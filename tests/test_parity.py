@@ -35,6 +35,11 @@ PAIRS = (("torch", "xla"), ("triton", "pallas"))
 # path keeps dX in the input dtype between its forward and backward, which the bridge runs as
 # two programs, while JAX's single program may skip that rounding (XLA's excess precision).
 BRIDGE_ULPS = 2
+# ... and where single elements differ more (a GPU's different GEMM algorithms, below), the
+# arrays' norm-wise difference in eps: two summation orders of K terms differ by ~√K·eps
+# times the sum's cancellation, K up to 130 tokens here (2.29 eps seen on an H100 for dW
+# with every option on; 2 had been the bound).
+BRIDGE_NORM_EPS = 8
 GRAD_KEYS = ("dx", "dw", "db")  # in the input dtype; loss and lse are float32
 
 
@@ -107,6 +112,6 @@ def test_bridge_matches_jax_called_from_jax(case, jax_backend):
         # still agree to a few units of the format's precision.
         rel = float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
         unit = float(ml_dtypes.finfo(harness.NP_DTYPES[dtype]).eps)
-        assert rel <= BRIDGE_ULPS * unit, (
+        assert rel <= BRIDGE_NORM_EPS * unit, (
             f"{key}: bridge vs {jax_backend} differ by {worst:.3g} ulps (max), "
             f"{rel / unit:.3g} eps in norm")
