@@ -320,15 +320,15 @@ def run_gloo_ranks(body, world, out_dir, *args, triton_interpret=False):
     return res
 
 
-def run_jax_worker(script: str, devices: int = 4) -> dict:
-    """Run ``tests/<script>`` in a subprocess with ``devices`` host CPU devices (JAX fixes its
-    device count when it initialises, and this pytest process has initialised it already)
-    and the session's seed; returns the JSON object its last stdout line holds."""
+def run_jax_worker(script: str, devices: int = 4, args=()) -> dict:
+    """Run ``tests/<script> *args`` in a subprocess with ``devices`` host CPU devices (JAX
+    fixes its device count when it initialises, and this pytest process has initialised it
+    already) and the session's seed; returns the JSON object its last stdout line holds."""
     env = dict(os.environ, LOGITLESS_TEST_SEED=str(harness.SEED),
                XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
                JAX_PLATFORMS="cpu")
     here = os.path.dirname(os.path.abspath(__file__))
-    proc = subprocess.run([sys.executable, os.path.join(here, script)],
+    proc = subprocess.run([sys.executable, os.path.join(here, script), *args],
                           capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-5000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -7,13 +7,19 @@ The worker compares every case (every option and reduction, fp32 and bf16, sever
 all-ignored batches, a device owning none of the targets; jit of the VJP through shard_map)
 with the float64 spec under the shared harness rule.
 """
+import pytest
+
 from helpers import run_jax_worker
 
 
-def test_vocab_parallel_jax_equals_spec():
-    res = run_jax_worker("vocab_parallel_jax_worker.py")
+@pytest.mark.parametrize("part", ["4", "2"], ids=["4dev", "2dev"])
+def test_vocab_parallel_jax_equals_spec(part):
+    res = run_jax_worker("vocab_parallel_jax_worker.py", args=(part,))
     assert not res["failures"], "\n".join(res["failures"])
-    assert res["checked"] >= 40, res  # the case matrix really ran (2 and 4 devices)
+    # the case matrix really ran
+    assert res["checked"] >= (25 if part == "4" else 15), res
+    if part == "4":
+        return
     assert res["count"] == 6.0, res   # global_token_count psum-ed over a "dp" axis
     # narrow labels counted as the loss reads them (see the worker)
     assert res["narrow_counts"] == [4.0, 4.0, 3.0], res
