@@ -568,4 +568,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    common.exit_after_results(main())  # torch and JAX in one process: see there

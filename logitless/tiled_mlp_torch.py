@@ -6,7 +6,8 @@ Two implementations behind one entry point:
 * **generic** (any ``nn.Module`` MLP): an ``autograd.Function`` whose inputs are ``x`` *and
   the module's parameters*. Forward runs the shards under ``no_grad``; backward recomputes
   each shard with *detached aliases* of the parameters swapped into the module (same storage,
-  separate autograd leaves; every name a parameter is registered under, restored after) and ``torch.autograd.backward(..., inputs=...)``.
+  separate autograd leaves; under every name a parameter is registered under, restored after)
+  and ``torch.autograd.backward(..., inputs=...)``.
   Each alias's per-shard gradient is added into an accumulator the moment it is ready (a
   post-accumulate hook), so one parameter's shard gradient exists at a time. The real
   parameters never enter the shard graphs: their gradient hooks (DDP's reducer, FSDP,
