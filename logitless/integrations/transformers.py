@@ -16,7 +16,9 @@ decoder's output, and computes the loss as ``transformers``' ``ForCausalLMLoss``
 shifted by one with ``ignore_index`` padding, ``sum / num_items_in_batch`` when the Trainer
 passes ``num_items_in_batch`` (gradient accumulation), ``mean`` over non-ignored tokens
 otherwise — with :func:`logitless.torch.linear_cross_entropy` on the LM head's weight (and
-Gemma-2/3's final logit softcap). The output's ``logits`` is ``None`` then. Without labels, or
+Gemma-2/3's final logit softcap). The output's ``logits`` is ``None`` then (with
+``return_dict=False``, ``None`` keeps its place in the tuple). The hidden states move to the
+head's device first, as accelerate's ``lm_head`` hook moves them. Without labels, or
 in eval mode (unless ``fuse_in_eval=True``), the model's forward runs untouched.
 
 The patch is per instance (``model.forward``), keeps the forward's signature (the Trainer
