@@ -7,7 +7,10 @@ the naive *JAX* path: the numbers are JAX's (its GEMMs round the bf16 logits), a
 GEMMs round them differently, which at N=1 alone can exceed the bf16 floor.
 """
 from backends_torch import torch_backend_runner
-from harness import Backend, register
+from harness import Backend, crossing_cases, register
+from op_linear_cross_entropy import OP
 
 register(Backend("bridge-pallas", torch_backend_runner("pallas"), naive="naive-jax",
-                 requires=("torch", "jax")))
+                 requires=("torch", "jax"),
+                 takes=crossing_cases(OP, lambda c: c.ignore == "all" or bool(c.chunk_size)
+                                      or c.masked or c.n == 1)))

@@ -2,8 +2,12 @@
 
 ``lt.linear_jsd(..., backend="pallas")`` on torch tensors; tolerances are those of the naive
 PyTorch path (the user's alternative on this side of the bridge)."""
+import op_linear_jsd
 from backends_jsd_torch import OP, jsd_runner
-from harness import Backend, register
+from harness import Backend, crossing_cases, register
 
 register(Backend("bridge-pallas", jsd_runner("pallas"), naive="naive-torch",
-                 requires=("torch", "jax"), op=OP))
+                 requires=("torch", "jax"), op=OP,
+                 takes=crossing_cases(op_linear_jsd.OP,
+                                      lambda c: not c.targets or c.ignore == "all" or c.n == 1
+                                      or bool(c.teacher_dtype) or bool(c.chunk_size))))

@@ -95,6 +95,25 @@ def cases_under_test(op: "Op") -> List[Tuple[str, Any]]:
             if backends(op.name)[name].takes is None or backends(op.name)[name].takes(case)]
 
 
+def crossing_cases(op, distinct: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    """A ``takes`` for the bridge backends off a GPU. The bridge runs the very JAX program that
+    backend "pallas" runs on every case (and test_parity checks it equals that program); what
+    it adds is the crossing: dtypes, shapes, which inputs get gradients, extra outputs. So in
+    the interpreter (CI time) it takes the first case of each (dtype, reduction) and every case
+    where ``distinct(case)`` (a data path of its own); on a GPU, every case."""
+    picked = {}
+
+    def takes(case) -> bool:
+        import torch
+        if torch.cuda.is_available():
+            return True
+        if not picked:
+            for c in op.cases():
+                picked.setdefault((c.dtype, c.reduction), c.id)
+        return case.id in picked.values() or distinct(case)
+    return takes
+
+
 def under_test(op: str) -> List[str]:
     """Every registered backend of ``op`` but the naive reference paths."""
     return [name for name in backends(op) if not name.startswith("naive")]
