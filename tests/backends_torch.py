@@ -100,9 +100,13 @@ def own_gemm_takes(case):
 
 
 def own_gemm_runner(case, inp):
-    """backend="triton" with the forward's logits from logits_gemm="triton" where it applies."""
-    gemm = "triton" if own_gemm_takes(case) else "cublas"
-    return torch_backend_runner("triton", logits_gemm=gemm)(case, inp)
+    """backend="triton" with logits_gemm="triton" where it applies: the forward's logits with
+    their statistics; and the recomputing sweeps' dz straight from the GEMM, which "none"
+    cases (token sweep) and "sum" cases, run in low-memory mode (vocabulary sweep), reach."""
+    if not own_gemm_takes(case):
+        return torch_backend_runner("triton")(case, inp)
+    lowmem = dict(low_memory=True, vocab_chunk_size=64) if case.reduction == "sum" else {}
+    return torch_backend_runner("triton", logits_gemm="triton", **lowmem)(case, inp)
 
 
 register(Backend("triton-own-gemm", own_gemm_runner, naive="naive-torch",

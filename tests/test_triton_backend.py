@@ -194,6 +194,19 @@ def _spy_own_gemm(monkeypatch):
     return calls
 
 
+def _spy_grad_gemm(monkeypatch):
+    """Record (rows, first class, classes) of each launch of the dz-epilogue GEMM."""
+    import logitless.triton_kernels.logits_gemm as stats_gemm
+    calls = []
+    real = stats_gemm.logit_grads
+
+    def spy(x, w, col_offset, out, *args, **kwargs):
+        calls.append((x.shape[0], col_offset, out.shape[1]))
+        return real(x, w, col_offset, out, *args, **kwargs)
+    monkeypatch.setattr(stats_gemm, "logit_grads", spy)
+    return calls
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_own_logits_gemm_runs_and_equals_the_cublas_path(monkeypatch, dtype):
     # V not a multiple of 8 (padded rows), 3 token chunks; several row / column / K tiles in
@@ -205,10 +218,11 @@ def test_own_logits_gemm_runs_and_equals_the_cublas_path(monkeypatch, dtype):
     kw = dict(backend="triton", linear_bias=b, weight=cw, softcap=6.0, z_loss=1e-3,
               chunk_size=48)
     calls = _spy_own_gemm(monkeypatch)
+    grad_calls = _spy_grad_gemm(monkeypatch)
     ref = _loss_and_grads(x, w, y, logits_gemm="cublas", **kw)
-    assert calls == []
+    assert calls == [] and grad_calls == []
     got = _loss_and_grads(x, w, y, logits_gemm="triton", **kw)
-    assert calls == [48, 48, 4]
+    assert calls == [48, 48, 4] and grad_calls == []  # the fast forward wrote the gradients
     torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=0)
     for a, r in zip(got[1:], ref[1:]):
         rel = ((a.float() - r.float()).norm() / r.float().norm()).item()
@@ -218,6 +232,47 @@ def test_own_logits_gemm_runs_and_equals_the_cublas_path(monkeypatch, dtype):
     assert len(calls) == 6
     torch.testing.assert_close(none.sum() / cw[y.clamp_min(0)][y != -100].sum(), ref[0],
                                rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_own_gemm_recomputes_dz_in_its_epilogue(monkeypatch, dtype, reduction):
+    """The recomputing sweeps (low-memory mode's vocabulary sweep; reduction="none" and lse
+    gradients in the token sweep) take dz from the GEMM's epilogue: no logits block, no row
+    pass, the results of cuBLAS + the row kernel. Every option but smoothing, a ragged last
+    chunk of each sweep, V not a multiple of 8, an ignored and a zero-weight target."""
+    n, h, v = 70, 64, 301
+    x, w, y = _data(n, h, v, dtype=dtype, seed=31)
+    y[3] = -100
+    g = torch.Generator().manual_seed(SEED + 32)
+    b = torch.randn(v, generator=g).to(DEV, dtype)
+    cw = torch.rand(v, generator=g).to(DEV)
+    cw[y[5]] = 0.0
+    up = torch.rand(n, generator=g).to(DEV) if reduction == "none" else None
+    up_lse = torch.randn(n, generator=g).to(DEV)
+
+    def run(gemm, low_memory):
+        xg, wg, bg = (t.detach().requires_grad_() for t in (x, w, b))
+        loss, lse = lt.linear_cross_entropy(
+            xg, wg, y, linear_bias=bg, weight=cw, softcap=6.0, z_loss=1e-3, backend="triton",
+            reduction=reduction, return_lse=True, chunk_size=32, vocab_chunk_size=120,
+            low_memory=low_memory, logits_gemm=gemm)
+        torch.autograd.backward([loss, lse], [torch.ones_like(loss) if up is None else up,
+                                              up_lse])
+        return loss.detach(), xg.grad, wg.grad, bg.grad
+
+    for low_memory in (False, True):
+        ref = run("cublas", low_memory)
+        calls = _spy_grad_gemm(monkeypatch)
+        got = run("triton", low_memory)
+        sweep = [(32, 0, v), (32, 0, v), (6, 0, v)]  # the token sweep: dX (and dW, fast)
+        if low_memory:  # then the vocabulary sweep: dW and db
+            sweep += [(n, 0, 120), (n, 120, 120), (n, 240, 61)]
+        assert calls == sweep
+        torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=0)
+        for a, r in zip(got[1:], ref[1:]):
+            rel = ((a.float() - r.float()).norm() / r.float().norm()).item()
+            assert rel < 2e-3, rel  # summation order only
 
 
 @pytest.mark.parametrize("v", [248, 301])

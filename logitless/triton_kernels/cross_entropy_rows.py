@@ -61,6 +61,57 @@ def _logit(base, bias_ptr, col_offset, cols, lmask, mask, HAS_BIAS: tl.constexpr
 
 
 @triton.jit
+def _target(y, ignore_index, V, cw_ptr, HAS_CW: tl.constexpr):
+    """(valid, in_range, y_safe, omega, mask_f) of targets ``y`` (int64, a scalar or a vector
+    of rows): ``y_safe`` is a class index safe to read at (0 for an ignored or out-of-range
+    target), ``omega`` the token's weight ω (0 when ignored)."""
+    valid = y != ignore_index
+    in_range = (y >= 0) & (y < V)
+    mask_f = tl.where(valid, 1.0, 0.0)
+    y_safe = tl.where(valid & in_range, y, 0)
+    if HAS_CW:
+        omega = mask_f * tl.load(cw_ptr + y_safe).to(tl.float32)
+    else:
+        omega = mask_f
+    return valid, in_range, y_safe, omega, mask_f
+
+
+@triton.jit
+def _grad_coefs(g, h, lse, omega, mask_f, omega_sum, V, eps, z_loss, HAS_Z: tl.constexpr,
+                SMOOTH: tl.constexpr, HAS_H: tl.constexpr):
+    """Per-token coefficients of dz = coef_p·p − coef_y·[v = y] − coef_w·w_v (then times the
+    softcap derivative), for upstream gradients g (loss) and h (lse)."""
+    a = (1.0 - eps) * omega
+    if HAS_Z:
+        a += 2.0 * z_loss * omega * lse
+    if SMOOTH:
+        a += mask_f * (eps / V) * omega_sum
+    coef_p = g * a
+    if HAS_H:
+        coef_p += h
+    return coef_p, g * (1.0 - eps) * omega, g * mask_f * (eps / V)
+
+
+@triton.jit
+def _logit_grad(c, lse, coef_p, coef_y, coef_w, is_y, wv, softcap, SMOOTH: tl.constexpr,
+                HAS_CW: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+    """dz at capped logits ``c`` (fp32; every other argument broadcasts against it): ``is_y``
+    marks the target's column, ``wv`` the class weights (read only with smoothing and class
+    weights)."""
+    d = coef_p * tl.exp(c - lse)
+    d -= tl.where(is_y, coef_y, 0.0)
+    if SMOOTH:
+        if HAS_CW:
+            d -= coef_w * wv
+        else:
+            d -= coef_w
+    if HAS_SOFTCAP:
+        r = c / softcap
+        d *= 1.0 - r * r
+    return d
+
+
+@triton.jit
 def cross_entropy_rows_kernel(
     logits_ptr, stride_row, bias_ptr,
     y_ptr, cw_ptr, omega_sum_ptr,
@@ -84,14 +135,7 @@ def cross_entropy_rows_kernel(
         row64 = tl.cast(row, tl.int64)
         base = logits_ptr + row64 * stride_row
         y = tl.load(y_ptr + row64).to(tl.int64)
-        valid = y != ignore_index
-        in_range = (y >= 0) & (y < V)
-        mask_f = tl.where(valid, 1.0, 0.0)
-        y_safe = tl.where(valid & in_range, y, 0)
-        if HAS_CW:
-            omega = mask_f * tl.load(cw_ptr + y_safe).to(tl.float32)
-        else:
-            omega = mask_f
+        valid, in_range, y_safe, omega, mask_f = _target(y, ignore_index, V, cw_ptr, HAS_CW)
         y_local = y_safe - col_offset  # the target's column inside this buffer, if it is here
 
         if COMPUTE_LSE:
@@ -149,16 +193,11 @@ def cross_entropy_rows_kernel(
             # an ignored token's gradient is 0 whatever its upstream g (F.cross_entropy's rule):
             # selected, as g·0 would turn an inf or NaN g into NaN in every dW row
             g = tl.where(valid, tl.load(g_ptr + row64 * g_stride).to(tl.float32), 0.0)
-            a = (1.0 - eps) * omega
-            if HAS_Z:
-                a += 2.0 * z_loss * omega * lse
-            if SMOOTH:
-                a += mask_f * (eps / V) * omega_sum
-            coef_p = g * a
+            h = 0.0
             if HAS_H:
-                coef_p += tl.load(h_ptr + row64).to(tl.float32)
-            coef_y = g * (1.0 - eps) * omega
-            coef_w = g * mask_f * (eps / V)
+                h = tl.load(h_ptr + row64).to(tl.float32)
+            coef_p, coef_y, coef_w = _grad_coefs(g, h, lse, omega, mask_f, omega_sum, V, eps,
+                                                 z_loss, HAS_Z, SMOOTH, HAS_H)
             # Backwards over the row: its most recently read tail is the likeliest to be in L2.
             n_blocks = tl.cdiv(n_cols, BLOCK_V)
             for i in range(0, n_blocks):
@@ -167,17 +206,11 @@ def cross_entropy_rows_kernel(
                 lmask = cols < n_load
                 z = _logit(base, bias_ptr, col_offset, cols, lmask, cmask, HAS_BIAS)
                 c = _cap(z, softcap, HAS_SOFTCAP)
-                d = coef_p * tl.exp(c - lse)
-                d -= tl.where(cols == y_local, coef_y, 0.0)
-                if SMOOTH:
-                    if HAS_CW:
-                        wv = tl.load(cw_ptr + col_offset + cols, mask=cmask, other=0.0).to(tl.float32)
-                        d -= coef_w * wv
-                    else:
-                        d -= coef_w
-                if HAS_SOFTCAP:
-                    r = c / softcap
-                    d *= 1.0 - r * r
+                wv = 0.0
+                if SMOOTH and HAS_CW:
+                    wv = tl.load(cw_ptr + col_offset + cols, mask=cmask, other=0.0).to(tl.float32)
+                d = _logit_grad(c, lse, coef_p, coef_y, coef_w, cols == y_local, wv, softcap,
+                                SMOOTH, HAS_CW, HAS_SOFTCAP)
                 if ROUND_BF16:
                     # The interpreter's fp32->bf16 cast truncates (the GPU rounds to nearest
                     # even); pre-round the bits so interpreted tests see the GPU's numbers.

@@ -135,6 +135,22 @@ def _logits(x_c, w, out):
     return common.vocab_mm_(x_c, w.t(), out, axis=1)
 
 
+def _logit_grads(x, w, col_offset, out, bias, y, cw, omega_sum, lse, g, h, opts_t, v, cfg):
+    """``out`` = dz of classes ``[col_offset, col_offset + out.shape[1])`` for all rows of
+    ``x`` with ``lse`` known (a recomputing backward): through cuBLAS then the row kernel's
+    gradient pass, or, with ``logits_gemm="triton"``, one GEMM of ours whose epilogue writes dz
+    (:func:`.logits_gemm.logit_grads`: no logits stored, no pass over them)."""
+    if cfg.logits_gemm == LOGITS_GEMM["triton"]:
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 3
+        stats_gemm.logit_grads(x, w, col_offset, out, bias, y, cw, omega_sum, lse, g, h, opts_t,
+                               _interpret(), sms)
+        return out
+    _logits(x, w[col_offset:col_offset + out.shape[1]], out)
+    _rows(out, bias, x.shape[0], out.shape[1], col_offset, y, cw, omega_sum, lse, None, g, h,
+          opts_t, v, cfg, compute_lse=False, write_grad=True)
+    return out
+
+
 def _ones(like):
     return torch.ones(1, dtype=torch.float32, device=like.device)
 
@@ -196,10 +212,9 @@ def _token_sweep(x, w, bias, y, cw, omega_sum, lse, g, h, opts_t, cfg, need_dx, 
     buf = common.rows_buffer(min(cfg.chunk, n), v, x.dtype, x.device)
     for s in range(0, n, cfg.chunk):
         e = min(s + cfg.chunk, n)
-        blk = _logits(x[s:e], w, buf[: e - s])
-        _rows(blk, bias, e - s, v, 0, y[s:e], cw, omega_sum, lse[s:e], None,
-              g if g.numel() == 1 else g[s:e], None if h is None else h[s:e],
-              opts_t, v, cfg, compute_lse=False, write_grad=True)
+        blk = _logit_grads(x[s:e], w, 0, buf[: e - s], bias, y[s:e], cw, omega_sum, lse[s:e],
+                           g if g.numel() == 1 else g[s:e], None if h is None else h[s:e],
+                           opts_t, v, cfg)
         if need_dx:
             common.mm_over_vocab(blk, w, dx[s:e])
         _accumulate(dw_acc, db_acc, blk, x[s:e], first=s == 0)
@@ -227,10 +242,8 @@ def _vocab_sweep(x, w, bias, y, cw, omega_sum, lse, g, h, opts_t, cfg, post_scal
     buf = common.rows_buffer(n, min(cfg.vocab_chunk, v), x.dtype, x.device)
     for s in range(0, v, cfg.vocab_chunk):
         e = min(s + cfg.vocab_chunk, v)
-        blk = buf[:, : e - s]
-        _logits(x, w[s:e], blk)
-        _rows(blk, bias, n, e - s, s, y, cw, omega_sum, lse, None, g, h, opts_t, v, cfg,
-              compute_lse=False, write_grad=True)
+        blk = _logit_grads(x, w, s, buf[:, : e - s], bias, y, cw, omega_sum, lse, g, h, opts_t,
+                           v, cfg)
         if dw_out is not None:
             if post_scale is None and dw_out.dtype != torch.float16:
                 # straight into the gradient: fp32 inside cuBLAS, as F.linear's backward (which
@@ -332,11 +345,13 @@ def _bwd_op(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], y: t
             h: Optional[torch.Tensor], post_scale: Optional[torch.Tensor], ignore_index: int,
             label_smoothing: float, z_loss: float, softcap: float, need_dx: bool, need_dw: bool,
             need_db: bool, low_memory: bool, chunk: int, vocab_chunk: int, block_v: int,
-            num_warps: int, accum_fp32: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            num_warps: int, accum_fp32: bool, gemm: int
+            ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Recomputing backward. ``g``: per-token upstream gradient (N,) or a uniform one (1,);
-    ``h``: upstream gradient of lse; ``post_scale`` multiplies the vocabulary-sweep results."""
+    ``h``: upstream gradient of lse; ``post_scale`` multiplies the vocabulary-sweep results;
+    ``gemm``: the forward's ``LOGITS_GEMM`` code (its layouts were checked there)."""
     with common.on_device(x):
-        cfg = Config(chunk, vocab_chunk, block_v, num_warps)
+        cfg = Config(chunk, vocab_chunk, block_v, num_warps, gemm)
         opts_t = _opts_tuple(ignore_index, label_smoothing, z_loss, softcap)
         v, hdim = w.shape
         omega_sum = _omega_sum(cw)
@@ -366,7 +381,8 @@ def _bwd_op(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], y: t
 
 @_bwd_op.register_fake
 def _(x, w, bias, y, cw, lse, g, h, post_scale, ignore_index, label_smoothing, z_loss, softcap,
-      need_dx, need_dw, need_db, low_memory, chunk, vocab_chunk, block_v, num_warps, accum_fp32):
+      need_dx, need_dw, need_db, low_memory, chunk, vocab_chunk, block_v, num_warps, accum_fp32,
+      gemm):
     need_db = need_db and bias is not None
     return (x.new_empty(x.shape) if need_dx else x.new_empty(0),
             w.new_empty(w.shape) if need_dw else x.new_empty(0),
@@ -384,14 +400,14 @@ def _cast(acc, scale, dtype, out=None):
 def _setup_context(ctx, inputs, output):
     (x, w, bias, y, cw, reduction, ignore_index, label_smoothing, z_loss, softcap, grad_mode,
      _need_dx, _need_dw, _need_db, low_memory, chunk, vocab_chunk, block_v, num_warps,
-     accum_fp32, _gemm) = inputs
+     accum_fp32, gemm) = inputs
     loss, lse, denom, dx, dw_a, dw_b, db = output
     ctx.save_for_backward(x, w, bias, y, cw, lse, denom, dx, dw_a, dw_b, db)
     ctx.args = dict(reduction=reduction, ignore_index=ignore_index,
                     label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
                     grad_mode=grad_mode, low_memory=low_memory, chunk=chunk,
                     vocab_chunk=vocab_chunk, block_v=block_v, num_warps=num_warps,
-                    accum_fp32=accum_fp32)
+                    accum_fp32=accum_fp32, gemm=gemm)
     ctx.set_materialize_grads(False)
 
 
@@ -442,7 +458,7 @@ def _gradients(ctx, g_loss, g_lse):
                             None if fold else scale, a["ignore_index"],
                             a["label_smoothing"], a["z_loss"], a["softcap"], False, need_w,
                             need_b, True, a["chunk"], a["vocab_chunk"], a["block_v"],
-                            a["num_warps"], a["accum_fp32"])
+                            a["num_warps"], a["accum_fp32"], a["gemm"])
         return gx, gw if need_w else None, gb if (need_b and bias is not None) else None
     # Per-token upstream (reduction="none") or a gradient on lse: recompute.
     if g_loss is None:
@@ -453,7 +469,7 @@ def _gradients(ctx, g_loss, g_lse):
     gx, gw, gb = _bwd_op(x, w, bias, y, cw, lse, g, h, None, a["ignore_index"],
                          a["label_smoothing"], a["z_loss"], a["softcap"], need_x, need_w,
                          need_b, low_memory, a["chunk"], a["vocab_chunk"], a["block_v"],
-                         a["num_warps"], a["accum_fp32"])
+                         a["num_warps"], a["accum_fp32"], a["gemm"])
     return (gx if need_x else None, gw if need_w else None,
             gb if (need_b and bias is not None) else None)
 

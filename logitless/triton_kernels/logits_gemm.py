@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .cross_entropy_rows import _cap, _finite_ref
+from .cross_entropy_rows import _cap, _finite_ref, _grad_coefs, _logit_grad, _target
 from .narrow_cast import round_bf16_bits
 
 # Tiles for Hopper (benchmarks/gemm_probe.py: 128x256x64, 3 stages, 8 warps, grouped by 16
@@ -41,6 +41,21 @@ def grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _tile_product(x_desc, w_desc, om, on, k_tiles, BM: tl.constexpr, BN: tl.constexpr,
+                  BK: tl.constexpr, INTERPRET: tl.constexpr):
+    """The fp32 ``[BM, BN]`` tile of x·Wᵀ at rows ``om`` of x and rows ``on`` of W."""
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for ki in range(k_tiles):
+        a = x_desc.load([om, ki * BK])
+        b = w_desc.load([on, ki * BK])
+        if INTERPRET:  # the interpreter mis-computes half-precision dots: upcast
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b.T, acc)
+    return acc
+
+
+@triton.jit
 def logits_stats_kernel(x_desc, w_desc, z_desc, bias_ptr, stat_m_ptr, stat_s_ptr, M, N, K,
                         softcap, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
@@ -55,14 +70,7 @@ def logits_stats_kernel(x_desc, w_desc, z_desc, bias_ptr, stat_m_ptr, stat_s_ptr
         pid_m, pid_n = grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
         om = pid_m * BM
         on = pid_n * BN
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for ki in range(k_tiles):
-            a = x_desc.load([om, ki * BK])
-            b = w_desc.load([on, ki * BK])
-            if INTERPRET:  # the interpreter mis-computes half-precision dots: upcast
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            acc = tl.dot(a, b.T, acc)
+        acc = _tile_product(x_desc, w_desc, om, on, k_tiles, BM, BN, BK, INTERPRET)
         cols = on + tl.arange(0, BN)
         cmask = cols < N
         if INTERPRET and z_desc.dtype == tl.bfloat16:
@@ -81,6 +89,88 @@ def logits_stats_kernel(x_desc, w_desc, z_desc, bias_ptr, stat_m_ptr, stat_s_ptr
         idx = rows * num_pid_n + pid_n
         tl.store(stat_m_ptr + idx, m, mask=rows < M)
         tl.store(stat_s_ptr + idx, s, mask=rows < M)
+
+
+@triton.jit
+def logits_grad_kernel(x_desc, w_desc, dz_desc, bias_ptr, y_ptr, cw_ptr, omega_sum_ptr, lse_ptr,
+                       g_ptr, g_stride, h_ptr, M, N, K, col_offset, V, ignore_index, eps, z_loss,
+                       softcap, num_programs, HAS_BIAS: tl.constexpr, HAS_CW: tl.constexpr,
+                       SMOOTH: tl.constexpr, HAS_Z: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                       HAS_H: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                       BK: tl.constexpr, GROUP_M: tl.constexpr, INTERPRET: tl.constexpr):
+    """dz of rows ``[0, M)`` and classes ``[col_offset, col_offset + N)`` straight from the
+    GEMM's accumulator, the log-sum-exp being known (a recomputing backward): the logits are
+    rounded to the input dtype as the forward's were, the bias joins in fp32, and the tile is
+    rewritten into its gradient by the row kernel's own formula (``_logit_grad``). No logits
+    are stored, and no pass over a logits block follows."""
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BM)
+    num_pid_n = tl.cdiv(N, BN)
+    k_tiles = tl.cdiv(K, BK)
+    if HAS_CW:
+        omega_sum = tl.load(omega_sum_ptr).to(tl.float32)
+    else:
+        omega_sum = V * 1.0
+    for tile in tl.range(pid, num_pid_m * num_pid_n, num_programs, flatten=not INTERPRET):
+        pid_m, pid_n = grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
+        om = pid_m * BM
+        on = pid_n * BN
+        # W's rows past this chunk (or past V: zeros) give junk columns that the store clips
+        acc = _tile_product(x_desc, w_desc, om, col_offset + on, k_tiles, BM, BN, BK, INTERPRET)
+        if INTERPRET and dz_desc.dtype == tl.bfloat16:
+            acc = round_bf16_bits(acc)  # the interpreter's cast truncates; the GPU rounds
+        z = acc.to(dz_desc.dtype).to(tl.float32)  # the logits as the forward rounded them
+        cols = col_offset + on + tl.arange(0, BN)  # class indices
+        cmask = cols < col_offset + N
+        if HAS_BIAS:
+            z += tl.load(bias_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        c = _cap(z, softcap, HAS_SOFTCAP)
+        rows = (om + tl.arange(0, BM)).to(tl.int64)
+        rmask = rows < M
+        y = tl.load(y_ptr + rows, mask=rmask, other=ignore_index).to(tl.int64)
+        valid, in_range, y_safe, omega, mask_f = _target(y, ignore_index, V, cw_ptr, HAS_CW)
+        lse = tl.load(lse_ptr + rows, mask=rmask, other=0.0)
+        # an ignored token's gradient is 0 whatever its g (selected, as in the row kernel)
+        g = tl.where(valid, tl.load(g_ptr + rows * g_stride, mask=rmask, other=0.0), 0.0)
+        h = tl.zeros((BM,), dtype=tl.float32)
+        if HAS_H:
+            h = tl.load(h_ptr + rows, mask=rmask, other=0.0)
+        coef_p, coef_y, coef_w = _grad_coefs(g, h, lse, omega, mask_f, omega_sum, V, eps, z_loss,
+                                             HAS_Z, SMOOTH, HAS_H)
+        wv = tl.zeros((BN,), dtype=tl.float32)
+        if SMOOTH and HAS_CW:
+            wv = tl.load(cw_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+        d = _logit_grad(c, lse[:, None], coef_p[:, None], coef_y[:, None], coef_w[:, None],
+                        cols[None, :] == y_safe[:, None], wv[None, :], softcap, SMOOTH, HAS_CW,
+                        HAS_SOFTCAP)
+        if INTERPRET and dz_desc.dtype == tl.bfloat16:
+            d = round_bf16_bits(d)
+        dz_desc.store([om, on], d.to(dz_desc.dtype))
+
+
+def logit_grads(x: torch.Tensor, w: torch.Tensor, col_offset: int, out: torch.Tensor, bias, y,
+                cw, omega_sum, lse, g, h, opts_t, interpret: bool, num_sms: int) -> None:
+    """``out`` (``[rows of x, n]``) = dz of classes ``[col_offset, col_offset + n)`` for the
+    known ``lse`` (:func:`logits_grad_kernel`): one GEMM, no logits block, no row pass.
+    ``g``: the upstream gradient, (1,) or one per row; ``h``: that of lse, or None."""
+    m, k = x.shape
+    n = out.shape[1]
+    if m == 0 or n == 0:
+        return
+    ignore_index, eps, z_loss, softcap = opts_t
+    t = tiles(interpret)
+    bm, bn, bk = t["bm"], t["bn"], t["bk"]
+    n_tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    programs = max(1, min(num_sms, n_tiles))
+    logits_grad_kernel[(programs,)](
+        TensorDescriptor.from_tensor(x, [bm, bk]), TensorDescriptor.from_tensor(w, [bn, bk]),
+        TensorDescriptor.from_tensor(out, [bm, bn]), lse if bias is None else bias, y,
+        lse if cw is None else cw, lse if omega_sum is None else omega_sum, lse, g,
+        0 if g.numel() == 1 else 1, lse if h is None else h, m, n, k, col_offset, w.shape[0],
+        ignore_index, eps, z_loss, 1.0 if softcap is None else softcap, programs,
+        HAS_BIAS=bias is not None, HAS_CW=cw is not None, SMOOTH=eps > 0, HAS_Z=z_loss > 0,
+        HAS_SOFTCAP=softcap is not None, HAS_H=h is not None, BM=bm, BN=bn, BK=bk,
+        GROUP_M=t["group_m"], INTERPRET=interpret, num_stages=t["stages"], num_warps=t["warps"])
 
 
 def tiles(interpret: bool) -> dict:
