@@ -43,7 +43,7 @@ def probe(c_tok, h, v, reps, out):
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
 
     def rows(stats):
-        tl_lce._rows(buf, c_tok, v, 0, y, None, None, lse, loss, g, None, opts, v, cfg,
+        tl_lce._rows(buf, None, c_tok, v, 0, y, None, None, lse, loss, g, None, opts, v, cfg,
                      compute_lse=True, write_grad=True, stats=stats)
 
     rec = dict(shape=f"{c_tok}x{h}x{v}")
@@ -74,15 +74,68 @@ def probe(c_tok, h, v, reps, out):
     sg.GPU_TILES.update(saved)
 
 
+GRAD_TILES = [
+    dict(bm=128, bn=256, bk=64, group_m=16, stages=3, warps=8),
+    dict(bm=128, bn=256, bk=64, group_m=8, stages=4, warps=8),
+    dict(bm=128, bn=128, bk=64, group_m=8, stages=4, warps=4),
+    dict(bm=128, bn=128, bk=64, group_m=8, stages=4, warps=8),
+    dict(bm=256, bn=128, bk=64, group_m=8, stages=3, warps=8),
+    dict(bm=128, bn=256, bk=64, group_m=8, stages=3, warps=8, ws=True),
+]
+
+
+def probe_grad(m, h, v, reps, out):
+    """A recomputing sweep's block (rows x classes, lse known): cuBLAS logits + the row
+    kernel's gradient pass against the dz-epilogue GEMM (``logits_gemm.logit_grads``)."""
+    dev = "cuda"
+    x = torch.randn(m, h, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(v, h, device=dev, dtype=torch.bfloat16) * h ** -0.5
+    y = torch.randint(0, v, (m,), device=dev)
+    buf = rows_buffer(m, v, torch.bfloat16, dev)
+    f32 = dict(device=dev, dtype=torch.float32)
+    lse, g = torch.randn(m, **f32) + 12.0, torch.ones(1, **f32)
+    cfg = tl_lce.Config(m, v, 0, 0)
+    opts = (-100, 0.0, 0.0, None)
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    rec = dict(mode="grad", shape=f"{m}x{h}x{v}")
+    rec["cublas_logits"] = ms(lambda: torch.mm(x, w.t(), out=buf), reps)
+    rec["rows_grad_pass"] = ms(lambda: tl_lce._rows(
+        buf, None, m, v, 0, y, None, None, lse, None, g, None, opts, v, cfg, compute_lse=False,
+        write_grad=True), reps)
+    print(json.dumps(rec), flush=True)
+    out.write(json.dumps(rec) + "\n")
+    saved = dict(sg.GPU_TILES)
+    for t in GRAD_TILES:
+        sg.GPU_TILES.clear()
+        sg.GPU_TILES.update(t)
+        r = dict(mode="grad", shape=rec["shape"], **t)
+        try:
+            r["own_grad_gemm"] = ms(lambda: sg.logit_grads(
+                x, w, 0, buf, None, y, None, None, lse, g, None, opts, False, sms), reps)
+            r["vs_cublas_plus_pass"] = (r["own_grad_gemm"] - rec["cublas_logits"]
+                                        - rec["rows_grad_pass"])
+        except Exception as e:  # a configuration the compiler rejects is a result too
+            r["error"] = f"{type(e).__name__}: {str(e)[:160]}"
+        print(json.dumps(r), flush=True)
+        out.write(json.dumps(r) + "\n")
+    sg.GPU_TILES.clear()
+    sg.GPU_TILES.update(saved)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="/tmp/logits_gemm_probe.jsonl")
     ap.add_argument("--shapes", default="3584,4096,128256;1792,2304,256000")
+    ap.add_argument("--grad-shapes", default="",
+                    help="rows,H,classes;... blocks for the dz-epilogue GEMM (e.g. "
+                         "16384,4096,8192 for low-memory's vocabulary sweep at Llama)")
     ap.add_argument("--reps", type=int, default=20)
     a = ap.parse_args()
     with open(a.out, "a") as out:
-        for s in a.shapes.split(";"):
+        for s in filter(None, a.shapes.split(";")):
             probe(*map(int, s.split(",")), a.reps, out)
+        for s in filter(None, a.grad_shapes.split(";")):
+            probe_grad(*map(int, s.split(",")), a.reps, out)
 
 
 if __name__ == "__main__":

@@ -97,7 +97,8 @@ def logits_grad_kernel(x_desc, w_desc, dz_desc, bias_ptr, y_ptr, cw_ptr, omega_s
                        softcap, num_programs, HAS_BIAS: tl.constexpr, HAS_CW: tl.constexpr,
                        SMOOTH: tl.constexpr, HAS_Z: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                        HAS_H: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                       BK: tl.constexpr, GROUP_M: tl.constexpr, INTERPRET: tl.constexpr):
+                       BK: tl.constexpr, GROUP_M: tl.constexpr, INTERPRET: tl.constexpr,
+                       WS: tl.constexpr = False):
     """dz of rows ``[0, M)`` and classes ``[col_offset, col_offset + N)`` straight from the
     GEMM's accumulator, the log-sum-exp being known (a recomputing backward): the logits are
     rounded to the input dtype as the forward's were, the bias joins in fp32, and the tile is
@@ -111,7 +112,8 @@ def logits_grad_kernel(x_desc, w_desc, dz_desc, bias_ptr, y_ptr, cw_ptr, omega_s
         omega_sum = tl.load(omega_sum_ptr).to(tl.float32)
     else:
         omega_sum = V * 1.0
-    for tile in tl.range(pid, num_pid_m * num_pid_n, num_programs, flatten=not INTERPRET):
+    for tile in tl.range(pid, num_pid_m * num_pid_n, num_programs, flatten=not INTERPRET,
+                         warp_specialize=WS):
         pid_m, pid_n = grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
         om = pid_m * BM
         on = pid_n * BN
@@ -170,7 +172,8 @@ def logit_grads(x: torch.Tensor, w: torch.Tensor, col_offset: int, out: torch.Te
         ignore_index, eps, z_loss, 1.0 if softcap is None else softcap, programs,
         HAS_BIAS=bias is not None, HAS_CW=cw is not None, SMOOTH=eps > 0, HAS_Z=z_loss > 0,
         HAS_SOFTCAP=softcap is not None, HAS_H=h is not None, BM=bm, BN=bn, BK=bk,
-        GROUP_M=t["group_m"], INTERPRET=interpret, num_stages=t["stages"], num_warps=t["warps"])
+        GROUP_M=t["group_m"], INTERPRET=interpret, WS=t.get("ws", False), num_stages=t["stages"],
+        num_warps=t["warps"])
 
 
 def tiles(interpret: bool) -> dict:
