@@ -5,7 +5,8 @@ between — log-sum-exp, the loss, the logit gradient — is one Triton kernel
 (:mod:`.cross_entropy_rows`) that rewrites each chunk of logits into its gradient in place.
 ``logits_gemm="triton"`` (opt-in) computes the forward's logits with a Triton GEMM instead,
 whose epilogue leaves the softmax statistics (:mod:`.logits_gemm`): the row kernel then
-reads each chunk once instead of twice.
+reads each chunk once instead of twice; and recomputing sweeps write dz from such a GEMM's
+epilogue, with no logits block and no row pass.
 Two operating points, one keyword:
 
 * ``low_memory=False`` (default, *fast*): for ``mean``/``sum`` the forward also produces the
@@ -497,7 +498,8 @@ def linear_cross_entropy(p: common.Prepared, opts: spec.LinearCrossEntropyOption
     ``num_warps`` (None: 32 for long rows, else block/256 capped to [1, 8]),
     ``logits_gemm`` (``"cublas"``; who computes the forward's logits: ``"cublas"``, or
     ``"triton"``: a GEMM of ours whose epilogue also leaves the softmax statistics, saving
-    the row kernel one of its two passes over the logits; for
+    the row kernel one of its two passes over the logits, and whose recomputing sweeps
+    (low-memory backward, "none", lse gradients) take dz from a GEMM epilogue; for
     bf16/fp16, row-major operands with 16-byte aligned rows, no label smoothing. On an H100
     it measured within the run-to-run spread of cuBLAS: see DESIGN.md).
 

@@ -1,6 +1,10 @@
-"""The logits GEMM of a token chunk in Triton, with the softmax statistics in its epilogue.
+"""Logits GEMMs in Triton with softmax work in their epilogues.
 
-``x_c · Wᵀ`` as a persistent tensor-descriptor (TMA) GEMM whose epilogue, besides storing the
+:func:`logits_with_stats` (the forward) and :func:`logit_grads` (a recomputing backward, the
+log-sum-exp known: the epilogue writes dz instead of the logits, no row pass follows).
+
+Both are ``x_c · Wᵀ`` as a persistent tensor-descriptor (TMA) GEMM. The forward's epilogue,
+besides storing the
 tile (rounded to the input dtype, without the bias: the row kernel adds it, as on the cuBLAS
 path), reduces the tile's logits ``z = x_c·Wᵀ + b`` per row to the max and Σexp of the
 soft-capped values: ``[rows, ceil(V / BN)]`` partial statistics. The row kernel then folds
@@ -10,8 +14,9 @@ logits once for it: the chunk's softmax work becomes one read+write pass instead
 Statistics are taken of the logits as the row kernel reads them (stored product + bias), so
 the loss and the gradient see the same numbers as with cuBLAS and a two-pass row kernel. Opt-in
 (``logits_gemm="triton"``): on an H100 (``benchmarks/logits_gemm_probe.py``) this GEMM is
-~0.35 ms slower than cuBLAS per 3584-token Llama chunk and the pass it saves ~0.5 ms; whole
-fwd+bwd runs measured within the ±2% run-to-run spread of the cuBLAS path (DESIGN.md).
+~0.35 ms slower than cuBLAS per 3584-token Llama chunk and the pass it saves ~0.5 ms; the
+dz epilogue saves ~0.1 ms per low-memory vocabulary block; whole fwd+bwd runs measured within
+the ±2% run-to-run spread of the cuBLAS path (DESIGN.md).
 """
 from __future__ import annotations
 
