@@ -113,6 +113,41 @@ def test_bf16_accumulator_option_is_close_but_fp32_is_default():
     torch.testing.assert_close(fp32[1], bf16[1])  # dX does not involve the accumulator
 
 
+def test_fast_default_chunks_amortize_the_fp32_accumulator(monkeypatch):
+    """Fast mode's default plan: where the budget gives chunks under FAST_MIN_CHUNK tokens
+    (each chunk's dW GEMM reads and writes the fp32 [V, H] accumulator), fewer, equal chunks
+    of about that many, the block never larger than the accumulator; explicit chunk_size /
+    memory_budget, low_memory and a bf16 accumulator keep the budget's plan."""
+    import logitless.triton_kernels.linear_cross_entropy as tlce
+    amortized = tlce._amortized_chunk
+    assert amortized(8192, 256000, 2304, 2, 1792, True) == 4096   # Gemma-2: 2 x 4096
+    assert amortized(16384, 128256, 4096, 2, 3584, True) == 3584  # Llama-3: the budget's
+    assert amortized(10000, 151655, 3584, 2, 3072, True) == 3334  # 3 equal chunks
+    assert amortized(2000, 256000, 2304, 2, 1792, True) == 2000   # one chunk, no accumulator
+    assert amortized(1700, 256000, 2304, 2, 1792, True) == 1792   # one chunk already
+    assert amortized(8192, 256000, 2304, 2, 1792, False) == 1792  # bf16 accumulation
+    assert amortized(8192, 256000, 64, 2, 96, True) == 128        # capped: 4·V·H bytes
+    seen = []
+    real = tlce._fwd_op
+
+    def spy(*args):
+        seen.append(args[15])  # chunk
+        return real(*args)
+    monkeypatch.setattr(tlce, "_fwd_op", spy)
+    monkeypatch.setattr(tlce, "FAST_BUDGET", 40 * 100 * 4)  # 40 fp32 tokens at V = 100
+    monkeypatch.setattr(tlce, "LOW_MEMORY_BUDGET", 40 * 100 * 4)
+    monkeypatch.setattr(tlce, "FAST_MIN_CHUNK", 64)
+    x, w, y = _data(150, 128, 100, dtype=torch.float32)  # the cap: H = 128 fp32 tokens
+    ref = _loss_and_grads(x, w, y, backend="torch")
+    for kw, chunk in (({}, 75), (dict(memory_budget=40 * 100 * 4), 40), (dict(chunk_size=40), 40),
+                      (dict(low_memory=True), 40),
+                      (dict(grad_accum_dtype=torch.float32), 75)):
+        got = _loss_and_grads(x, w, y, backend="triton", **kw)
+        assert seen[-1] == chunk, (kw, seen)
+        for a, r in zip(got, ref):
+            torch.testing.assert_close(a, r, rtol=2e-5, atol=2e-6)
+
+
 def test_triton_argument_errors():
     x, w, y = _data(8, 16, 32)
     with pytest.raises(TypeError, match="low_memory"):

@@ -1,0 +1,47 @@
+"""GPU probe: the CUDA kernels of one fwd+bwd of ``backend="triton"`` linear CE, summed by
+kernel name (torch.profiler), and the eager call's median time, for each set of keywords:
+
+    python3 benchmarks/kernel_table.py 8192,2304,256000 '{}' '{"chunk_size": 4096}'
+
+Not a user benchmark (DESIGN.md records what it found). The profiled call runs once, at the
+clocks of that moment: compare kernels within one run, and ratios to a floor only in
+benchmarks/linear_cross_entropy.py (interleaved timing)."""
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import logitless.torch as lt  # noqa: E402
+from benchmarks.triton_probe import bench, inputs  # noqa: E402
+
+
+def kernel_table(n, h, v, kw, top=12):
+    x, w, y = inputs(n, h, v)
+
+    def one():
+        x.grad = w.grad = None
+        lt.linear_cross_entropy(x, w, y, backend="triton", **kw).backward()
+    one()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        one()
+        torch.cuda.synchronize()
+    rows = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            t, c = rows.get(e.name[:60], (0.0, 0))
+            rows[e.name[:60]] = (t + e.device_time / 1e3, c + 1)
+    total = sum(t for t, _ in rows.values())
+    print(f"== {n},{h},{v} {kw}: kernels {total:.2f} ms; eager {bench(one):.2f} ms")
+    for name, (t, c) in sorted(rows.items(), key=lambda r: -r[1][0])[:top]:
+        print(f"  {t:7.2f} ms {c:4d}x  {name}")
+
+
+if __name__ == "__main__":
+    n, h, v = map(int, sys.argv[1].split(","))
+    for spec in sys.argv[2:] or ["{}"]:
+        kernel_table(n, h, v, json.loads(spec))
