@@ -223,16 +223,32 @@ def time_against(step: Callable[[], Any], floors: Dict[str, Optional[Callable[[]
                  device: str, reps: int, warmup_s: float, wall: bool = False) -> Dict[str, Any]:
     """Time ``step`` interleaved with each floor step of ``floors`` (name -> step; None =
     unavailable, left out). Returns a candidate record's fields: ``ms``, ``timing`` and for each
-    floor ``<name>_ms``, ``<name>_timing`` (its calls interleaved with this step) and
-    ``ratio_to_<name>`` = ms / <name>_ms."""
+    floor ``<name>_ms``, ``<name>_timing`` (its calls interleaved with this step),
+    ``ratio_to_<name>`` = ms / <name>_ms and ``ratio_to_<name>_ci95``, that ratio's 95%
+    interval from a paired bootstrap (:func:`paired_ratio_ci`)."""
     names = [n for n, f in floors.items() if f is not None]
     t, *fts = time_interleaved([step, *(floors[n] for n in names)], device=device, reps=reps,
                                warmup_s=warmup_s, wall=wall)
     rec: Dict[str, Any] = {"ms": t.median_ms, "timing": t.as_dict()}
     for name, ft in zip(names, fts):
         rec.update({f"{name}_ms": ft.median_ms, f"{name}_timing": ft.as_dict(),
-                    f"ratio_to_{name}": t.median_ms / ft.median_ms})
+                    f"ratio_to_{name}": t.median_ms / ft.median_ms,
+                    f"ratio_to_{name}_ci95": paired_ratio_ci(t.times_ms, ft.times_ms)})
     return rec
+
+
+def paired_ratio_ci(times: Sequence[float], floor_times: Sequence[float], *,
+                    resamples: int = 2000, seed: int = 0) -> List[float]:
+    """95% interval of median(times) / median(floor_times) from a bootstrap that resamples the
+    (call, its floor call) pairs together: how far one run's ratio can be trusted (with ten
+    reps on an H100 the interval is often ±5%: a difference of a few percent between two
+    candidates needs repeated runs)."""
+    import numpy as np
+    a, b = np.asarray(times, float), np.asarray(floor_times, float)
+    k = min(len(a), len(b))
+    idx = np.random.default_rng(seed).integers(0, k, size=(resamples, k))
+    ratios = np.median(a[:k][idx], axis=1) / np.median(b[:k][idx], axis=1)
+    return [float(np.percentile(ratios, 2.5)), float(np.percentile(ratios, 97.5))]
 
 
 def floor_basis(floor: Dict[str, Any]) -> str:
@@ -245,7 +261,12 @@ def pooled_floor(records: Iterable[Dict[str, Any]], name: str, *, flops: int,
                  alone: Callable[[], Timing], **about) -> Dict[str, Any]:
     """A shape's floor record: the median over every call of floor ``name`` interleaved with
     the ``records`` (candidates); when none was timed, ``alone()`` times the floor by itself.
-    Ratios use each candidate's own ``<name>_ms``, not this number."""
+    Ratios use each candidate's own ``<name>_ms``, not this number; each record also gets
+    ``ratio_to_shape_<name>``, its time over this pooled median. Both are worth reading: the
+    own floor cancels clock drift, but how fast a floor call runs depends on its neighbour
+    (after a slow, low-power candidate the clocks recover: an H100 run read 68.4 ms beside CCE
+    and 75.1 beside naive), which flatters the slower candidates' own ratios."""
+    records = list(records)
     times = [t for r in records for t in (r.get(f"{name}_timing") or {}).get("times_ms", [])]
     methods = {r[f"{name}_timing"]["method"] for r in records if r.get(f"{name}_timing")}
     if times:
@@ -254,6 +275,9 @@ def pooled_floor(records: Iterable[Dict[str, Any]], name: str, *, flops: int,
                f"candidates (each candidate's ratio uses its own: {name}_ms)")
     else:
         t, how = alone(), "timed alone (no candidate was timed)"
+    for r in records:
+        if r.get(f"{name}_timing") and r.get("ms"):
+            r[f"ratio_to_shape_{name}"] = r["ms"] / t.median_ms
     return {"status": "ok", "ms": t.median_ms, "tflops": tflops(flops, t.median_ms),
             "timing": t.as_dict(), "how": how, **about}
 

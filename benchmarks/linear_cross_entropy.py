@@ -449,12 +449,14 @@ def _previous_results(out: Path, env, names) -> List[dict]:
 
 
 def table(res: Dict[str, Any]) -> str:
-    """One row a candidate; "floor ms" is the floor timed with it, "x floor" the ratio."""
+    """One row a candidate; "floor ms" is the floor timed with it, "x floor" the ratio, "x all
+    floors" the ratio to the median of every floor call of the shape (common.pooled_floor)."""
     return common.candidate_table(
-        ["candidate", "ms", "floor ms", "x floor", "peak extra", "dX err", "dW err", "loss err",
-         "note"],
+        ["candidate", "ms", "floor ms", "x floor", "x all floors", "peak extra", "dX err",
+         "dW err", "loss err", "note"],
         res["candidates"], lambda c: common.loss_cells(
-            c, [c.get("ratio_to_floor")], c["peak_extra_bytes"], floors=[c.get("floor_ms")]))
+            c, [c.get("ratio_to_floor"), c.get("ratio_to_shape_floor")], c["peak_extra_bytes"],
+            floors=[c.get("floor_ms")]))
 
 
 def format_report(result: Dict[str, Any]) -> str:

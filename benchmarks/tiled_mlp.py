@@ -488,9 +488,11 @@ def format_report(result) -> str:
         s = res["shape"]
         lines += ["", f"{s['name']}  B={s['b']} T={s['t']} H={s['h']} I={s['i']} "
                       f"shards={s['shards']}"]
-        plain = next((c for c in res["candidates"] if c["name"] == "plain" and c.get("ms")), None)
+        plains = {fw: next((c for c in res["candidates"] if c["name"] == name and c.get("ms")),
+                           None) for fw, name in (("torch", "plain"), ("jax", "jax-plain"))}
 
-        def cells(c):  # PyTorch rows: ratio to the plain calls timed with them
+        def cells(c):  # PyTorch rows: ratio to the plain calls timed with them; JAX: to jax-plain
+            plain = plains.get(c["framework"])
             ratio = c.get("ratio_to_plain", c["ms"] / plain["ms"] if plain else None)
             return [common.fmt_ms(c["ms"]), common.fmt_ms(c.get("plain_ms")), common.fmt_ratio(ratio),
                     common.fmt_bytes(c.get("peak_bytes_over_base")),
