@@ -76,7 +76,8 @@ PROGRAMS_PER_SM = 4
 
 # grad_mode of the forward op
 NO_GRAD, FULL_GRAD, DX_ONLY = 0, 1, 2
-# logits_gemm of the forward op: who computes the forward's logits (see logits_gemm.py)
+# logits_gemm of the ops: who computes the logits (see logits_gemm.py): cuBLAS, or GEMMs of
+# ours with the forward's softmax statistics / the recomputing sweeps' dz in their epilogues
 LOGITS_GEMM = {"cublas": 1, "triton": 2}
 
 
@@ -86,7 +87,7 @@ class Config:
     vocab_chunk: int    # vocabulary rows per chunk (the low-memory dW sweep)
     block_v: int        # 0 = pick from the row length
     num_warps: int      # 0 = pick from the block
-    logits_gemm: int = LOGITS_GEMM["cublas"]  # who computes the forward's logits
+    logits_gemm: int = LOGITS_GEMM["cublas"]  # who computes the logits (LOGITS_GEMM)
 
 
 # Triton decides interpreter-or-GPU when kernels are decorated (import time); read it once too,
@@ -324,14 +325,14 @@ def _amortized_chunk(n, v, h, itemsize, chunk, accum_fp32):
     under ``FAST_MIN_CHUNK`` and there is more than one chunk to take, about
     ``FAST_MIN_CHUNK`` tokens in chunks of equal size (one chunk where ``n`` is closer to it
     than to two), so that the fp32 dW accumulator's pass per chunk is amortized; never a
-    block larger than that accumulator (4·V·H bytes) nor than the budget's where there is
-    none (bf16 accumulation)."""
+    block larger than that accumulator (4·V·H bytes: then more, still equal, chunks) nor than
+    the budget's where there is none (bf16 accumulation; the caller also skips this where no
+    dW is computed)."""
     if not accum_fp32 or chunk >= FAST_MIN_CHUNK or n <= chunk:
         return chunk
-    chunks = max(1, round(n / FAST_MIN_CHUNK))
-    wanted = -(-n // chunks)
     cap = max(chunk, (4 * v * h) // (v * itemsize))  # tokens whose block is the accumulator's size
-    return max(chunk, min(wanted, cap))
+    chunks = max(1, round(n / FAST_MIN_CHUNK), -(-n // cap))  # equal chunks under the cap too
+    return max(chunk, -(-n // chunks))
 
 
 def _accum_dtype(dtype, n, chunk, accum_fp32):
@@ -512,12 +513,13 @@ def linear_cross_entropy(p: common.Prepared, opts: spec.LinearCrossEntropyOption
     ``memory_budget``; tokens per chunk), ``vocab_chunk_size`` (None: from ``memory_budget``;
     vocabulary rows per chunk of the low-memory dW sweep), ``memory_budget`` (None: 896 MiB,
     256 MiB with ``low_memory=True``; bytes for one logits block, which sets both chunk sizes
-    when they are not given; with neither given, the fast mode with fp32 accumulation takes
-    chunks of about 3584 tokens where 896 MiB would give fewer, in equal chunks and a block
-    no larger than the fp32 dW accumulator: each chunk's dW GEMM makes a pass over that
-    accumulator. At Gemma-2's V = 256000: 2 x 4096 tokens instead of 4 x 1792 + 1024, 8%
-    faster on an H100 at 3.3 GB peak extra instead of 2.1), ``grad_accum_dtype`` (``torch.float32``, or the weight's dtype
-    to save ``2·V·H`` bytes at some accuracy cost; fast mode only; fp16's fused forward
+    when they are not given; with neither given, the fast mode computing dW with fp32
+    accumulation takes chunks of about 3584 tokens where 896 MiB would give fewer, in equal
+    chunks and a block no larger than the fp32 dW accumulator: each chunk's dW GEMM makes a
+    pass over that accumulator. At Gemma-2's V = 256000: 2 x 4096 tokens instead of
+    4 x 1792 + 1024, 8% faster on an H100 at 3.3 GB peak extra instead of 2.1),
+    ``grad_accum_dtype`` (``torch.float32``, or the weight's dtype to save ``2·V·H`` bytes at
+    some accuracy cost; fast mode only; fp16's fused forward
     accumulates in fp32 regardless, as its sums are not yet scaled by the upstream gradient
     and could overflow fp16), ``block_v`` (None: from the row length, 32768 for rows of
     16384 or more, else up to 4096; the row-kernel block, a power of 2),
@@ -566,9 +568,6 @@ def linear_cross_entropy(p: common.Prepared, opts: spec.LinearCrossEntropyOption
         LOW_MEMORY_BUDGET if low_memory else FAST_BUDGET)
     chunk = plan_token_chunks(n, v, bytes_per_element=itemsize, budget_bytes=budget,
                               chunk_size=chunk_size).chunk
-    if not low_memory and chunk_size is None and memory_budget is None:
-        chunk = _amortized_chunk(n, v, p.problem.h, itemsize, chunk,
-                                 grad_accum_dtype == torch.float32)
     vocab_chunk = plan_token_chunks(v, max(n, 1), bytes_per_element=itemsize, budget_bytes=budget,
                                     chunk_size=vocab_chunk_size).chunk
 
@@ -576,6 +575,11 @@ def linear_cross_entropy(p: common.Prepared, opts: spec.LinearCrossEntropyOption
     need_dx = grad_on and x.requires_grad
     need_dw = grad_on and p.w.requires_grad  # False for a frozen head (e.g. LoRA)
     need_db = grad_on and p.bias is not None and p.bias.requires_grad
+    if not low_memory and chunk_size is None and memory_budget is None and need_dw:
+        # only a dW accumulator's pass is amortized: a frozen head or no grad keeps the budget's
+        # plan (fp16 accumulates in fp32 whatever grad_accum_dtype says: see _accum_dtype)
+        chunk = _amortized_chunk(n, v, p.problem.h, itemsize, chunk,
+                                 grad_accum_dtype == torch.float32 or x.dtype == torch.float16)
     grad_mode = NO_GRAD
     if (need_dx or need_dw or need_db) and opts.reduction != "none":
         grad_mode = DX_ONLY if low_memory else FULL_GRAD
