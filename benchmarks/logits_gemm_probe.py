@@ -51,27 +51,41 @@ def probe(c_tok, h, v, reps, out):
     torch.mm(x, w.t(), out=buf)
     rec["rows_two_pass"] = ms(lambda: (torch.mm(x, w.t(), out=buf), rows(None)), reps) \
         - rec["cublas_logits"]
-    print(json.dumps(rec), flush=True)
-    out.write(json.dumps(rec) + "\n")
-    saved = dict(sg.GPU_TILES)
-    for t in TILES:
-        sg.GPU_TILES.clear()
-        sg.GPU_TILES.update(t)
+    emit(rec, out)
+
+    def measure(r):
         n_tiles = sg.stat_tiles(v, False)
         st = (torch.empty(c_tok, n_tiles, **f32), torch.empty(c_tok, n_tiles, **f32))
-        r = dict(shape=rec["shape"], **t)
-        try:
-            gemm = lambda: sg.logits_with_stats(x, w, None, buf, st[0], st[1], None, False, sms)
-            r["own_logits_stats"] = ms(gemm, reps)
-            r["rows_one_pass"] = ms(lambda: (gemm(), rows(st)), reps) - r["own_logits_stats"]
-            r["total_vs_cublas"] = (r["own_logits_stats"] + r["rows_one_pass"]
-                                    - rec["cublas_logits"] - rec["rows_two_pass"])
-        except Exception as e:  # a configuration the compiler rejects is a result too
-            r["error"] = f"{type(e).__name__}: {str(e)[:160]}"
-        print(json.dumps(r), flush=True)
-        out.write(json.dumps(r) + "\n")
-    sg.GPU_TILES.clear()
-    sg.GPU_TILES.update(saved)
+        gemm = lambda: sg.logits_with_stats(x, w, None, buf, st[0], st[1], None, False, sms)
+        r["own_logits_stats"] = ms(gemm, reps)
+        r["rows_one_pass"] = ms(lambda: (gemm(), rows(st)), reps) - r["own_logits_stats"]
+        r["total_vs_cublas"] = (r["own_logits_stats"] + r["rows_one_pass"]
+                                - rec["cublas_logits"] - rec["rows_two_pass"])
+    each_tiling(TILES, dict(shape=rec["shape"]), measure, out)
+
+
+def emit(rec, out):
+    print(json.dumps(rec), flush=True)
+    out.write(json.dumps(rec) + "\n")
+
+
+def each_tiling(tilings, base, measure, out):
+    """``measure(record)`` under each of ``tilings`` (set as logits_gemm.GPU_TILES, restored
+    after); a configuration the compiler rejects is a result too."""
+    saved = dict(sg.GPU_TILES)
+    try:
+        for t in tilings:
+            sg.GPU_TILES.clear()
+            sg.GPU_TILES.update(t)
+            r = dict(base, **t)
+            try:
+                measure(r)
+            except Exception as e:  # noqa: BLE001
+                r["error"] = f"{type(e).__name__}: {str(e)[:160]}"
+            emit(r, out)
+    finally:
+        sg.GPU_TILES.clear()
+        sg.GPU_TILES.update(saved)
 
 
 GRAD_TILES = [
@@ -102,24 +116,14 @@ def probe_grad(m, h, v, reps, out):
     rec["rows_grad_pass"] = ms(lambda: tl_lce._rows(
         buf, None, m, v, 0, y, None, None, lse, None, g, None, opts, v, cfg, compute_lse=False,
         write_grad=True), reps)
-    print(json.dumps(rec), flush=True)
-    out.write(json.dumps(rec) + "\n")
-    saved = dict(sg.GPU_TILES)
-    for t in GRAD_TILES:
-        sg.GPU_TILES.clear()
-        sg.GPU_TILES.update(t)
-        r = dict(mode="grad", shape=rec["shape"], **t)
-        try:
-            r["own_grad_gemm"] = ms(lambda: sg.logit_grads(
-                x, w, 0, buf, None, y, None, None, lse, g, None, opts, False, sms), reps)
-            r["vs_cublas_plus_pass"] = (r["own_grad_gemm"] - rec["cublas_logits"]
-                                        - rec["rows_grad_pass"])
-        except Exception as e:  # a configuration the compiler rejects is a result too
-            r["error"] = f"{type(e).__name__}: {str(e)[:160]}"
-        print(json.dumps(r), flush=True)
-        out.write(json.dumps(r) + "\n")
-    sg.GPU_TILES.clear()
-    sg.GPU_TILES.update(saved)
+    emit(rec, out)
+
+    def measure(r):
+        r["own_grad_gemm"] = ms(lambda: sg.logit_grads(
+            x, w, 0, buf, None, y, None, None, lse, g, None, opts, False, sms), reps)
+        r["vs_cublas_plus_pass"] = (r["own_grad_gemm"] - rec["cublas_logits"]
+                                    - rec["rows_grad_pass"])
+    each_tiling(GRAD_TILES, dict(mode="grad", shape=rec["shape"]), measure, out)
 
 
 def main():

@@ -165,20 +165,27 @@ def logit_grads(x: torch.Tensor, w: torch.Tensor, col_offset: int, out: torch.Te
     if m == 0 or n == 0:
         return
     ignore_index, eps, z_loss, softcap = opts_t
-    t = tiles(interpret)
-    bm, bn, bk = t["bm"], t["bn"], t["bk"]
-    n_tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-    programs = max(1, min(num_sms, n_tiles))
+    t, programs, descriptors = _persistent_launch(x, w, out, interpret, num_sms)
     logits_grad_kernel[(programs,)](
-        TensorDescriptor.from_tensor(x, [bm, bk]), TensorDescriptor.from_tensor(w, [bn, bk]),
-        TensorDescriptor.from_tensor(out, [bm, bn]), lse if bias is None else bias, y,
+        *descriptors, lse if bias is None else bias, y,
         lse if cw is None else cw, lse if omega_sum is None else omega_sum, lse, g,
         0 if g.numel() == 1 else 1, lse if h is None else h, m, n, k, col_offset, w.shape[0],
         ignore_index, eps, z_loss, 1.0 if softcap is None else softcap, programs,
         HAS_BIAS=bias is not None, HAS_CW=cw is not None, SMOOTH=eps > 0, HAS_Z=z_loss > 0,
-        HAS_SOFTCAP=softcap is not None, HAS_H=h is not None, BM=bm, BN=bn, BK=bk,
+        HAS_SOFTCAP=softcap is not None, HAS_H=h is not None, BM=t["bm"], BN=t["bn"], BK=t["bk"],
         GROUP_M=t["group_m"], INTERPRET=interpret, WS=t.get("ws", False), num_stages=t["stages"],
         num_warps=t["warps"])
+
+
+def _persistent_launch(x, w, out, interpret: bool, num_sms: int):
+    """(tiles, programs, tensor descriptors of x, w, out) of a persistent GEMM writing ``out``:
+    one program per SM, or per output tile where there are fewer."""
+    t = tiles(interpret)
+    bm, bn, bk = t["bm"], t["bn"], t["bk"]
+    n_tiles = triton.cdiv(out.shape[0], bm) * triton.cdiv(out.shape[1], bn)
+    return t, max(1, min(num_sms, n_tiles)), (
+        TensorDescriptor.from_tensor(x, [bm, bk]), TensorDescriptor.from_tensor(w, [bn, bk]),
+        TensorDescriptor.from_tensor(out, [bm, bn]))
 
 
 def tiles(interpret: bool) -> dict:
@@ -219,16 +226,12 @@ def logits_with_stats(x_c: torch.Tensor, w: torch.Tensor, bias, out: torch.Tenso
     ``out + bias`` into ``stat_m`` / ``stat_s`` (``[rows, n_tiles]``, row-major, fp32)."""
     m, k = x_c.shape
     n = w.shape[0]
-    t = tiles(interpret)
-    bm, bn, bk = t["bm"], t["bn"], t["bk"]
-    n_tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-    programs = max(1, min(num_sms, n_tiles))
+    t, programs, descriptors = _persistent_launch(x_c, w, out, interpret, num_sms)
     logits_stats_kernel[(programs,)](
-        TensorDescriptor.from_tensor(x_c, [bm, bk]), TensorDescriptor.from_tensor(w, [bn, bk]),
-        TensorDescriptor.from_tensor(out, [bm, bn]), stat_m if bias is None else bias,
+        *descriptors, stat_m if bias is None else bias,
         stat_m, stat_s, m, n, k, 1.0 if softcap is None else softcap,
-        HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, BM=bm, BN=bn, BK=bk,
-        GROUP_M=t["group_m"], num_programs=programs, INTERPRET=interpret,
+        HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, BM=t["bm"], BN=t["bn"],
+        BK=t["bk"], GROUP_M=t["group_m"], num_programs=programs, INTERPRET=interpret,
         WS=t.get("ws", False), num_stages=t["stages"], num_warps=t["warps"])
 
 
