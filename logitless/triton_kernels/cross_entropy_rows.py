@@ -2,8 +2,8 @@
 
 The GEMMs around it run through cuBLAS (or, for the forward's logits, :mod:`.logits_gemm`);
 this kernel is everything between them. (With ``logits_gemm="triton"`` the recomputing sweeps
-skip it: :mod:`.logits_gemm` writes dz from its epilogue by this kernel's ``@jit`` formulas.) For each row
-of a ``[rows, cols]`` logits buffer (a token chunk with all V columns, or all tokens with a
+skip it: :mod:`.logits_gemm` writes dz from its epilogue by this kernel's ``@jit`` formulas.)
+For each row of a ``[rows, cols]`` logits buffer (a token chunk with all V columns, or all tokens with a
 slice of V starting at ``col_offset``) it can
 
 * pass 1 (``COMPUTE_LSE``): stream the row once for max / Σexp (one exp per element, block-wise
