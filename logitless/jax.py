@@ -3,8 +3,11 @@
 ``linear_cross_entropy`` computes ``cross_entropy(x @ linear_weight.T + linear_bias, labels)``
 without materializing the ``[N, V]`` logits, with the keywords of the PyTorch front door
 (class weights, label smoothing, z-loss, softcap, ``return_lse``). It works under
-``jax.jit``, ``jax.grad``, ``jax.value_and_grad`` and ``jax.vmap``. Every backend implements
-:mod:`logitless.specs.linear_cross_entropy`; see there for the exact math.
+``jax.jit``, ``jax.grad``, ``jax.value_and_grad`` and ``jax.vmap`` (reverse mode: the ops are
+``jax.custom_vjp`` functions, so ``jax.jvp`` / ``jax.jacfwd`` of them raise JAX's
+custom_vjp error). Options (label smoothing, β, temperature, ...) are Python numbers, fixed at
+trace time. Every backend implements :mod:`logitless.specs.linear_cross_entropy`; see there for
+the exact math.
 """
 from __future__ import annotations
 
@@ -61,7 +64,7 @@ def linear_cross_entropy(x, linear_weight, labels, *, linear_bias=None, weight=N
             gradients NaN instead (never a silent wrong value, never an out-of-bounds read).
         linear_bias: optional ``(V,)`` bias, same dtype as ``x``.
         weight: optional ``(V,)`` per-class weights, as in ``torch.nn.functional.cross_entropy``
-            (they get no gradient).
+            (constants: their gradient is zero).
         reduction: ``"mean"`` (Σ w·loss / Σ w over non-ignored tokens; 0 when all are ignored),
             ``"sum"`` or ``"none"`` (per-token losses shaped like ``labels``).
         ignore_index: label value that contributes neither loss nor gradient.

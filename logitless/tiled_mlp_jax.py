@@ -180,15 +180,46 @@ def _is_plain_swiglu(fn, params) -> bool:
     return all(isinstance(p, dict) and set(p) == want for p in params.values())
 
 
+def _hoist_closure(fn, params, x_shape, dtype, plan: spec.ShardPlan):
+    """``(fn, params)`` with the values ``fn`` closes over that are being differentiated (a
+    Flax NNX module's parameters under ``nnx.grad``, a weight closed over under ``jax.grad``)
+    made explicit inputs, so that the custom VJP gives them gradients: closed over, they
+    would leak a tracer out of it. ``jax.closure_convert`` hoists only such values (constants
+    stay closed over) and is specialised to shapes: one conversion per shard size. It caches
+    on the function it is given, so it gets a fresh wrapper each time (``fn`` itself may close
+    over other values on the next call: a cache hit would replay stale ones), and only where
+    ``fn`` closes over a traced value at all (each call would otherwise add a cache entry
+    holding ``fn``'s constants)."""
+    sizes = sorted({plan.shard if plan.full_shards else plan.tail, plan.tail} - {0})
+    probes = {s: jax.ShapeDtypeStruct(spec.shard_shape(x_shape, s), dtype) for s in sizes}
+    closed = jax.make_jaxpr(lambda p, xs: fn(p, xs))(params, probes[sizes[0]]).consts
+    if not any(isinstance(c, jax.core.Tracer) for c in closed):
+        return fn, params
+    converted, hoisted = {}, []
+    for size in sizes:
+        conv, consts = jax.closure_convert(lambda p, xs: fn(p, xs), params, probes[size])
+        converted[size] = (conv, len(hoisted), len(consts))
+        hoisted += consts
+    if not hoisted:
+        return fn, params
+
+    def explicit(p, xs):
+        conv, first, count = converted[xs.shape[-2]]
+        return conv(p[0], xs, *p[1][first:first + count])
+    return explicit, (params, tuple(hoisted))
+
+
 def tiled_mlp(fn, params, x, *, num_shards: Optional[int] = None,
               grad_accum_dtype=None):
     """``fn(params, x)`` computed shard by shard over the tokens, recomputed in backward.
 
     Args:
         fn: ``fn(params, x_shard) -> y_shard``, position-wise (``[..., n, H] -> [..., n,
-            H_out]``) and deterministic, e.g. a :class:`SwiGLUMLP`. It must get everything it
-            differentiates through ``params``: differentiating with respect to a closed-over
-            array raises (JAX's custom_vjp rule); closing over constants is fine.
+            H_out]``) and deterministic, e.g. a :class:`SwiGLUMLP` (no dropout: a key closed
+            over would draw the same mask in every shard). Values it closes over may be
+            differentiated too (e.g. ``lambda _, x: module(x)`` for a Flax NNX module under
+            ``nnx.grad``): they are hoisted into explicit inputs of the custom VJP
+            (``jax.closure_convert``).
         params: a pytree of floating arrays.
         x: ``[..., T, H]`` (e.g. ``[B, T, H]`` or ``[T, H]``). The ``B·T`` tokens are split
             into ``num_shards`` shards of ``ceil(B·T / num_shards)`` consecutive tokens (the
@@ -226,9 +257,11 @@ def tiled_mlp(fn, params, x, *, num_shards: Optional[int] = None,
                          f"an output of shape {list(out_spec.shape)}")
     if plan.n == 0:
         return fn(params, x)
+    fused = _is_plain_swiglu(fn, params)
+    if not fused:
+        fn, params = _hoist_closure(fn, params, tuple(x.shape), x.dtype, plan)
     tiled = _tiled_fn(fn, plan, tuple(x.shape), grad_accum_dtype is not None,
-                      tuple(out_spec.shape), jnp.dtype(out_spec.dtype),
-                      _is_plain_swiglu(fn, params))
+                      tuple(out_spec.shape), jnp.dtype(out_spec.dtype), fused)
 
     def run(params, x):
         # inside shard_map: x and every parameter vary over the same mesh axes (the custom

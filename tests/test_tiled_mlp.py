@@ -723,6 +723,26 @@ def test_jax_fns_with_changing_state_or_traced_closures():
             assert rel_err(a, b) <= FLOOR["float32"], rel_err(a, b)
 
 
+def test_jax_closed_over_arrays_get_gradients():
+    """``fn`` closing over the arrays being differentiated (a Flax NNX module called as
+    ``lambda _, x: module(x)`` under ``nnx.grad`` does this): their gradients equal the
+    untiled function's, with a ragged last shard, under jit and with params too (closed over,
+    the custom VJP had leaked a tracer: UnexpectedTracerError)."""
+    k = jax.random.split(jax.random.PRNGKey(SEED + 5), 4)
+    w1, w2 = jax.random.normal(k[0], (16, 24)), jax.random.normal(k[1], (24, 16)) / 5
+    params = {"b": jax.random.normal(k[2], (16,))}
+    x = jax.random.normal(k[3], (2, 11, 16))  # 22 tokens in shards of 8, 8, 6
+
+    def loss(w1, w2, p, x, tiled):
+        f = lambda p, xs: _mm(jnp.tanh(_mm(xs, w1)), w2) + p["b"]
+        return jnp.sum(jnp.sin(lj.tiled_mlp(f, p, x, num_shards=3) if tiled else f(p, x)))
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)), static_argnums=4)
+    got, want = grad(w1, w2, params, x, True), grad(w1, w2, params, x, False)
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        assert rel_err(a, b) <= FLOOR["float32"], rel_err(a, b)
+
+
 _F64_BIAS_PROBE = """
 import jax
 jax.config.update("jax_enable_x64", True)

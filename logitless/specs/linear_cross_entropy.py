@@ -69,8 +69,7 @@ class LinearCrossEntropyOptions:
         if self.reduction not in REDUCTIONS:
             raise ValueError(
                 f"reduction must be one of {REDUCTIONS}, got {self.reduction!r}")
-        if isinstance(self.ignore_index, bool) or not isinstance(self.ignore_index, numbers.Integral):
-            raise TypeError(f"ignore_index must be an int, got {self.ignore_index!r}")
+        check_ignore_index(self.ignore_index)
         object.__setattr__(self, "ignore_index", int(self.ignore_index))
         # plain Python floats: a NumPy float64 would promote fp32 math to float64 under JAX's
         # x64 mode, and equal options must hash equal (compile caches key on them)
@@ -88,10 +87,28 @@ class LinearCrossEntropyOptions:
         return self.label_smoothing > 0.0
 
 
+def not_static(name, value, what) -> TypeError:
+    """The error for an option that is not a Python number, with a hint where it is a 0-d
+    array or traced scalar (a jnp / torch scalar, or a value traced under ``jax.jit``): the
+    options are compile-time constants of the kernels, and float32 would not keep them exact
+    (β = 1 − 1e-7 needs float64)."""
+    hint = ""
+    if getattr(value, "shape", None) == ():
+        hint = ("; the options are compile-time constants of the kernels: pass a Python number "
+                "(under jax.jit, close over it or mark it static; each distinct value compiles "
+                "once)")
+    return TypeError(f"{name} must be {what}, got {value!r}{hint}")
+
+
+def check_ignore_index(value) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise not_static("ignore_index", value, "an int")
+
+
 def _check_real(name, value, *, lo=None, hi=None, lo_open=False) -> float:
     """``value`` as a Python float, after the checks (errors name ``name``)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a finite real number, got {value!r}")
+        raise not_static(name, value, "a finite real number")
     value = float(value)
     # comparisons, not math.isfinite: torch.compile(dynamic=True) hands symbolic floats here,
     # which compare (and get specialized) but have no isfinite; NaN fails both comparisons

@@ -72,13 +72,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 from typing import Optional, Sequence, Tuple
 
 import numpy as np
 
 from .linear_cross_entropy import (REDUCTIONS, _check_real, _hidden_mismatch_hint,
-                                   check_targets, reduction_denominator)
+                                   check_ignore_index, check_targets, reduction_denominator)
 
 # Thresholds of the fp32 forms every kernel uses (Triton, Pallas, XLA; the derivation is in
 # logitless/triton_kernels/jsd_rows.py): one definition, so that the backends cannot drift.
@@ -132,8 +131,7 @@ class LinearJSDOptions:
                                                        lo_open=lo_open))
         if self.reduction not in REDUCTIONS:
             raise ValueError(f"reduction must be one of {REDUCTIONS}, got {self.reduction!r}")
-        if isinstance(self.ignore_index, bool) or not isinstance(self.ignore_index, numbers.Integral):
-            raise TypeError(f"ignore_index must be an int, got {self.ignore_index!r}")
+        check_ignore_index(self.ignore_index)
         object.__setattr__(self, "ignore_index", int(self.ignore_index))
 
     @property
