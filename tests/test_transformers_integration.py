@@ -207,13 +207,20 @@ def test_shift_labels_and_ignore_index_kwargs():
     ids, mask, labels = make_batch(5)
     shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]
     a = ref(input_ids=ids, attention_mask=mask, labels=labels).loss
-    b = fused(input_ids=ids, attention_mask=mask, shift_labels=shifted).loss
+    # shift_labels take the place of labels, which must be given too (as for transformers)
+    b = fused(input_ids=ids, attention_mask=mask, labels=labels, shift_labels=shifted).loss
     torch.testing.assert_close(b, a, rtol=1e-5, atol=0)
     # flattened (B·T,) shift_labels, as packing collators pass them: transformers views them
-    flat = fused(input_ids=ids, attention_mask=mask, shift_labels=shifted.reshape(-1)).loss
+    flat = fused(input_ids=ids, attention_mask=mask, labels=labels,
+                 shift_labels=shifted.reshape(-1)).loss
     torch.testing.assert_close(flat, a, rtol=1e-5, atol=0)
     with pytest.raises(ValueError, match="target must have shape"):
-        fused(input_ids=ids, attention_mask=mask, shift_labels=shifted[:, 1:])
+        fused(input_ids=ids, attention_mask=mask, labels=labels, shift_labels=shifted[:, 1:])
+    # shift_labels alone: no loss, the logits, as the unpatched model (a Trainer with a
+    # compute_loss_func pops labels and reads the logits)
+    alone, want = (m(input_ids=ids, attention_mask=mask, shift_labels=shifted) for m in (fused, ref))
+    assert alone.loss is None and want.loss is None
+    torch.testing.assert_close(alone.logits, want.logits, rtol=0, atol=0)
     # a different ignore_index, as the loss kwargs allow
     relabelled = torch.where(labels == -100, torch.full_like(labels, -1), labels)
     c = ref(input_ids=ids, attention_mask=mask, labels=relabelled, ignore_index=-1).loss
@@ -284,6 +291,63 @@ def test_unpatch_deepcopy_and_errors():
         **COMMON, num_local_experts=2, num_experts_per_tok=1))
     with pytest.raises(NotImplementedError, match="mixtral"):
         patch_causal_lm(moe)
+
+
+def test_only_transformers_own_forward_loss_and_head_are_replaced():
+    """What the patch would drop silently is refused: a subclass overriding forward (an extra
+    loss term), a custom loss_function, a head that is not a plain nn.Linear (a LoRA wrapper
+    added after patching too: it keeps a .weight)."""
+    ids, mask, labels = make_batch(10)
+
+    class Extra(transformers.LlamaForCausalLM):
+        def forward(self, *args, **kwargs):
+            out = super().forward(*args, **kwargs)
+            if out.loss is not None:
+                out["loss"] = out.loss + 1.0
+            return out
+    extra = Extra(CONFIGS["llama"]())
+    with pytest.raises(NotImplementedError, match="forward of Extra"):
+        patch_causal_lm(extra)
+    custom = make_model("llama", seed=11)
+    custom.loss_function = lambda *a, **k: torch.zeros(())
+    with pytest.raises(NotImplementedError, match="loss_function"):
+        patch_causal_lm(custom)
+
+    class Halved(torch.nn.Linear):
+        def forward(self, x):
+            return super().forward(x) * 0.5
+    halved = make_model("llama", seed=12)
+    head = halved.lm_head
+    halved.lm_head = Halved(H, V, bias=False)
+    halved.lm_head.weight = head.weight
+    with pytest.raises(TypeError, match="plain torch.nn.Linear, got Halved"):
+        patch_causal_lm(halved)
+    wrapped = patch_causal_lm(make_model("llama", seed=13))
+
+    class Lora(torch.nn.Module):  # a .weight like the head's, plus a delta it would lose
+        def __init__(self, base):
+            super().__init__()
+            self.base, self.weight = base, base.weight
+            self.a = torch.nn.Parameter(torch.randn(4, H) * 0.1)
+            self.b = torch.nn.Parameter(torch.randn(V, 4) * 0.1)
+
+        def forward(self, x):
+            return self.base(x) + x @ self.a.t() @ self.b.t()
+    wrapped.lm_head = Lora(wrapped.lm_head)
+    with pytest.raises(TypeError, match="got Lora"):
+        wrapped(input_ids=ids, attention_mask=mask, labels=labels)
+
+
+def test_patch_on_cpu_for_the_gpu_and_compile_fullgraph():
+    """Patching a model still on the CPU with a Triton keyword (the Trainer moves it later)
+    works as the front door does; the patched training step compiles with fullgraph=True (a
+    hook registered per call had broken the graph) and gives the eager loss."""
+    model = patch_causal_lm(make_model("llama", seed=14), low_memory=True, chunk_size=CHUNK)
+    ids, mask, labels = make_batch(15)
+    eager = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+    step = torch.compile(lambda i, m, y: model(input_ids=i, attention_mask=m, labels=y).loss,
+                         backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(step(ids, mask, labels), eager, rtol=1e-5, atol=0)
 
 
 def test_causal_lm_loss_under_autocast():

@@ -9,8 +9,9 @@ One call::
     patch_causal_lm(model)                      # backend / tuning keywords optional
     loss = model(input_ids, labels=labels).loss  # no [tokens, vocab] logits were made
 
-When the model is called with ``labels`` (or ``shift_labels``) in training mode, the patched
-forward runs the model's own forward with ``logits_to_keep`` set to an empty index (so the
+When the model is called with ``labels`` (and optionally ``shift_labels``, which then replace
+the shifted labels, as in transformers) in training mode, the patched
+forward runs the model's own forward with ``logits_to_keep`` set to an empty slice (so the
 LM head produces a ``[batch, 0, vocab]`` tensor), takes the final hidden states from the
 decoder's output, and computes the loss as ``transformers``' ``ForCausalLMLoss`` does — labels
 shifted by one with ``ignore_index`` padding, ``sum / num_items_in_batch`` when the Trainer
@@ -26,7 +27,10 @@ reads it), survives ``copy.deepcopy`` and is undone by :func:`unpatch_causal_lm`
 
 Only architectures whose forward does nothing between the LM head and the loss but what is
 reproduced here are accepted (:data:`SUPPORTED_MODEL_TYPES`); the others (e.g. MoE models,
-whose loss adds a router term, or heads that rescale the logits) raise ``NotImplementedError``.
+whose loss adds a router term, or heads that rescale the logits) raise ``NotImplementedError``,
+as do a subclass that overrides ``forward`` and a custom ``loss_function``; the LM head must be
+a plain ``torch.nn.Linear`` (checked at every call: a LoRA wrapper added after patching would
+otherwise lose its delta).
 """
 from __future__ import annotations
 
@@ -60,6 +64,16 @@ SUPPORTED_MODEL_TYPES: Dict[str, Optional[str]] = {
 }
 
 _STATE = "_logitless_state"
+_SLOT = "_logitless_hidden"
+
+
+def _keep_hidden(module, inputs, output):
+    # registered once at patch time (registering per call breaks torch.compile's graph);
+    # a function of the module only, so that copy.deepcopy gives the copy its own slot
+    slot = module.__dict__.get(_SLOT)
+    if slot:  # [True] while a fused call runs
+        slot.append(output.last_hidden_state if hasattr(output, "last_hidden_state")
+                    else output[0])
 
 
 @dataclasses.dataclass
@@ -71,6 +85,7 @@ class _State:
     had_instance_forward: bool
     inner_forward: Any       # what model.forward was before patching (a bound method)
     signature: inspect.Signature
+    hook_id: Optional[int] = None
 
 
 def patch_causal_lm(model, *, backend: Optional[str] = None, fuse_in_eval: bool = False,
@@ -98,10 +113,8 @@ def patch_causal_lm(model, *, backend: Optional[str] = None, fuse_in_eval: bool 
         raise NotImplementedError(
             f"patch_causal_lm: model_type {model_type!r} ({type(model).__name__}) is not "
             f"supported; supported: {sorted(SUPPORTED_MODEL_TYPES)}")
-    head = model.get_output_embeddings()
-    if not isinstance(head, torch.nn.Linear):
-        raise TypeError(f"patch_causal_lm: the model's output embedding must be a "
-                        f"torch.nn.Linear, got {type(head).__name__} (e.g. a PEFT-wrapped head)")
+    _check_own_loss(model, model_type)
+    head = _linear_head(model)
     if model.base_model is model:
         raise TypeError(f"patch_causal_lm: {type(model).__name__} has no base model "
                         f"(base_model_prefix={model.base_model_prefix!r})")
@@ -116,8 +129,12 @@ def patch_causal_lm(model, *, backend: Optional[str] = None, fuse_in_eval: bool 
                                   f"**kwargs (no num_items_in_batch)")
     # Catch a misspelled tuning keyword now rather than at the first training step.
     # (the backend a call with these weights will pick: backend=None resolves per dtype too)
-    impl_backend, impl = lt._resolve(backend, head.weight.device, head.weight.dtype)
-    unknown = sorted(set(tuning) - set(impl.TUNING))
+    if backend is None:  # as the front door: either torch-side backend's keywords
+        impl_backend, accepted = None, lt._tuning_names(None)
+    else:
+        impl_backend, impl = lt._resolve(backend, head.weight.device, head.weight.dtype)
+        accepted = impl.TUNING
+    unknown = sorted(set(tuning) - set(accepted))
     if unknown:
         raise TypeError(f"patch_causal_lm: unknown tuning keyword(s) {unknown} for "
                         f"backend={impl_backend!r}")
@@ -127,10 +144,44 @@ def patch_causal_lm(model, *, backend: Optional[str] = None, fuse_in_eval: bool 
                    had_instance_forward=had_instance_forward, inner_forward=model.forward,
                    signature=signature)
     object.__setattr__(model, _STATE, state)
+    base = model.base_model
+    object.__setattr__(base, _SLOT, [])   # off (empty) unless a fused call is running
+    state.hook_id = base.register_forward_hook(_keep_hidden).id
     # A bound method of a function that holds no reference to the model: copy.deepcopy
     # rebinds it to the copy. functools.wraps keeps the signature the Trainer inspects.
     model.forward = types.MethodType(_make_forward(cls_forward), model)
     return model
+
+
+def _linear_head(model):
+    """The LM head, if it computes exactly ``F.linear(x, weight, bias)`` (read at every call:
+    a head wrapped after patching, e.g. by PEFT's LoRA, has a ``.weight`` too)."""
+    head = model.get_output_embeddings()
+    if not isinstance(head, torch.nn.Linear) or type(head).forward is not torch.nn.Linear.forward:
+        raise TypeError(f"patch_causal_lm: the model's output embedding must be a plain "
+                        f"torch.nn.Linear, got {type(head).__name__} (e.g. a PEFT-wrapped head)")
+    return head
+
+
+def _check_own_loss(model, model_type):
+    """The forward and the loss replaced must be transformers' own: a subclass that overrides
+    ``forward`` (e.g. adds an auxiliary term) or a custom ``loss_function`` / ``loss_type``
+    would otherwise be dropped silently."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    owner = next(c for c in type(model).__mro__ if "forward" in c.__dict__)
+    expected = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    if owner.__name__ != expected or not owner.__module__.startswith("transformers.models."):
+        raise NotImplementedError(
+            f"patch_causal_lm: the forward of {type(model).__name__} is {owner.__module__}."
+            f"{owner.__qualname__}, not transformers' {expected}.forward: its loss may differ")
+    try:  # transformers >= 4.46 computes the loss through model.loss_function
+        from transformers.loss.loss_utils import ForCausalLMLoss
+    except ImportError:
+        return
+    loss_function = getattr(model, "loss_function", ForCausalLMLoss)
+    if loss_function is not ForCausalLMLoss:
+        raise NotImplementedError(f"patch_causal_lm: {type(model).__name__}.loss_function is "
+                                  f"{loss_function!r}, not transformers' ForCausalLMLoss")
 
 
 def unpatch_causal_lm(model):
@@ -138,6 +189,8 @@ def unpatch_causal_lm(model):
     state = model.__dict__.get(_STATE)
     if state is None:
         return model
+    model.base_model._forward_hooks.pop(state.hook_id, None)
+    model.base_model.__dict__.pop(_SLOT, None)
     if state.had_instance_forward:
         model.forward = state.inner_forward
     else:
@@ -168,7 +221,7 @@ def _patched_forward(model, args, kwargs):
     labels = named.get("labels")
     shift_labels = extra.get("shift_labels")
     keep = named.get("logits_to_keep", 0)
-    fuse = ((labels is not None or shift_labels is not None)
+    fuse = (labels is not None  # the model's own forward computes a loss only then
             and (model.training or state.fuse_in_eval)
             and isinstance(keep, int) and keep == 0)
     if not fuse:
@@ -181,20 +234,16 @@ def _patched_forward(model, args, kwargs):
     return_dict = extra.pop("return_dict", None)
     if return_dict is None:
         return_dict = getattr(model.config, "return_dict", True)
-    head = model.get_output_embeddings()
-    named["logits_to_keep"] = torch.empty(0, dtype=torch.long, device=head.weight.device)
+    head = _linear_head(model)
+    named["logits_to_keep"] = slice(0, 0)  # hidden[:, 0:0]: no index tensor (device-free)
 
-    captured = []
-
-    def keep_hidden(module, inputs, output):
-        captured.append(output.last_hidden_state if hasattr(output, "last_hidden_state")
-                        else output[0])
-
-    handle = model.base_model.register_forward_hook(keep_hidden)
+    slot = model.base_model.__dict__[_SLOT]
+    slot.append(True)
     try:
         out = state.inner_forward(**named, **extra, return_dict=True)
+        captured = slot[1:]
     finally:
-        handle.remove()
+        slot.clear()
     if not captured:
         raise RuntimeError(f"patch_causal_lm: {type(model).__name__}'s base model was not called")
     hidden = captured[-1]
