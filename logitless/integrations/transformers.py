@@ -127,9 +127,10 @@ def patch_causal_lm(model, *, backend: Optional[str] = None, fuse_in_eval: bool 
     if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values()):
         raise NotImplementedError(f"patch_causal_lm: {type(model).__name__}.forward takes no "
                                   f"**kwargs (no num_items_in_batch)")
-    # Catch a misspelled tuning keyword now rather than at the first training step.
-    # (the backend a call with these weights will pick: backend=None resolves per dtype too)
-    if backend is None:  # as the front door: either torch-side backend's keywords
+    # Catch a misspelled tuning keyword now rather than at the first training step. With
+    # backend=None the weights may still move (patched on the CPU, trained on a GPU): either
+    # torch-side backend's keywords are accepted, as the front door accepts them.
+    if backend is None:
         impl_backend, accepted = None, lt._tuning_names(None)
     else:
         impl_backend, impl = lt._resolve(backend, head.weight.device, head.weight.dtype)
