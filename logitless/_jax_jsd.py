@@ -529,7 +529,10 @@ def linear_jsd(student_input, student_weight, teacher_input, teacher_weight, tar
                beta=0.5, temperature=1.0, ignore_index=-100, reduction="mean",
                hard_loss_weight=0.0, weight_layout="vh", backend=None, **tuning):
     """Generalized JSD between a student and a teacher LM head without materializing either
-    ``[N, V]`` logits array; the arguments of :func:`logitless.torch.linear_jsd`, JAX arrays.
+    ``[N, V]`` logits array; the arguments of :func:`logitless.torch.linear_jsd`, JAX arrays
+    (``temperature`` as there: the loss is not multiplied by T²; the usual
+    ``α·T²·KL(P‖Q) + (1−α)·CE`` is ``α·T**2 * linear_jsd(..., beta=0.0, temperature=T,
+    hard_loss_weight=(1−α)/(α·T**2))``).
 
     Works under ``jax.jit``, ``jax.grad``, ``jax.value_and_grad`` and ``jax.vmap``; the
     teacher arrays and the targets get zero cotangents. ``weight_layout="hv"`` takes both

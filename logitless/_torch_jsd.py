@@ -116,8 +116,17 @@ def prepare(student_input, student_weight, teacher_input, teacher_weight, target
                                 teacher_weight.shape, None if target is None else target.shape,
                                 options=opts)
     n = problem.n
+    xt, wt = teacher_input.detach(), teacher_weight.detach()
+    # A teacher run under torch.inference_mode() hands over inference tensors, which autograd
+    # refuses to save for backward: they are copied then (the plain KL recipe accepts them; a
+    # teacher run under torch.no_grad() costs no copy). Compiled graphs take them as they are,
+    # and dynamo cannot trace is_inference().
+    if (not torch.compiler.is_compiling() and torch.is_grad_enabled()
+            and (student_input.requires_grad or student_weight.requires_grad)):
+        xt = xt.clone() if xt.is_inference() else xt
+        wt = wt.clone() if wt.is_inference() else wt
     return Prepared(xs=student_input.reshape(n, problem.h_s), ws=student_weight,
-                    xt=teacher_input.detach().reshape(n, problem.h_t), wt=teacher_weight.detach(),
+                    xt=xt.reshape(n, problem.h_t), wt=wt,
                     y=None if target is None else target.reshape(n).contiguous(),  # read with stride 1
                     problem=problem)
 
@@ -170,7 +179,11 @@ def linear_jsd(student_input, student_weight, teacher_input, teacher_weight, tar
         target: optional ``(...)`` integer labels: tokens equal to ``ignore_index`` contribute
             neither loss nor gradient; required when ``hard_loss_weight > 0``.
         beta: in ``[0, 1]``.
-        temperature: ``T > 0``, divides both heads' logits.
+        temperature: ``T > 0``, divides both heads' logits (not those of the hard-label term).
+            The loss is *not* multiplied by T² (Liger's convention), so its gradient shrinks
+            about as 1/T²: the usual ``α·T²·KL(P‖Q) + (1−α)·CE`` is
+            ``α·T**2 * linear_jsd(..., beta=0.0, temperature=T,
+            hard_loss_weight=(1−α)/(α·T**2))``.
         ignore_index: label value of skipped tokens.
         reduction: ``"mean"`` (over non-ignored tokens; 0 when all are ignored), ``"sum"`` or
             ``"none"`` (per-token losses shaped like the leading dims).

@@ -724,6 +724,7 @@ def test_front_door_argument_errors():
         (dict(target=y.float()), TypeError, "target must hold integer"),
         (dict(teacher_input=xt[:4]), ValueError, "leading shape"),
         (dict(teacher_weight=wt[:30]), ValueError, "vocabulary mismatch"),
+        (dict(teacher_weight=wt.t()), ValueError, "looks like \\(H, V\\): pass teacher_weight.T"),
         (dict(target=y[:5]), ValueError, "target must have shape"),
         (dict(student_weight=ws.detach().cpu().numpy()), TypeError,
          "student_weight must be a torch.Tensor"),
@@ -745,6 +746,22 @@ def test_front_door_argument_errors():
         bad[3] = 32
         with pytest.raises(RuntimeError, match="target out of range"):
             lt.linear_jsd(xs, ws, xt, wt, bad)
+
+
+@pytest.mark.parametrize("backend,reduction", [("torch", "mean"), ("triton", "none")])
+def test_teacher_from_inference_mode(backend, reduction):
+    """A teacher run under torch.inference_mode() (inference tensors, which autograd cannot
+    save for backward) works as one run under no_grad; the plain KL recipe accepts them too."""
+    torch = _torch()
+    xs, ws, xt, wt, y = _data(9, 16, 12, 40, seed=8)
+    with torch.inference_mode():
+        xt_inf, wt_inf = xt.clone(), wt.clone()
+    g = torch.rand(9, device=xs.device) if reduction == "none" else None
+    kw = dict(backend=backend, reduction=reduction, beta=0.3)
+    want = _loss_and_grads(xs, ws, xt, wt, y, g, **kw)
+    got = _loss_and_grads(xs, ws, xt_inf, wt_inf, y, g, **kw)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
 
 
 def test_triton_argument_errors():

@@ -188,8 +188,10 @@ def check_shapes(student_input_shape: Sequence[int], student_weight_shape: Seque
                                                  "student_weight", "student_input",
                                                  "pass student_weight.T"))
     if wt[0] != v:
+        hint = ("; teacher_weight looks like (H, V): pass teacher_weight.T"
+                if weight_layout == "vh" and wt[1] == v and wt[0] == xt[-1] else "")
         raise ValueError(f"vocabulary mismatch: student_weight has V={v} but teacher_weight "
-                         f"{lay} has shape {wt_given}")
+                         f"{lay} has shape {wt_given}" + hint)
     h_t = wt[1]
     if xt[-1] != h_t:
         raise ValueError(f"hidden size mismatch: teacher_input has H={xt[-1]} but teacher_weight "
