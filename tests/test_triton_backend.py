@@ -277,8 +277,9 @@ def test_own_logits_gemm_runs_and_equals_the_cublas_path(monkeypatch, dtype):
                                rtol=1e-5, atol=0)
 
 
-@pytest.mark.parametrize("dtype,reduction", [(torch.bfloat16, "mean"), (torch.float16, "none")])
-def test_own_gemm_recomputes_dz_in_its_epilogue(monkeypatch, dtype, reduction):
+@pytest.mark.parametrize("dtype,reduction,low_memory", [(torch.bfloat16, "mean", True),
+                                                        (torch.float16, "none", False)])
+def test_own_gemm_recomputes_dz_in_its_epilogue(monkeypatch, dtype, reduction, low_memory):
     """The recomputing sweeps (low-memory mode's vocabulary sweep; reduction="none" and lse
     gradients in the token sweep) take dz from the GEMM's epilogue: no logits block, no row
     pass, the results of cuBLAS + the row kernel. Every option but smoothing, a ragged last
@@ -305,19 +306,18 @@ def test_own_gemm_recomputes_dz_in_its_epilogue(monkeypatch, dtype, reduction):
                                               up_lse])
         return loss.detach(), xg.grad, wg.grad, bg.grad
 
-    for low_memory in (False, True):
-        ref = run("cublas", low_memory)
-        calls = _spy_grad_gemm(monkeypatch)
-        got = run("triton", low_memory)
-        sweep = [(32, 0, v), (32, 0, v), (6, 0, v)]  # the token sweep: dX (and dW, fast)
-        if low_memory:  # then the vocabulary sweep: dW and db
-            sweep += [(n, 0, 120), (n, 120, 120), (n, 240, 61)]
-        assert calls == sweep
-        torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=0, equal_nan=True)
-        for a, r in zip(got[1:], ref[1:]):
-            assert torch.isfinite(a).all()
-            rel = ((a.float() - r.float()).norm() / r.float().norm()).item()
-            assert rel < 2e-3, rel  # summation order only
+    ref = run("cublas", low_memory)
+    calls = _spy_grad_gemm(monkeypatch)
+    got = run("triton", low_memory)
+    sweep = [(32, 0, v), (32, 0, v), (6, 0, v)]  # the token sweep: dX (and dW, fast)
+    if low_memory:  # then the vocabulary sweep: dW and db
+        sweep += [(n, 0, 120), (n, 120, 120), (n, 240, 61)]
+    assert calls == sweep
+    torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=0, equal_nan=True)
+    for a, r in zip(got[1:], ref[1:]):
+        assert torch.isfinite(a).all()
+        rel = ((a.float() - r.float()).norm() / r.float().norm()).item()
+        assert rel < 2e-3, rel  # summation order only
 
 
 @pytest.mark.parametrize("v", [248, 301])
