@@ -363,3 +363,210 @@ def test_causal_lm_loss_under_autocast():
     torch.testing.assert_close(loss, ref, rtol=2e-3, atol=0)
     loss.backward()
     assert hidden.grad.dtype == torch.float32 and torch.isfinite(hidden.grad).all()
+
+
+# ---------------------------------------------------------------- accelerate, TP, FSDP2
+class _AlignDevicesHook:
+    """accelerate.hooks.AlignDevicesHook's offload path, re-told (accelerate is not a test
+    dependency): with ``offload=True`` the module's weight stays on the meta device outside
+    its forward; ``pre_forward`` loads it from ``weights_map``, ``post_forward`` sends it back
+    to meta. Same attribute names as accelerate's (``offload``, ``execution_device``,
+    ``weights_map``, ``io_same_device``, ``offload_buffers``, ``place_submodules``)."""
+    no_grad = False
+
+    def __init__(self, execution_device=None, offload=False, weights_map=None):
+        self.execution_device, self.offload, self.weights_map = (execution_device, offload,
+                                                                  weights_map)
+        self.io_same_device = self.offload_buffers = self.place_submodules = False
+        self.calls = 0
+
+    def init_hook(self, module):
+        if self.offload:
+            self.weights_map = {n: p for n, p in module.named_parameters(recurse=False)}
+            for n, p in self.weights_map.items():
+                module._parameters[n] = torch.nn.Parameter(p.to("meta"), p.requires_grad)
+        return module
+
+    def pre_forward(self, module, *args, **kwargs):
+        self.calls += 1
+        if self.offload:
+            module._parameters.update(self.weights_map)
+        return args, kwargs
+
+    def post_forward(self, module, output):
+        if self.offload:
+            for n, p in self.weights_map.items():
+                module._parameters[n] = torch.nn.Parameter(p.to("meta"), p.requires_grad)
+        return output
+
+
+def _add_hook_to_module(module, hook):
+    """As accelerate.hooks.add_hook_to_module: the wrapped forward is kept as
+    ``module._old_forward`` and looked up there at every call; ``module.forward`` becomes a
+    ``functools.partial`` wrapper."""
+    import functools
+    if not (hasattr(module, "_hf_hook") and hasattr(module, "_old_forward")):
+        module._old_forward = module.forward
+    module = hook.init_hook(module)
+    module._hf_hook = hook
+
+    def new_forward(module, *args, **kwargs):
+        args, kwargs = module._hf_hook.pre_forward(module, *args, **kwargs)
+        return module._hf_hook.post_forward(module, module._old_forward(*args, **kwargs))
+    module.forward = functools.update_wrapper(functools.partial(new_forward, module),
+                                              module._old_forward)
+    return module
+
+
+def test_offloaded_head_is_refused():
+    """accelerate's CPU/disk offload keeps lm_head.weight on the meta device outside the head's
+    forward, which the fused loss bypasses: refused at patch time (the hook says so) and at the
+    call (offloading set up after patching), with an error naming the cause. Before, the loss
+    was computed on the meta device, silently."""
+    ids, mask, labels = make_batch(16)
+    ref = make_model("llama", seed=16)
+    want = ref(input_ids=ids, attention_mask=mask, labels=labels).loss
+    offloaded = copy.deepcopy(ref)
+    _add_hook_to_module(offloaded.lm_head, _AlignDevicesHook("cpu", offload=True))
+    assert offloaded.lm_head.weight.is_meta
+    # the re-told hook is faithful: the unpatched model runs through it, to the same loss
+    torch.testing.assert_close(offloaded(input_ids=ids, attention_mask=mask,
+                                         labels=labels).loss, want, rtol=0, atol=0)
+    assert offloaded.lm_head._hf_hook.calls == 1 and offloaded.lm_head.weight.is_meta
+    with pytest.raises(RuntimeError, match="lm_head weight is on the meta device.*accelerate "
+                                           "offloads it"):
+        patch_causal_lm(offloaded)
+    assert not is_patched(offloaded)
+    # offloading set up after patching: refused at the call, before the model's forward runs
+    late = patch_causal_lm(copy.deepcopy(ref), chunk_size=CHUNK)
+    _add_hook_to_module(late.lm_head, _AlignDevicesHook("cpu", offload=True))
+    with pytest.raises(RuntimeError, match="meta device.*accelerate offloads it"):
+        late(input_ids=ids, attention_mask=mask, labels=labels)
+    assert late.lm_head._hf_hook.calls == 0
+    # a meta weight with no hook (meta-device init) is accepted at patch time, refused at the
+    # call while still on meta, and used once materialised
+    meta_init = copy.deepcopy(ref)
+    weight = meta_init.lm_head.weight
+    meta_init.lm_head.weight = torch.nn.Parameter(weight.to("meta"))
+    patch_causal_lm(meta_init, chunk_size=CHUNK)
+    with pytest.raises(RuntimeError, match="meta device .offloaded, e.g. by accelerate, or never"):
+        meta_init(input_ids=ids, attention_mask=mask, labels=labels)
+    meta_init.lm_head.weight = weight
+    torch.testing.assert_close(meta_init(input_ids=ids, attention_mask=mask,
+                                         labels=labels).loss, want, rtol=1e-5, atol=0)
+
+
+def _tensor_parallel(model, mesh):
+    """Shard ``model`` as ``from_pretrained(..., tp_plan="auto")`` does (lm_head:
+    "colwise_gather_output", a Shard(0) DTensor weight); torch's own ColwiseParallel where this
+    transformers has no ``apply_tensor_parallelism``."""
+    try:
+        from transformers.integrations.tensor_parallel import apply_tensor_parallelism
+    except ImportError:
+        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+        return parallelize_module(model, mesh, {"lm_head": ColwiseParallel(
+            output_layouts=Replicate())})
+    return apply_tensor_parallelism(model, mesh)
+
+
+def test_tensor_parallel_and_fsdp2_heads():
+    """A tensor-parallel head (a real DTensor weight, on a 1-process gloo group) is refused at
+    patch time, and at the call when sharded after patching, with an error pointing to the
+    vocab-parallel loss (before: an obscure sharding-propagation error from the model's
+    forward); a plain local shard of the head is refused too. An FSDP2 root's DTensor
+    parameters are accepted at patch time: its forward gathers them, and the loss matches."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor, Shard
+
+    ids, mask, labels = make_batch(17)
+    ref = make_model("llama", seed=17)
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        tp = _tensor_parallel(copy.deepcopy(ref), mesh)
+        assert isinstance(tp.lm_head.weight, DTensor)
+        assert tp.lm_head.weight.placements == (Shard(0),)
+        # unpatched, the sharded model computes the reference loss
+        torch.testing.assert_close(tp(input_ids=ids, attention_mask=mask, labels=labels).loss,
+                                   ref(input_ids=ids, attention_mask=mask, labels=labels).loss,
+                                   rtol=1e-5, atol=0)
+        refused = r"lm_head weight is a DTensor .*tensor parallelism.*process_group="
+        with pytest.raises(RuntimeError, match=refused):
+            patch_causal_lm(tp)
+        assert not is_patched(tp)
+        late = patch_causal_lm(copy.deepcopy(ref))
+        _tensor_parallel(late, mesh)
+        with pytest.raises(RuntimeError, match=refused):
+            late(input_ids=ids, attention_mask=mask, labels=labels)
+
+        fsdp = copy.deepcopy(ref)
+        fully_shard(fsdp, mesh=mesh)
+        assert isinstance(fsdp.lm_head.weight, DTensor)
+        patch_causal_lm(fsdp, chunk_size=CHUNK)
+        ref.zero_grad(set_to_none=True)
+        want = ref(input_ids=ids, attention_mask=mask, labels=labels)
+        got = fsdp(input_ids=ids, attention_mask=mask, labels=labels)
+        assert got.logits is None
+        torch.testing.assert_close(got.loss, want.loss, rtol=1e-5, atol=0)
+        got.loss.backward()
+        want.loss.backward()
+        _assert_grads_close(fsdp.lm_head.weight.grad.full_tensor(), ref.lm_head.weight.grad,
+                            "lm_head.weight")
+    finally:
+        dist.destroy_process_group()
+    # a local shard as a plain tensor (a hand-rolled TP): not the full vocabulary
+    shard = patch_causal_lm(copy.deepcopy(ref))
+    shard.lm_head.weight = torch.nn.Parameter(shard.lm_head.weight.detach()[: V // 2])
+    with pytest.raises(RuntimeError, match=rf"shape \({V // 2}, {H}\), not .*\({V}, {H}\)"):
+        shard(input_ids=ids, attention_mask=mask, labels=labels)
+
+
+def test_unpatch_under_a_later_wrapper():
+    """A hook accelerate adds after patching (model.forward wrapped, the patched forward kept
+    as model._old_forward): unpatching removes the patch underneath the hook, which stays and
+    runs; any other replacement of model.forward makes unpatching refuse (before, either was
+    deleted or overwritten). Plain unpatching, of a deep copy too, still works."""
+    ids, mask, labels = make_batch(18)
+    ref = make_model("llama", seed=18)
+    want = ref(input_ids=ids, attention_mask=mask, labels=labels)
+    cls_forward = type(ref).forward
+
+    hooked = patch_causal_lm(copy.deepcopy(ref), chunk_size=CHUNK)
+    hook = _AlignDevicesHook("cpu")
+    _add_hook_to_module(hooked, hook)
+    out = hooked(input_ids=ids, attention_mask=mask, labels=labels)
+    assert out.logits is None and hook.calls == 1  # the hook runs, then the patch
+    wrapper = hooked.forward
+    unpatch_causal_lm(hooked)
+    assert not is_patched(hooked) and hooked.forward is wrapper
+    assert hooked._old_forward.__func__ is cls_forward
+    out = hooked(input_ids=ids, attention_mask=mask, labels=labels)
+    assert hook.calls == 2 and out.logits.shape == (B, T, V)
+    torch.testing.assert_close(out.loss, want.loss, rtol=0, atol=0)
+    # ... and removing the hook afterwards (accelerate's remove_hook_from_module) restores the
+    # class's forward, not the patch
+    hooked.forward = hooked._old_forward
+    assert hooked(input_ids=ids, labels=labels).logits.shape == (B, T, V)
+
+    replaced = patch_causal_lm(copy.deepcopy(ref))
+    patched_forward = replaced.forward
+    replaced.forward = lambda *a, **k: patched_forward(*a, **k)
+    with pytest.raises(RuntimeError, match="forward was replaced after patch_causal_lm"):
+        unpatch_causal_lm(replaced)
+    assert is_patched(replaced)  # left as it was: the wrapper still reaches the patch
+    assert replaced(input_ids=ids, attention_mask=mask, labels=labels).logits is None
+    replaced.forward = patched_forward
+    unpatch_causal_lm(replaced)
+    assert "forward" not in replaced.__dict__
+
+    plain = patch_causal_lm(copy.deepcopy(ref))
+    clone = copy.deepcopy(plain)
+    for m in (plain, clone):
+        unpatch_causal_lm(m)
+        assert not is_patched(m) and "forward" not in m.__dict__
+        torch.testing.assert_close(m(input_ids=ids, attention_mask=mask, labels=labels).loss,
+                                   want.loss, rtol=0, atol=0)

@@ -23,7 +23,9 @@ head's device first, as accelerate's ``lm_head`` hook moves them. Without labels
 in eval mode (unless ``fuse_in_eval=True``), the model's forward runs untouched.
 
 The patch is per instance (``model.forward``), keeps the forward's signature (the Trainer
-reads it), survives ``copy.deepcopy`` and is undone by :func:`unpatch_causal_lm`.
+reads it), survives ``copy.deepcopy`` and is undone by :func:`unpatch_causal_lm` (also under a
+hook that accelerate's ``add_hook_to_module`` added afterwards; another wrapper of
+``model.forward`` added after patching makes unpatching refuse rather than drop it).
 
 Only architectures whose forward does nothing between the LM head and the loss but what is
 reproduced here are accepted (:data:`SUPPORTED_MODEL_TYPES`); the others (e.g. MoE models,
@@ -31,12 +33,22 @@ whose loss adds a router term, or heads that rescale the logits) raise ``NotImpl
 as do a subclass that overrides ``forward`` and a custom ``loss_function``; the LM head must be
 a plain ``torch.nn.Linear`` (checked at every call: a LoRA wrapper added after patching would
 otherwise lose its delta).
+
+The fused loss reads ``lm_head.weight`` itself, bypassing the head's forward, so a weight that
+is materialised only inside that forward is refused with an error saying why (at patch time
+where it is already visible, else at the call): a head offloaded by accelerate (its weight
+kept on the ``meta`` device), a head sharded by transformers' tensor parallelism (``tp_plan``:
+a ``DTensor``; the vocab-parallel path is ``logitless.torch.linear_cross_entropy(...,
+process_group=...)`` on the local shard), or a weight that is not the head's full
+``(out_features, in_features)`` matrix. A model sharded with FSDP2 at its root is accepted: its
+root forward hands the head a plain, gathered weight.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 import inspect
+import sys
 import types
 from typing import Any, Dict, Optional
 
@@ -86,6 +98,9 @@ class _State:
     inner_forward: Any       # what model.forward was before patching (a bound method)
     signature: inspect.Signature
     hook_id: Optional[int] = None
+    # the function model.forward is bound to while patched: how unpatching recognises it
+    # (copy.deepcopy keeps functions as they are, so a copy's forward is recognised too)
+    patched_func: Any = None
 
 
 def patch_causal_lm(model, *, backend: Optional[str] = None, fuse_in_eval: bool = False,
@@ -115,6 +130,7 @@ def patch_causal_lm(model, *, backend: Optional[str] = None, fuse_in_eval: bool 
             f"supported; supported: {sorted(SUPPORTED_MODEL_TYPES)}")
     _check_own_loss(model, model_type)
     head = _linear_head(model)
+    _check_head_weight(model, head, at_patch=True)
     if model.base_model is model:
         raise TypeError(f"patch_causal_lm: {type(model).__name__} has no base model "
                         f"(base_model_prefix={model.base_model_prefix!r})")
@@ -150,7 +166,8 @@ def patch_causal_lm(model, *, backend: Optional[str] = None, fuse_in_eval: bool 
     state.hook_id = base.register_forward_hook(_keep_hidden).id
     # A bound method of a function that holds no reference to the model: copy.deepcopy
     # rebinds it to the copy. functools.wraps keeps the signature the Trainer inspects.
-    model.forward = types.MethodType(_make_forward(cls_forward), model)
+    state.patched_func = _make_forward(cls_forward)
+    model.forward = types.MethodType(state.patched_func, model)
     return model
 
 
@@ -162,6 +179,66 @@ def _linear_head(model):
         raise TypeError(f"patch_causal_lm: the model's output embedding must be a plain "
                         f"torch.nn.Linear, got {type(head).__name__} (e.g. a PEFT-wrapped head)")
     return head
+
+
+def _offloads(hook) -> bool:
+    """Whether an accelerate hook (``module._hf_hook``) offloads the module's weights:
+    ``AlignDevicesHook(offload=True)`` keeps them on the meta device outside the module's
+    forward; a ``SequentialHook`` chains hooks in ``.hooks``."""
+    if hook is None:
+        return False
+    return bool(getattr(hook, "offload", False)) or any(_offloads(h)
+                                                        for h in getattr(hook, "hooks", ()))
+
+
+def _check_head_weight(model, head, *, at_patch: bool):
+    """Refuse a head weight the fused loss cannot read as the head's full matrix: the loss
+    bypasses the head's forward, where accelerate loads an offloaded weight and where tensor
+    parallelism computes on the local shard. Attribute checks only (no host sync): this
+    runs at every fused call, as offloading or sharding may be set up after patching."""
+    w = head.weight
+    offloaded = _offloads(getattr(head, "_hf_hook", None))
+    # At patch time only a hook that offloads is refused: a meta weight without one may be
+    # materialised later (meta-device init, then to_empty / loading).
+    if offloaded if at_patch else w.is_meta:
+        cause = ("accelerate offloads it (device_map with CPU/disk offload, cpu_offload) and "
+                 "loads it only inside the head's own forward, which the fused loss bypasses"
+                 if offloaded else
+                 "offloaded, e.g. by accelerate, or never materialised")
+        raise RuntimeError(
+            f"patch_causal_lm: {type(model).__name__}'s lm_head weight is on the meta device "
+            f"({cause}); the fused loss reads the weight directly: keep the head on a GPU "
+            f"(e.g. a device_map / max_memory that does not offload lm_head), or "
+            f"unpatch_causal_lm(model)")
+    # By the module: a DTensor exists only once torch.distributed.tensor is imported (and
+    # importing it here would cost every call).
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if dtensor is not None and isinstance(w, dtensor.DTensor):
+        # An FSDP2 root gathers its parameters before its forward (this patched one
+        # included): at patch time, outside the forward, they are still sharded.
+        if at_patch and _is_fsdp(model):
+            return
+        raise RuntimeError(
+            f"patch_causal_lm: {type(model).__name__}'s lm_head weight is a DTensor (placements "
+            f"{tuple(w.placements)} on {w.device_mesh}) when the fused loss reads it: "
+            f"the head is sharded by tensor parallelism (transformers' tp_plan) or by an FSDP2 "
+            f"unit of its own, and the loss bypasses the head's forward. A vocab-sharded head "
+            f"needs the vocab-parallel loss on its local shard, "
+            f"logitless.torch.linear_cross_entropy(hidden, weight.to_local(), labels, "
+            f"process_group=tp_group, vocab_start_index=..., vocab_size=...), not this patch; "
+            f"with FSDP2, shard the head with the root module; or unpatch_causal_lm(model)")
+    if tuple(w.shape) != (head.out_features, head.in_features):
+        raise RuntimeError(
+            f"patch_causal_lm: {type(model).__name__}'s lm_head weight has shape "
+            f"{tuple(w.shape)}, not the head's (out_features, in_features) = "
+            f"({head.out_features}, {head.in_features}) (a tensor-parallel local shard?): "
+            f"the fused loss needs the full vocabulary; a vocab-sharded head needs "
+            f"logitless.torch.linear_cross_entropy(..., process_group=...)")
+
+
+def _is_fsdp(model) -> bool:
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return fsdp is not None and isinstance(model, getattr(fsdp, "FSDPModule", ()))
 
 
 def _check_own_loss(model, model_type):
@@ -186,16 +263,41 @@ def _check_own_loss(model, model_type):
 
 
 def unpatch_causal_lm(model):
-    """Undo :func:`patch_causal_lm` (a no-op for a model that is not patched)."""
+    """Undo :func:`patch_causal_lm` (a no-op for a model that is not patched).
+
+    If ``model.forward`` was wrapped after patching by accelerate's ``add_hook_to_module``
+    (which keeps the forward it wraps as ``model._old_forward`` and calls it from there), the
+    patch is removed underneath the hook, which stays. Any other replacement of
+    ``model.forward`` since patching raises ``RuntimeError`` and leaves the model as it is:
+    restoring the pre-patch forward would drop that wrapper, and keeping it would leave it
+    calling the patch."""
     state = model.__dict__.get(_STATE)
     if state is None:
         return model
+
+    def is_patch(f):
+        return (isinstance(f, types.MethodType) and f.__self__ is model
+                and f.__func__ is state.patched_func)
+
+    current = model.__dict__.get("forward")
+    if is_patch(current):
+        if state.had_instance_forward:
+            model.forward = state.inner_forward
+        else:
+            del model.forward
+    elif is_patch(model.__dict__.get("_old_forward")):
+        # the hook's wrapper looks model._old_forward up at every call, and accelerate's
+        # remove_hook_from_module restores it as model.forward: the pre-patch forward either way
+        model._old_forward = state.inner_forward
+    else:
+        now = "the class's forward" if current is None else f"a {type(current).__name__}"
+        raise RuntimeError(
+            f"unpatch_causal_lm: {type(model).__name__}.forward was replaced after "
+            f"patch_causal_lm (now {now}); unpatching would drop that wrapper or leave it "
+            f"calling the patch. Remove the wrapper first (restore the forward it replaced), "
+            f"then unpatch")
     model.base_model._forward_hooks.pop(state.hook_id, None)
     model.base_model.__dict__.pop(_SLOT, None)
-    if state.had_instance_forward:
-        model.forward = state.inner_forward
-    else:
-        del model.forward
     object.__delattr__(model, _STATE)
     return model
 
@@ -236,6 +338,7 @@ def _patched_forward(model, args, kwargs):
     if return_dict is None:
         return_dict = getattr(model.config, "return_dict", True)
     head = _linear_head(model)
+    _check_head_weight(model, head, at_patch=False)  # before the model's forward runs
     named["logits_to_keep"] = slice(0, 0)  # hidden[:, 0:0]: no index tensor (device-free)
 
     slot = model.base_model.__dict__[_SLOT]
