@@ -4,6 +4,8 @@ accumulation with ``num_items_in_batch``; the logits are never made; the untouch
 untouched."""
 import copy
 import inspect
+import sys
+import types
 
 import pytest
 import torch
@@ -137,30 +139,43 @@ def test_softcap_is_applied(kind):
     assert abs(uncapped.item() - ref.item()) > 1e-3 * abs(ref.item())
 
 
+class _Linears(torch.overrides.TorchFunctionMode):
+    """Records the output shapes of F.linear calls on one weight (the head's own call included:
+    a hook on the head would now be refused by the patch)."""
+
+    def __init__(self, weight):
+        super().__init__()
+        self.weight, self.shapes = weight, []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.nn.functional.linear and args[1] is self.weight:
+            self.shapes.append(out.shape)
+        return out
+
+
 def test_logits_never_materialized():
     """No tensor with tokens x vocab elements is computed by the head or saved for backward."""
     model = patch_causal_lm(make_model("llama"), chunk_size=CHUNK)
     ids, mask, labels = make_batch(3)
-    head_out = []
-    handle = model.lm_head.register_forward_hook(lambda m, i, o: head_out.append(o.shape))
     saved = []
 
     def pack(t):
         saved.append(t.numel())
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+            _Linears(model.lm_head.weight) as linears:
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
-    handle.remove()
     loss.backward()
-    assert head_out == [torch.Size([B, 0, V])]
+    assert linears.shapes[0] == torch.Size([B, 0, V])  # the head's call, on the empty slice
+    assert max(s.numel() for s in linears.shapes) < B * T * V
     assert saved and max(saved) < B * T * V
     # the negative control: unpatched, the head does make them
     unpatch_causal_lm(model)
-    head_out.clear()
-    model.lm_head.register_forward_hook(lambda m, i, o: head_out.append(o.shape))
-    model(input_ids=ids, attention_mask=mask, labels=labels)
-    assert head_out == [torch.Size([B, T, V])]
+    with _Linears(model.lm_head.weight) as linears:
+        model(input_ids=ids, attention_mask=mask, labels=labels)
+    assert linears.shapes == [torch.Size([B, T, V])]
 
 
 @pytest.mark.parametrize("kind", ["llama", "gemma2"])
@@ -366,18 +381,64 @@ def test_causal_lm_loss_under_autocast():
 
 
 # ---------------------------------------------------------------- accelerate, TP, FSDP2
-class _AlignDevicesHook:
-    """accelerate.hooks.AlignDevicesHook's offload path, re-told (accelerate is not a test
-    dependency): with ``offload=True`` the module's weight stays on the meta device outside
-    its forward; ``pre_forward`` loads it from ``weights_map``, ``post_forward`` sends it back
-    to meta. Same attribute names as accelerate's (``offload``, ``execution_device``,
-    ``weights_map``, ``io_same_device``, ``offload_buffers``, ``place_submodules``)."""
+# accelerate's hooks module (src/accelerate/hooks.py, 1.x), re-told (accelerate is not a test
+# dependency) with the same names and attributes, and run as a module named accelerate.hooks:
+# the patch recognises add_hook_to_module's wrapper by the globals of that module (in
+# sys.modules once accelerate is imported; the `accelerate_hooks` fixture puts this one there).
+# Checked against accelerate 1.15.0 itself (dispatch_model, AlignDevicesHook with and without
+# offload, SequentialHook, a user ModelHook, LayerwiseCastingHook, cpu_offload,
+# remove_hook_from_module): the patch accepts and refuses the same hooks as here.
+_ACCELERATE_HOOKS = """
+import functools
+import torch
+
+
+class ModelHook:
     no_grad = False
 
-    def __init__(self, execution_device=None, offload=False, weights_map=None):
+    def init_hook(self, module):
+        return module
+
+    def pre_forward(self, module, *args, **kwargs):
+        return args, kwargs
+
+    def post_forward(self, module, output):
+        return output
+
+    def detach_hook(self, module):
+        return module
+
+
+class SequentialHook(ModelHook):
+    def __init__(self, *hooks):
+        self.hooks = hooks
+
+    def init_hook(self, module):
+        for hook in self.hooks:
+            module = hook.init_hook(module)
+        return module
+
+    def pre_forward(self, module, *args, **kwargs):
+        for hook in self.hooks:
+            args, kwargs = hook.pre_forward(module, *args, **kwargs)
+        return args, kwargs
+
+    def post_forward(self, module, output):
+        for hook in self.hooks:
+            output = hook.post_forward(module, output)
+        return output
+
+
+class AlignDevicesHook(ModelHook):
+    # offload=True: the module's weight stays on the meta device outside its forward;
+    # pre_forward loads it from weights_map (and moves the inputs to execution_device),
+    # post_forward sends it back to meta. `calls` counts pre_forward calls (for the tests).
+    def __init__(self, execution_device=None, offload=False, io_same_device=False,
+                 weights_map=None, offload_buffers=False, place_submodules=False):
         self.execution_device, self.offload, self.weights_map = (execution_device, offload,
                                                                   weights_map)
-        self.io_same_device = self.offload_buffers = self.place_submodules = False
+        self.io_same_device, self.offload_buffers = io_same_device, offload_buffers
+        self.place_submodules = place_submodules
         self.calls = 0
 
     def init_hook(self, module):
@@ -391,7 +452,8 @@ class _AlignDevicesHook:
         self.calls += 1
         if self.offload:
             module._parameters.update(self.weights_map)
-        return args, kwargs
+        return tuple(a.to(self.execution_device) if torch.is_tensor(a) else a
+                     for a in args), kwargs
 
     def post_forward(self, module, output):
         if self.offload:
@@ -400,22 +462,53 @@ class _AlignDevicesHook:
         return output
 
 
-def _add_hook_to_module(module, hook):
-    """As accelerate.hooks.add_hook_to_module: the wrapped forward is kept as
-    ``module._old_forward`` and looked up there at every call; ``module.forward`` becomes a
-    ``functools.partial`` wrapper."""
-    import functools
-    if not (hasattr(module, "_hf_hook") and hasattr(module, "_old_forward")):
-        module._old_forward = module.forward
+def add_hook_to_module(module, hook, append=False):
+    if append and getattr(module, "_hf_hook", None) is not None:
+        old_hook = module._hf_hook
+        remove_hook_from_module(module)
+        hook = SequentialHook(old_hook, hook)
+    if hasattr(module, "_hf_hook") and hasattr(module, "_old_forward"):
+        old_forward = module._old_forward
+    else:
+        old_forward = module.forward
+        module._old_forward = old_forward
     module = hook.init_hook(module)
     module._hf_hook = hook
 
     def new_forward(module, *args, **kwargs):
         args, kwargs = module._hf_hook.pre_forward(module, *args, **kwargs)
-        return module._hf_hook.post_forward(module, module._old_forward(*args, **kwargs))
+        if module._hf_hook.no_grad:
+            with torch.no_grad():
+                output = module._old_forward(*args, **kwargs)
+        else:
+            output = module._old_forward(*args, **kwargs)
+        return module._hf_hook.post_forward(module, output)
+
     module.forward = functools.update_wrapper(functools.partial(new_forward, module),
-                                              module._old_forward)
+                                              old_forward)
     return module
+
+
+def remove_hook_from_module(module):
+    if hasattr(module, "_hf_hook"):
+        module._hf_hook.detach_hook(module)
+        delattr(module, "_hf_hook")
+    if hasattr(module, "_old_forward"):
+        module.forward = module._old_forward  # the bound forward stays in module.__dict__
+        delattr(module, "_old_forward")
+    return module
+"""
+_accelerate = types.ModuleType("accelerate.hooks")
+exec(compile(_ACCELERATE_HOOKS, "<accelerate.hooks, re-told>", "exec"), vars(_accelerate))
+_AlignDevicesHook, _add_hook_to_module = (_accelerate.AlignDevicesHook,
+                                          _accelerate.add_hook_to_module)
+
+
+@pytest.fixture
+def accelerate_hooks(monkeypatch):
+    """accelerate imported: its hooks module in sys.modules for the test's duration."""
+    monkeypatch.setitem(sys.modules, "accelerate.hooks", _accelerate)
+    return _accelerate
 
 
 def test_offloaded_head_is_refused():
@@ -570,3 +663,230 @@ def test_unpatch_under_a_later_wrapper():
         assert not is_patched(m) and "forward" not in m.__dict__
         torch.testing.assert_close(m(input_ids=ids, attention_mask=mask, labels=labels).loss,
                                    want.loss, rtol=0, atol=0)
+
+
+# ------------------------------------------------- what changes the head on the instance
+def test_hooks_and_forwards_on_the_head_are_refused():
+    """The fused loss reads lm_head.weight and runs the head only on an empty slice: a forward
+    (pre-)hook or backward hook on the head, or a forward replaced on the head instance, would
+    be bypassed silently (a hook capturing the logits got an empty tensor, a pre-hook's rescaling
+    was dropped). Refused at patch time and at the call (added after patching), before the
+    model's forward runs; accepted again once removed, with the reference loss."""
+    ids, mask, labels = make_batch(19)
+    ref = make_model("llama", seed=19)
+    want = ref(input_ids=ids, attention_mask=mask, labels=labels).loss
+    seen = []
+
+    def capture(module, args, output):
+        seen.append(output.shape)
+
+    def rescale(module, args, kwargs):  # a kwargs pre-hook (with_kwargs=True)
+        return (args[0] * 0.5,), kwargs
+
+    registrations = [
+        ("forward hook .*capture", lambda h: h.register_forward_hook(capture)),
+        ("forward hook .*capture", lambda h: h.register_forward_hook(capture, always_call=True)),
+        ("forward pre-hook .*rescale", lambda h: h.register_forward_pre_hook(rescale,
+                                                                             with_kwargs=True)),
+        ("backward hook", lambda h: h.register_full_backward_hook(lambda m, gi, go: None)),
+        ("backward pre-hook", lambda h: h.register_full_backward_pre_hook(lambda m, go: None)),
+    ]
+    model = copy.deepcopy(ref)
+    for what, register in registrations:
+        handle = register(model.lm_head)
+        with pytest.raises(RuntimeError, match=f"lm_head has hooks .{what}.*handle.remove"):
+            patch_causal_lm(model)
+        assert not is_patched(model)
+        handle.remove()
+    patch_causal_lm(model, chunk_size=CHUNK)
+    for what, register in registrations:
+        handle = register(model.lm_head)
+        with pytest.raises(RuntimeError, match=f"lm_head has hooks .{what}.*unpatch_causal_lm"):
+            model(input_ids=ids, attention_mask=mask, labels=labels)
+        handle.remove()
+    assert seen == []  # refused before the model's forward ran
+
+    # a forward replaced on the instance: a user's wrapper (transformers' tensor-parallel
+    # tp_forward is one too), at patch time and after patching
+    wrapped = copy.deepcopy(ref)
+    own = wrapped.lm_head.forward
+
+    def halved(x):
+        return own(x) * 0.5
+    wrapped.lm_head.forward = halved
+    replaced = r"lm_head.forward is replaced on the instance .*halved, a function"
+    with pytest.raises(RuntimeError, match=replaced):
+        patch_causal_lm(wrapped)
+    del wrapped.lm_head.forward
+    patch_causal_lm(wrapped, chunk_size=CHUNK)
+    wrapped.lm_head.forward = halved
+    with pytest.raises(RuntimeError, match=replaced + r".*unpatch_causal_lm"):
+        wrapped(input_ids=ids, attention_mask=mask, labels=labels)
+    # the head's own forward bound on the instance changes nothing: accepted
+    wrapped.lm_head.forward = own
+    for m in (model, wrapped):
+        torch.testing.assert_close(m(input_ids=ids, attention_mask=mask, labels=labels).loss,
+                                   want, rtol=1e-5, atol=0)
+
+
+def test_accelerate_device_hook_accepted_other_hooks_refused(accelerate_hooks):
+    """device_map over GPUs puts AlignDevicesHook(offload=False) on lm_head: accepted (the patch
+    moves the hidden states to the head's device, as the hook does), alone or chained in a
+    SequentialHook, and after remove_hook_from_module. Refused: a user's ModelHook (its
+    post_forward edits the logits), a subclass of AlignDevicesHook, no_grad=True, a chain with a
+    foreign hook, a user's wrapper around accelerate's, and a look-alike of accelerate's
+    wrapper when accelerate is not what made it."""
+    acc = accelerate_hooks
+    ids, mask, labels = make_batch(20)
+    ref = make_model("llama", seed=20)
+    want = ref(input_ids=ids, attention_mask=mask, labels=labels).loss
+
+    placed = copy.deepcopy(ref)
+    hook = acc.AlignDevicesHook("cpu", place_submodules=True)
+    acc.add_hook_to_module(placed.lm_head, hook)
+    patch_causal_lm(placed, chunk_size=CHUNK)
+    out = placed(input_ids=ids, attention_mask=mask, labels=labels)
+    assert out.logits is None and hook.calls == 1  # the head ran (on the empty slice) through it
+    torch.testing.assert_close(out.loss, want, rtol=1e-5, atol=0)
+    acc.add_hook_to_module(placed.lm_head, acc.AlignDevicesHook("cpu"), append=True)
+    assert type(placed.lm_head._hf_hook) is acc.SequentialHook
+    torch.testing.assert_close(placed(input_ids=ids, attention_mask=mask, labels=labels).loss,
+                               want, rtol=1e-5, atol=0)
+
+    class Halve(acc.ModelHook):
+        def post_forward(self, module, output):
+            return output * 0.5
+
+    class MyAlign(acc.AlignDevicesHook):
+        pass
+    no_grad = acc.AlignDevicesHook("cpu")
+    no_grad.no_grad = True
+    for hook, name in ((Halve(), "Halve"), (MyAlign("cpu"), "MyAlign"),
+                       (no_grad, r"AlignDevicesHook\(no_grad=True\)"),
+                       (acc.SequentialHook(acc.AlignDevicesHook("cpu"), Halve()),
+                        r"SequentialHook\(AlignDevicesHook, Halve\)")):
+        refused = rf"lm_head.forward is replaced on the instance .accelerate's {name} around "
+        before = copy.deepcopy(ref)
+        acc.add_hook_to_module(before.lm_head, hook)
+        with pytest.raises(RuntimeError, match=refused):
+            patch_causal_lm(before)
+        after = patch_causal_lm(copy.deepcopy(ref))
+        acc.add_hook_to_module(after.lm_head, copy.deepcopy(hook))
+        with pytest.raises(RuntimeError, match=refused):
+            after(input_ids=ids, attention_mask=mask, labels=labels)
+        # accelerate's remove_hook_from_module leaves the head's own bound forward: accepted
+        acc.remove_hook_from_module(after.lm_head)
+        assert "forward" in after.lm_head.__dict__
+        torch.testing.assert_close(after(input_ids=ids, attention_mask=mask, labels=labels).loss,
+                                   want, rtol=1e-5, atol=0)
+    # a wrapper of the user's around accelerate's device hook
+    outer = placed.lm_head.forward
+    placed.lm_head.forward = lambda x: outer(x) * 0.5
+    with pytest.raises(RuntimeError, match="replaced on the instance .*<lambda>, a function"):
+        placed(input_ids=ids, attention_mask=mask, labels=labels)
+    # a forward of accelerate's making only: the re-told module, not in sys.modules, is not
+    # accelerate's (no look-alike passes)
+    del sys.modules["accelerate.hooks"]
+    lookalike = copy.deepcopy(ref)
+    acc.add_hook_to_module(lookalike.lm_head, acc.AlignDevicesHook("cpu"))
+    with pytest.raises(RuntimeError, match="replaced on the instance .*Linear.forward, a partial"):
+        patch_causal_lm(lookalike)
+
+
+def test_parametrized_head_weight():
+    """A parametrized head weight (torch.nn.utils.parametrize) is computed at each read of
+    lm_head.weight, which is the right tensor: weight norm trains as unpatched (gradients into
+    its g and v). It is computed once per call, as in the head's own forward: spectral norm's
+    training-mode power iteration steps at every read (before: three reads per call, the loss
+    on a differently normalised weight and the u/v buffers three steps on)."""
+    from torch.nn.utils import parametrizations, parametrize
+    ids, mask, labels = make_batch(21)
+
+    ref = make_model("llama", seed=21)
+    parametrizations.weight_norm(ref.lm_head)
+    fused = patch_causal_lm(copy.deepcopy(ref), chunk_size=CHUNK)
+    out_r = ref(input_ids=ids, attention_mask=mask, labels=labels)
+    out_f = fused(input_ids=ids, attention_mask=mask, labels=labels)
+    assert out_f.logits is None
+    torch.testing.assert_close(out_f.loss, out_r.loss, rtol=1e-5, atol=0)
+    out_r.loss.backward()
+    out_f.loss.backward()
+    for (name, p_r), (_, p_f) in zip(ref.named_parameters(), fused.named_parameters()):
+        _assert_grads_close(p_f.grad, p_r.grad, name)
+
+    class Counted(torch.nn.Module):
+        calls = 0
+
+        def forward(self, w):
+            Counted.calls += 1
+            return w
+
+    model = make_model("llama", seed=22)
+    parametrizations.spectral_norm(model.lm_head)
+    parametrize.register_parametrization(model.lm_head, "weight", Counted())
+    patch_causal_lm(model, chunk_size=CHUNK)  # (its checks read the weight once)
+    ref = unpatch_causal_lm(copy.deepcopy(model))
+    losses = []
+    for m in (ref, model):
+        Counted.calls = 0
+        losses.append(m(input_ids=ids, attention_mask=mask, labels=labels).loss)
+        losses[-1].backward()
+        assert Counted.calls == 1, type(m.forward)
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=0)
+    norm_r, norm_f = (m.lm_head.parametrizations.weight[0] for m in (ref, model))
+    torch.testing.assert_close(norm_f._u, norm_r._u, rtol=0, atol=0)
+    for (name, p_r), (_, p_f) in zip(ref.named_parameters(), model.named_parameters()):
+        _assert_grads_close(p_f.grad, p_r.grad, name)
+
+
+def test_global_module_hooks_are_not_refused():
+    """Global module hooks (register_module_forward_hook) apply to every module and are
+    trackers: FlopCounterMode's ModuleTracker uses them. They are not refused, and still see
+    the head called (on the empty slice)."""
+    from torch.utils.flop_counter import FlopCounterMode
+    ids, mask, labels = make_batch(23)
+    ref = make_model("llama", seed=23)
+    fused = patch_causal_lm(copy.deepcopy(ref), chunk_size=CHUNK)
+    with FlopCounterMode(display=False) as flops:
+        loss = fused(input_ids=ids, attention_mask=mask, labels=labels).loss
+    assert torch.nn.modules.module._global_forward_hooks == {}  # removed on exit
+    assert f"{type(fused).__name__}.lm_head" in flops.get_flop_counts()
+    torch.testing.assert_close(loss, ref(input_ids=ids, attention_mask=mask, labels=labels).loss,
+                               rtol=1e-5, atol=0)
+
+
+def test_torch_weight_recomputing_pre_hooks_are_accepted():
+    """torch's forward pre-hooks that only set lm_head.weight from other parameters before each
+    forward (pruning, the legacy spectral_norm / weight_norm) keep working: the model's forward
+    calls the head (on the empty slice) before the loss reads the weight, so the loss gets this
+    call's weight; the head's power iteration steps once, as unpatched. A subclass whose
+    __call__ does something else is refused."""
+    from torch.nn.utils import prune
+    ids, mask, labels = make_batch(24)
+    setups = {"pruned": lambda head: prune.l1_unstructured(head, "weight", amount=0.3),
+              # a random u (seeded by make_model), one power iteration per forward in training
+              "spectral norm": lambda head: torch.nn.utils.spectral_norm(head)}
+    for setup in setups.values():
+        def make():  # (such a module cannot be deep-copied: its weight is not a leaf)
+            model = make_model("llama", seed=24)
+            setup(model.lm_head)
+            assert len(model.lm_head._forward_pre_hooks) == 1
+            return model
+        ref, fused = make(), patch_causal_lm(make(), chunk_size=CHUNK)
+        out_r = ref(input_ids=ids, attention_mask=mask, labels=labels)
+        out_f = fused(input_ids=ids, attention_mask=mask, labels=labels)
+        assert out_f.logits is None
+        torch.testing.assert_close(out_f.loss, out_r.loss, rtol=1e-5, atol=0)
+        out_r.loss.backward()
+        out_f.loss.backward()
+        for (name, p_r), (_, p_f) in zip(ref.named_parameters(), fused.named_parameters()):
+            _assert_grads_close(p_f.grad, p_r.grad, name)
+        for name, b_r in ref.lm_head.named_buffers():  # the mask; spectral norm's u and v
+            torch.testing.assert_close(getattr(fused.lm_head, name), b_r, rtol=0, atol=0)
+
+    class Scaled(prune.Identity):
+        def __call__(self, module, inputs):
+            return (inputs[0] * 0.5,)
+    fused.lm_head.register_forward_pre_hook(Scaled())
+    with pytest.raises(RuntimeError, match="lm_head has hooks .forward pre-hook Scaled"):
+        fused(input_ids=ids, attention_mask=mask, labels=labels)

@@ -42,9 +42,26 @@ a ``DTensor``; the vocab-parallel path is ``logitless.torch.linear_cross_entropy
 process_group=...)`` on the local shard), or a weight that is not the head's full
 ``(out_features, in_features)`` matrix. A model sharded with FSDP2 at its root is accepted: its
 root forward hands the head a plain, gathered weight.
+
+For the same reason, whatever changes the head's computation on the instance is refused (at
+patch time and at every fused call): a ``forward`` replaced on the head (a user's wrapper,
+transformers' tensor-parallel ``tp_forward``, an accelerate hook other than the one below) and
+forward / backward (pre-)hooks registered on the head. The model's own forward still calls the
+head, on an empty ``[batch, 0, hidden]`` slice, so such a hook would see no logits and its edits
+would never reach the loss. Accepted: accelerate's device-placement hook
+(``AlignDevicesHook`` without offload, alone or in a ``SequentialHook``, as ``device_map`` over
+GPUs puts on ``lm_head``), whose only effect, moving the input to the head's device, the patch
+reproduces; and torch's pre-hooks that only set the weight before each forward (pruning, the
+legacy ``weight_norm`` / ``spectral_norm``), which run in that empty-slice call, before the loss
+reads the weight. Global module hooks (``register_module_forward_hook``) are not considered:
+they apply to every module and are trackers (``FlopCounterMode``, ``ModuleTracker``), which
+still see the head called. A parametrized weight (``torch.nn.utils.parametrize``: weight norm,
+spectral norm) is read through ``head.weight``, computed once per call as in the head's own
+forward (``parametrize.cached()``: spectral norm's power iteration steps at each read).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -54,6 +71,9 @@ from typing import Any, Dict, Optional
 
 import torch
 import torch.nn.functional as F
+from torch.nn.utils import parametrize, prune
+from torch.nn.utils.spectral_norm import SpectralNorm
+from torch.nn.utils.weight_norm import WeightNorm
 
 from .. import torch as lt
 
@@ -130,7 +150,10 @@ def patch_causal_lm(model, *, backend: Optional[str] = None, fuse_in_eval: bool 
             f"supported; supported: {sorted(SUPPORTED_MODEL_TYPES)}")
     _check_own_loss(model, model_type)
     head = _linear_head(model)
-    _check_head_weight(model, head, at_patch=True)
+    with _weight_reads(head):
+        _check_head_weight(model, head, at_patch=True)
+        _check_head_call(model, head)
+        weight = head.weight
     if model.base_model is model:
         raise TypeError(f"patch_causal_lm: {type(model).__name__} has no base model "
                         f"(base_model_prefix={model.base_model_prefix!r})")
@@ -149,7 +172,7 @@ def patch_causal_lm(model, *, backend: Optional[str] = None, fuse_in_eval: bool 
     if backend is None:
         impl_backend, accepted = None, lt._tuning_names(None)
     else:
-        impl_backend, impl = lt._resolve(backend, head.weight.device, head.weight.dtype)
+        impl_backend, impl = lt._resolve(backend, weight.device, weight.dtype)
         accepted = impl.TUNING
     unknown = sorted(set(tuning) - set(accepted))
     if unknown:
@@ -239,6 +262,121 @@ def _check_head_weight(model, head, *, at_patch: bool):
 def _is_fsdp(model) -> bool:
     fsdp = sys.modules.get("torch.distributed.fsdp")
     return fsdp is not None and isinstance(model, getattr(fsdp, "FSDPModule", ()))
+
+
+def _check_head_call(model, head):
+    """Refuse what changes the head's computation on the instance: the fused loss reads
+    ``head.weight`` and bypasses the head's forward (the model's forward calls the head on an
+    empty slice only). Python attribute checks only: this runs at every fused call (traced by
+    torch.compile), as a hook or wrapper may be added after patching. (A hook added after
+    torch.compile traced the call goes unseen, as it does unpatched: dynamo does not guard on
+    module hooks, ``torch._dynamo.config.skip_nnmodule_hook_guards``.)"""
+    # the *_with_kwargs / always_call variants are flags on hooks kept in these dicts
+    kinds = (("forward pre-hook", head._forward_pre_hooks), ("forward hook", head._forward_hooks),
+             ("backward pre-hook", head._backward_pre_hooks),
+             ("backward hook", head._backward_hooks))
+    found = []
+    if any(hooks for _, hooks in kinds):
+        found = [f"{kind} {_name(h)}" for kind, hooks in kinds for h in hooks.values()
+                 if not (kind == "forward pre-hook" and _recomputes_weight(h))]
+    if found:
+        raise RuntimeError(
+            f"patch_causal_lm: {type(model).__name__}'s lm_head has hooks ({', '.join(found)}): "
+            f"the fused loss reads lm_head.weight directly and the head runs only on an empty "
+            f"slice, so a hook sees no logits and what it changes never reaches the loss. Remove "
+            f"them (handle.remove()), or unpatch_causal_lm(model) to use the model's own loss")
+    forward = head.__dict__.get("forward")
+    if forward is None or _is_own_forward(head, forward) or _is_device_hook(head, forward):
+        return
+    if _is_accelerate_wrapper(head, forward):
+        old = head.__dict__.get("_old_forward")
+        what = (f"accelerate's {_hook_name(head.__dict__.get('_hf_hook'))} around "
+                f"{_name(old)}")
+    else:
+        what = f"{_name(forward)}, a {type(forward).__name__}"
+    raise RuntimeError(
+        f"patch_causal_lm: {type(model).__name__}'s lm_head.forward is replaced on the instance "
+        f"({what}): the fused loss reads lm_head.weight directly and bypasses it (of accelerate's "
+        f"hooks, only AlignDevicesHook without offload is reproduced). Remove the wrapper "
+        f"(del lm_head.forward; accelerate's remove_hook_from_module), or "
+        f"unpatch_causal_lm(model) to use the model's own loss")
+
+
+# torch's forward pre-hooks that only set the head's weight attribute from other parameters
+# before each forward (the legacy, non-parametrize weight_norm and spectral_norm; pruning):
+# the model's forward calls the head (on the empty slice) before the loss reads lm_head.weight,
+# so the loss reads the weight of this call, as the head's own forward would.
+_WEIGHT_PRE_HOOKS = (WeightNorm, SpectralNorm, prune.BasePruningMethod)
+
+
+def _recomputes_weight(hook):
+    cls = type(hook)
+    return (isinstance(hook, _WEIGHT_PRE_HOOKS)
+            and any(cls.__call__ is base.__call__ for base in _WEIGHT_PRE_HOOKS))
+
+
+def _name(f):
+    return getattr(f, "__qualname__", None) or type(f).__name__
+
+
+def _hook_name(hook):
+    inner = getattr(hook, "hooks", None)
+    if isinstance(inner, (tuple, list)):
+        return f"{type(hook).__name__}({', '.join(_hook_name(h) for h in inner)})"
+    flags = [f"{k}=True" for k in ("offload", "no_grad") if getattr(hook, k, False) is True]
+    return type(hook).__name__ + (f"({', '.join(flags)})" if flags else "")
+
+
+def _is_own_forward(head, f):
+    """``f`` is ``nn.Linear.forward`` bound to ``head`` (what accelerate's
+    ``remove_hook_from_module`` leaves in ``head.forward``)."""
+    return (isinstance(f, types.MethodType) and f.__self__ is head
+            and f.__func__ is torch.nn.Linear.forward)
+
+
+def _is_accelerate_wrapper(head, forward):
+    """``forward`` is accelerate's ``add_hook_to_module`` wrapper of ``head``:
+    ``partial(new_forward, head)``, ``new_forward`` a function of accelerate's hooks module
+    (by identity of its globals: looked up, not imported, as without accelerate there is no
+    such hook) that calls ``head._hf_hook.pre_forward``, ``head._old_forward`` and
+    ``head._hf_hook.post_forward``."""
+    hooks = sys.modules.get("accelerate.hooks")
+    if hooks is None or not isinstance(forward, functools.partial):
+        return False
+    return (getattr(forward.func, "__globals__", None) is vars(hooks)
+            and getattr(forward.func, "__name__", None) == "new_forward"
+            and len(forward.args) == 1 and forward.args[0] is head and not forward.keywords)
+
+
+def _is_device_hook(head, forward):
+    """accelerate's wrapper around the head's own forward with device placement only:
+    ``AlignDevicesHook(offload=False)`` (exactly that class: a subclass may edit the output),
+    alone or chained in ``SequentialHook``s. Its ``pre_forward`` moves the input to the
+    head's device, as the patch does; ``no_grad`` must be off (else the head gives no
+    gradient)."""
+    if not (_is_accelerate_wrapper(head, forward)
+            and _is_own_forward(head, head.__dict__.get("_old_forward"))):
+        return False
+    hooks = sys.modules["accelerate.hooks"]
+    todo = [head.__dict__.get("_hf_hook")]
+    while todo:
+        hook = todo.pop()
+        if type(hook) is getattr(hooks, "SequentialHook", None):
+            todo.extend(hook.hooks)
+        elif (type(hook) is not getattr(hooks, "AlignDevicesHook", None) or hook.offload
+              or hook.no_grad):
+            return False
+    return True
+
+
+def _weight_reads(head):
+    """A parametrized head weight (``torch.nn.utils.parametrize``: weight norm, spectral
+    norm) is computed at every read of ``head.weight``; the fused call reads it more than once
+    (the checks, the head's call on the empty slice, the loss). Read once, as the head's own
+    forward does: spectral norm's power iteration steps at each read in training mode. The
+    cache holds for the whole call, so another parametrized module read twice in one forward
+    is computed once too."""
+    return parametrize.cached() if parametrize.is_parametrized(head) else contextlib.nullcontext()
 
 
 def _check_own_loss(model, model_type):
@@ -338,27 +476,30 @@ def _patched_forward(model, args, kwargs):
     if return_dict is None:
         return_dict = getattr(model.config, "return_dict", True)
     head = _linear_head(model)
-    _check_head_weight(model, head, at_patch=False)  # before the model's forward runs
     named["logits_to_keep"] = slice(0, 0)  # hidden[:, 0:0]: no index tensor (device-free)
-
-    slot = model.base_model.__dict__[_SLOT]
-    slot.append(True)
-    try:
-        out = state.inner_forward(**named, **extra, return_dict=True)
-        captured = slot[1:]
-    finally:
-        slot.clear()
-    if not captured:
-        raise RuntimeError(f"patch_causal_lm: {type(model).__name__}'s base model was not called")
-    hidden = captured[-1]
-    if shift_labels is None:
-        # As transformers' ForCausalLMLoss: position t predicts label t+1, the last predicts
-        # nothing (padded with ignore_index), so every hidden state is used unsliced.
-        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-    softcap = getattr(model.config, state.softcap_attr) if state.softcap_attr else None
-    loss = causal_lm_loss(hidden, head.weight, shift_labels, bias=head.bias,
-                          num_items_in_batch=num_items_in_batch, ignore_index=ignore_index,
-                          softcap=softcap, backend=state.backend, **state.tuning)
+    with _weight_reads(head):
+        # before the model's forward runs
+        _check_head_weight(model, head, at_patch=False)
+        _check_head_call(model, head)
+        slot = model.base_model.__dict__[_SLOT]
+        slot.append(True)
+        try:
+            out = state.inner_forward(**named, **extra, return_dict=True)
+            captured = slot[1:]
+        finally:
+            slot.clear()
+        if not captured:
+            raise RuntimeError(
+                f"patch_causal_lm: {type(model).__name__}'s base model was not called")
+        hidden = captured[-1]
+        if shift_labels is None:
+            # As transformers' ForCausalLMLoss: position t predicts label t+1, the last
+            # predicts nothing (padded with ignore_index), so every hidden state is used.
+            shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+        softcap = getattr(model.config, state.softcap_attr) if state.softcap_attr else None
+        loss = causal_lm_loss(hidden, head.weight, shift_labels, bias=head.bias,
+                              num_items_in_batch=num_items_in_batch, ignore_index=ignore_index,
+                              softcap=softcap, backend=state.backend, **state.tuning)
     fields = {k: v for k, v in out.items() if k not in ("loss", "logits")}
     if return_dict:
         return type(out)(loss=loss, **fields)
