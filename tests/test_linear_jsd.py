@@ -852,26 +852,50 @@ def test_gpu_fused_barriers_equal_three_launches(beta):
         assert _rel(a, b) < 1e-2
 
 
-@gpu
-@pytest.mark.gpu
-def test_gpu_barrier_timeout_poisons_instead_of_hanging():
-    """A fused launch whose segments can never meet (one program, two segments per row) must
-    come back with NaN losses after MAX_SPIN polls (the first row; later ones see the abort
-    flag and give up at once), not hang the GPU."""
+def test_barrier_timeout_poisons_instead_of_hanging():
+    """A fused launch whose segments can never meet (one program, two segments per row) comes
+    back after MAX_SPIN polls with every loss and every gradient entry NaN (later rows see
+    the abort flag and give up at once), not hanging the GPU, and never finite and wrong. Two
+    interleavings: segment 0 of each row first (one program takes the tickets in order), and,
+    after an earlier timeout, segment 1 of a row before segment 0 (two launches emulate the
+    programs: the first takes the row's second ticket): a timed-out segment's two arrivals on
+    the row's one counter must not let its peer pass as if the row had met. CPU: the Triton
+    interpreter, which runs programs one after another."""
     torch = _torch()
     from logitless.triton_kernels import jsd_rows
+    dev = "cuda" if _cuda() else "cpu"
     rows, v, seg = 2, 64, 32
-    zs = torch.randn(rows, v, device="cuda")
-    zt = torch.randn(rows, v, device="cuda")
-    loss = torch.zeros(rows, device="cuda")
-    part = torch.empty(rows, 2, jsd_rows.NUM_FIELDS, device="cuda")
-    sync = torch.zeros(2 + rows, dtype=torch.int32, device="cuda")
-    jsd_rows.jsd_rows_kernel[(1,)](
-        zs, v, zt, v, zs, 0, zs, zs, 0, loss, part, sync, rows, v, v, -100, 1.0, 0.5, 0.5, 0.0,
-        KIND=2, HAS_Y=False, HARD=False, T_ONE=True, WRITE_LOSS=True, WRITE_GRAD=False,
-        PHASE=0, SEGS=2, SEGS_P2=2, SEG=seg, BLOCK=32, MAX_SPIN=1000)
-    torch.cuda.synchronize()
-    assert torch.isnan(loss).all() and sync[1].item() == 1
+    gen = torch.Generator().manual_seed(SEED)
+    zs, zt = (torch.randn(rows, v, generator=gen).to(dev) for _ in range(2))
+    g = torch.ones(1, device=dev)
+
+    def launch(n_rows, dz, loss, part, sync, **kw):
+        jsd_rows.jsd_rows_kernel[(1,)](
+            zs, v, zt, v, dz, v, zs, g, 0, loss, part, sync, n_rows, v, v, -100, 1.0, 0.5, 0.5,
+            0.0, KIND=2, HAS_Y=False, HARD=False, T_ONE=True, WRITE_LOSS=True, PHASE=0, SEGS=2,
+            SEGS_P2=2, SEG=seg, BLOCK=32, MAX_SPIN=1000, **kw)
+
+    def stale_partials():  # plausible finite statistics, as reused memory would hold
+        part = torch.zeros(rows, 2, jsd_rows.NUM_FIELDS, device=dev)
+        part[:, :, 1] = part[:, :, 3] = 1.0  # s_a = s_b = 1 at m = 0
+        return part
+
+    # in ticket order, with the gradient
+    dz = torch.full((rows, v), 123.0, device=dev)
+    loss = torch.zeros(rows, device=dev)
+    sync = torch.zeros(2 + rows, dtype=torch.int32, device=dev)
+    launch(rows, dz, loss, stale_partials(), sync, WRITE_GRAD=True)
+    assert torch.isnan(loss).all() and torch.isnan(dz).all(), (loss, dz)
+    assert sync[1].item() == 1  # the abort flag
+
+    # after an abort, a row's segment 1 runs before its segment 0 (loss only, as in eval)
+    loss = torch.full((1,), -1.0, device=dev)
+    part = stale_partials()
+    sync = torch.tensor([1, 1, 0], dtype=torch.int32, device=dev)  # next ticket: (row 0, seg 1)
+    launch(1, zs, loss, part, sync, WRITE_GRAD=False)
+    sync[0] = 0  # the other program takes ticket 0: (row 0, seg 0)
+    launch(1, zs, loss, part, sync, WRITE_GRAD=False)
+    assert torch.isnan(loss).all(), loss
 
 
 @gpu

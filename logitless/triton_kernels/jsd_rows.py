@@ -351,7 +351,12 @@ def _wait_row(cnt_ptr, abort_ptr, target, MAX_SPIN: tl.constexpr):
     ok = c >= target
     if not ok:
         tl.atomic_xchg(abort_ptr, 1, sem="relaxed", scope="gpu")
-    return ok
+    # Once any wait of the launch has timed out, every later result is poisoned too: a row's
+    # two barriers share one counter, so a timed-out segment's second arrival can complete a
+    # peer's first barrier over partials that were never written (finite, wrong results).
+    # The timed-out program raises the flag before its release arrival, so a peer whose
+    # acquire saw that arrival sees the flag.
+    return ok & (tl.atomic_add(abort_ptr, 0, sem="acquire", scope="gpu") == 0)
 
 
 @triton.jit
