@@ -174,7 +174,12 @@ def load_cols(cols: int, *bufs: torch.Tensor) -> int:
     :func:`rows_buffer`), else ``cols``. Triton vectorizes a masked load only when its bound
     is a multiple of the vector width: at ``cols`` = 50257 each lane loaded alone, and the CE
     row kernel took 2.6x as long as at 50272 (H100). The kernels still mask their sums and
-    selects at ``cols``; what they write past it is padding, which no GEMM reads."""
+    selects at ``cols``; what they write past it is padding, which no GEMM reads.
+
+    Only for buffers of our own (:func:`rows_buffer` views, from column 0): the check cannot
+    tell padding from live columns, so a view of a user's wider tensor would get up to 15 of
+    its neighbouring columns overwritten by a kernel that writes (every caller passes our
+    buffers)."""
     wide = -(-cols // ROW_ALIGN) * ROW_ALIGN
     for b in bufs:
         if b.shape[0] == 0:

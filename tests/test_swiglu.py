@@ -146,6 +146,19 @@ def test_small_tiles_ragged_grid(dtype):
     compare(dtype, _jax_run(jax.jit(pallas_small), g, u, dh, dtype), ref, naive)
 
 
+@pytest.mark.parametrize("shape", [(1, 200_000_000), (8, 2**27 + 2048), (131072, 28672)])
+def test_triton_grid_stays_inside_cuda_limits(shape, monkeypatch):
+    """One grid axis of row tiles × column tiles: a flattened gate wider than 65535 column
+    tiles (134M elements) or 65536 row tiles must not pass CUDA's 65535 of a second or third
+    axis (the launch would fail with "invalid argument"). The GPU's tile sizes, also when
+    interpreted."""
+    monkeypatch.setattr(tk, "_INTERPRET", False)
+    grid, meta = tk._launch_config(*shape, None, None, None)
+    assert len(grid) == 1 and 1 <= grid[0] <= 2**31 - 1
+    rows, cols = shape
+    assert grid[0] == -(-rows // meta["BLOCK_R"]) * -(-cols // meta["BLOCK_C"])
+
+
 def test_triton_strided_views_and_in_place_outputs():
     """gate/up as the two halves of one [rows, 2I] projection (row-strided views, no copies);
     the backward written over gate and up themselves."""

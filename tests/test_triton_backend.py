@@ -523,3 +523,22 @@ def test_out_of_range_target_is_an_error_on_gpu():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode != 0
     assert "assert" in (r.stderr + r.stdout).lower()
+
+
+def test_bf16_cast_keeps_every_nan():
+    """fp32 → bf16 through our cast kernels keeps NaN a NaN whatever its payload (the GPU
+    writes the canonical NaN; the interpreter's pre-rounding of the bits once carried
+    0x7FFFFFFF into -0.0 and 0x7F800001 into inf), and rounds the rest to nearest even."""
+    from logitless.triton_kernels import narrow_cast
+    bits = torch.tensor([0x7FFFFFFF, 0x7F800001, -0x7FFF, 0x7FC00000, -0x00400000],
+                        dtype=torch.int32)
+    nans = bits.view(torch.float32)
+    gen = torch.Generator().manual_seed(SEED)
+    finite = torch.cat([torch.randn(1000, generator=gen) * 10.0 ** torch.arange(-20, 20, 0.04),
+                        torch.tensor([float("inf"), -float("inf"), 0.0, -0.0])])
+    src = torch.cat([nans, finite]).to(DEV)
+    assert torch.isnan(src[:5]).all()
+    interpret = not CUDA
+    out = narrow_cast.scale_cast(src, None, torch.bfloat16, interpret)
+    assert torch.isnan(out[:5]).all(), out[:5]
+    assert torch.equal(out[5:].cpu(), finite.bfloat16())  # torch rounds to nearest even

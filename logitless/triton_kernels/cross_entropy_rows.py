@@ -24,6 +24,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .narrow_cast import round_bf16_bits
+
 @triton.jit
 def _tanh(u):
     # tanh through exp of a non-positive argument: no overflow, works in the interpreter.
@@ -212,12 +214,8 @@ def cross_entropy_rows_kernel(
                     wv = tl.load(cw_ptr + col_offset + cols, mask=cmask, other=0.0).to(tl.float32)
                 d = _logit_grad(c, lse, coef_p, coef_y, coef_w, cols == y_local, wv, softcap,
                                 SMOOTH, HAS_CW, HAS_SOFTCAP)
-                if ROUND_BF16:
-                    # The interpreter's fp32->bf16 cast truncates (the GPU rounds to nearest
-                    # even); pre-round the bits so interpreted tests see the GPU's numbers.
-                    bits = d.to(tl.uint32, bitcast=True)
-                    bits += 0x7FFF + ((bits >> 16) & 1)
-                    d = bits.to(tl.float32, bitcast=True)
+                if ROUND_BF16:  # the interpreter's cast truncates; the GPU rounds
+                    d = round_bf16_bits(d)
                 # the padding too (junk there, read by no GEMM): a bound that is a multiple
                 # of 16 lets the store vectorize, as the loads
                 tl.store(base + cols, d.to(logits_ptr.dtype.element_ty), mask=lmask)

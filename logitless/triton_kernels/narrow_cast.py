@@ -37,11 +37,14 @@ FIRST = 4096  # elements narrowed by the first, single-program launch
 @triton.jit
 def round_bf16_bits(v):
     """The Triton interpreter's fp32->bf16 cast truncates (the GPU rounds to nearest even):
-    pre-round the bits of normal numbers so that interpreted runs see the GPU's values. Zeros
-    and subnormals are left alone."""
+    pre-round the bits of normal numbers so that interpreted runs see the GPU's values (the one
+    copy of this trick: every interpreted kernel that writes bf16 uses it). Zeros and
+    subnormals are left alone; a NaN becomes the canonical one, as the GPU makes it (rounding
+    the bits of a NaN would carry into the sign or truncate it to inf)."""
     bits = v.to(tl.uint32, bitcast=True)
     normal = (bits & 0x7F800000) != 0
     bits += tl.where(normal, 0x7FFF + ((bits >> 16) & 1), 0)
+    bits = tl.where(v != v, 0x7FC00000, bits)
     return bits.to(tl.float32, bitcast=True)
 
 

@@ -20,6 +20,7 @@ import triton.language as tl
 
 from .. import _torch_common as common
 from ..specs.tiling import next_power_of_2
+from .narrow_cast import round_bf16_bits
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # One tile per program: 4096 elements (32 per thread at 4 warps: 16-byte vector accesses).
@@ -38,18 +39,13 @@ def interpreted() -> bool:
 
 
 @triton.jit
-def _round_bf16(v):
-    # The interpreter's fp32->bf16 cast truncates (the GPU rounds to nearest even): pre-round
-    # the bits so interpreted tests see the GPU's numbers.
-    bits = v.to(tl.uint32, bitcast=True)
-    bits += 0x7FFF + ((bits >> 16) & 1)
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _tile(n_rows, n_cols, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.program_id(1).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)
+    # One grid axis (up to 2^31 − 1 programs): the column tiles of a long row would pass the
+    # 65535 of a second axis (a flattened gate wider than 134M elements).
+    pid = tl.program_id(0).to(tl.int64)
+    col_tiles = tl.cdiv(n_cols, BLOCK_C)
+    rows = (pid // col_tiles) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = (pid % col_tiles) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
     return rows[:, None], cols[None, :], mask
 
@@ -62,7 +58,7 @@ def _swiglu_fwd_kernel(g_ptr, u_ptr, h_ptr, n_rows, n_cols, g_stride, u_stride, 
     u = tl.load(u_ptr + rows * u_stride + cols, mask=mask, other=0.0).to(tl.float32)
     h = g * tl.sigmoid(g) * u
     if ROUND_BF16:
-        h = _round_bf16(h)
+        h = round_bf16_bits(h)
     tl.store(h_ptr + rows * h_stride + cols, h.to(h_ptr.dtype.element_ty), mask=mask)
 
 
@@ -79,8 +75,8 @@ def _swiglu_bwd_kernel(dh_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, n_rows, n_cols,
     dg = dh * u * (s + silu * (1.0 - s))
     du = dh * silu
     if ROUND_BF16:
-        dg = _round_bf16(dg)
-        du = _round_bf16(du)
+        dg = round_bf16_bits(dg)
+        du = round_bf16_bits(du)
     tl.store(dg_ptr + rows * dg_stride + cols, dg.to(dg_ptr.dtype.element_ty), mask=mask)
     tl.store(du_ptr + rows * du_stride + cols, du.to(du_ptr.dtype.element_ty), mask=mask)
 
@@ -134,7 +130,7 @@ def _launch_config(n_rows, n_cols, block_rows, block_cols, num_warps):
         num_warps = GPU_NUM_WARPS
     elif num_warps not in (1, 2, 4, 8, 16, 32):
         raise ValueError(f"num_warps must be a power of 2 in [1, 32], got {num_warps!r}")
-    grid = (triton.cdiv(n_rows, block_rows), triton.cdiv(n_cols, block_cols))
+    grid = (triton.cdiv(n_rows, block_rows) * triton.cdiv(n_cols, block_cols),)
     return grid, dict(BLOCK_R=block_rows, BLOCK_C=block_cols, num_warps=num_warps)
 
 
