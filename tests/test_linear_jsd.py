@@ -590,8 +590,10 @@ def test_triton_tunings_match_the_torch_backend(tuning, reduction):
     kw = dict(TRITON_TUNINGS[tuning])
     if kw.get("grad_accum_dtype") == "bfloat16":
         kw["grad_accum_dtype"] = torch.bfloat16
-    data = _data(70, 40, 24, 211, dtype="bfloat16", seed=1)
-    g = None if reduction == "mean" else torch.rand(70, device=data[0].device) - 0.5
+    # 40 tokens: two chunks of every tuning, each with a ragged end (CI time: interpreted,
+    # "blocks-ragged" runs rows x 3 segments x 3 passes of programs)
+    data = _data(40, 40, 24, 211, dtype="bfloat16", seed=1)
+    g = None if reduction == "mean" else torch.rand(40, device=data[0].device) - 0.5
     opts = dict(beta=0.4, temperature=1.5, hard_loss_weight=0.2, reduction=reduction)
     ref = _loss_and_grads(*[t.double() if t.is_floating_point() else t for t in data],
                           None if g is None else g.double(), backend="torch", **opts)
