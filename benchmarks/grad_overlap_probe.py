@@ -15,12 +15,8 @@ import torch
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks import common  # noqa: E402
+from benchmarks.chunk_gemm_probe import bench  # noqa: E402
 from logitless.triton_kernels.narrow_cast import accumulate_split_, accumulator_pair  # noqa: E402
-
-
-def bench(fn, reps=20):
-    return common.time_fn(fn, device="cuda", reps=reps, warmup=3).median_ms
 
 
 def main():

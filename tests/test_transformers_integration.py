@@ -109,19 +109,24 @@ def _assert_grads_close(got, want, name):
     assert err <= 1e-5, f"{name}: rel err {err:.3g}"
 
 
+def _assert_same_step(ref, fused, ids, mask, labels):
+    """One training step of the unpatched ``ref`` and the patched ``fused``: the same loss
+    (the fused one without logits) and the same gradient for every parameter."""
+    out_r = ref(input_ids=ids, attention_mask=mask, labels=labels)
+    out_f = fused(input_ids=ids, attention_mask=mask, labels=labels)
+    assert out_f.logits is None
+    torch.testing.assert_close(out_f.loss, out_r.loss, rtol=1e-5, atol=0)
+    out_r.loss.backward()
+    out_f.loss.backward()
+    for (name, p_r), (_, p_f) in zip(ref.named_parameters(), fused.named_parameters()):
+        _assert_grads_close(p_f.grad, p_r.grad, name)
+
+
 @pytest.mark.parametrize("kind", sorted(CONFIGS))
 def test_loss_and_grads_match_every_supported_type(kind):
     ref = make_model(kind, seed=1)
     fused = patch_causal_lm(copy.deepcopy(ref), chunk_size=CHUNK)
-    ids, mask, labels = make_batch(100)
-    out_r = ref(input_ids=ids, attention_mask=mask, labels=labels)
-    out_f = fused(input_ids=ids, attention_mask=mask, labels=labels)
-    out_r.loss.backward()
-    out_f.loss.backward()
-    torch.testing.assert_close(out_f.loss, out_r.loss, rtol=1e-5, atol=0)
-    assert out_f.logits is None
-    for (name, p_r), (_, p_f) in zip(ref.named_parameters(), fused.named_parameters()):
-        _assert_grads_close(p_f.grad, p_r.grad, name)
+    _assert_same_step(ref, fused, *make_batch(100))
 
 
 @pytest.mark.parametrize("kind", ["gemma2", "gemma3_text"])
@@ -805,14 +810,7 @@ def test_parametrized_head_weight():
     ref = make_model("llama", seed=21)
     parametrizations.weight_norm(ref.lm_head)
     fused = patch_causal_lm(copy.deepcopy(ref), chunk_size=CHUNK)
-    out_r = ref(input_ids=ids, attention_mask=mask, labels=labels)
-    out_f = fused(input_ids=ids, attention_mask=mask, labels=labels)
-    assert out_f.logits is None
-    torch.testing.assert_close(out_f.loss, out_r.loss, rtol=1e-5, atol=0)
-    out_r.loss.backward()
-    out_f.loss.backward()
-    for (name, p_r), (_, p_f) in zip(ref.named_parameters(), fused.named_parameters()):
-        _assert_grads_close(p_f.grad, p_r.grad, name)
+    _assert_same_step(ref, fused, ids, mask, labels)
 
     class Counted(torch.nn.Module):
         calls = 0
@@ -873,14 +871,7 @@ def test_torch_weight_recomputing_pre_hooks_are_accepted():
             assert len(model.lm_head._forward_pre_hooks) == 1
             return model
         ref, fused = make(), patch_causal_lm(make(), chunk_size=CHUNK)
-        out_r = ref(input_ids=ids, attention_mask=mask, labels=labels)
-        out_f = fused(input_ids=ids, attention_mask=mask, labels=labels)
-        assert out_f.logits is None
-        torch.testing.assert_close(out_f.loss, out_r.loss, rtol=1e-5, atol=0)
-        out_r.loss.backward()
-        out_f.loss.backward()
-        for (name, p_r), (_, p_f) in zip(ref.named_parameters(), fused.named_parameters()):
-            _assert_grads_close(p_f.grad, p_r.grad, name)
+        _assert_same_step(ref, fused, ids, mask, labels)
         for name, b_r in ref.lm_head.named_buffers():  # the mask; spectral norm's u and v
             torch.testing.assert_close(getattr(fused.lm_head, name), b_r, rtol=0, atol=0)
 
