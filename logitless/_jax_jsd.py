@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import inspect
 import math
 from typing import Optional, Tuple
 
@@ -22,6 +23,7 @@ import numpy as np
 from jax import lax
 
 from . import _jax_common as common
+from ._keywords import check_tuning
 from .specs import linear_jsd as spec
 from .specs.tiling import ChunkPlan
 
@@ -567,15 +569,15 @@ def linear_jsd(student_input, student_weight, teacher_input, teacher_weight, tar
                weight_layout, backend, tuning)
 
 
+_PARAMETERS = tuple(p for p in inspect.signature(linear_jsd).parameters if p != "tuning")
+
+
 def run(xs, ws, xt, wt, target, opts: spec.LinearJSDOptions, weight_layout, backend, tuning,
         needs: Tuple[bool, bool] = (True, True)):
     """:func:`linear_jsd` with its options built; ``needs``: which of (dX, dW) the caller will
     use (the PyTorch bridge: a frozen student head costs no dW GEMM or accumulator)."""
     name, impl = _resolve(backend)
-    unknown = sorted(set(tuning) - set(impl.TUNING))
-    if unknown:
-        raise TypeError(f"unknown tuning keyword(s) {unknown} for backend={name!r}; "
-                        f"it accepts {list(impl.TUNING)}")
+    check_tuning("linear_jsd", tuning, _PARAMETERS, name, impl.TUNING)
 
     def body(xs, ws, xt, wt, target):
         p = dataclasses.replace(prepare(xs, ws, xt, wt, target, opts, weight_layout),

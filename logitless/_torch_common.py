@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import difflib
 import importlib.util
+import inspect
 import warnings
 from typing import Optional
 
 import torch
 
+from ._keywords import unexpected_keyword
 from .specs import linear_cross_entropy as spec
 from .specs.tiling import VOCAB_ALIGN, vocab_parts  # noqa: F401  (re-exported to the kernels)
 
@@ -442,21 +443,26 @@ _WARNED = set()  # (op, keyword, backend) already warned about: once per process
 
 
 def check_keyword_names(op: str, given, named, tuning_names,
-                        jax_only=JAX_ONLY_KEYWORDS) -> None:
+                        hints=JAX_ONLY_KEYWORDS) -> None:
     """TypeError, worded as Python's, for the first of ``given`` (keyword names) that is
     neither a parameter (``named``) nor any backend's tuning keyword (``tuning_names``); a
-    hint names the closest one, or what replaces a JAX-only keyword (``jax_only``). Runs
-    before any shape check, so that a misspelled keyword is what the error is about."""
+    hint names the closest one, or says what to do instead (``hints``: a JAX-only keyword, a
+    module's forward() argument). Runs before any shape check, so that a misspelled keyword
+    is what the error is about."""
     for k in given:
-        if k in tuning_names:
-            continue
-        if k in jax_only:
-            hint = f" ({jax_only[k]})"
-        else:
-            close = difflib.get_close_matches(k, list(named) + sorted(tuning_names), n=1)
-            hint = (f" (did you mean {close[0]!r}?)" if close else
-                    f" (tuning keywords: {sorted(tuning_names)})")
-        raise TypeError(f"{op}() got an unexpected keyword argument {k!r}{hint}")
+        if k not in tuning_names:
+            raise unexpected_keyword(op, k, list(named) + sorted(tuning_names), hints,
+                                     fallback=f"tuning keywords: {sorted(tuning_names)}")
+
+
+def module_keywords(cls, forward_args, hints=JAX_ONLY_KEYWORDS):
+    """(names, hints) for :func:`check_keyword_names` at a loss module's construction: its
+    constructor's keyword parameters and its forward() arguments (what a misspelling is
+    near), and for a forward() argument given to the constructor, where it goes."""
+    init = [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "tuning")]
+    return tuple(init) + tuple(forward_args), {
+        **hints, **{n: f"{n} is an argument of forward(), not of the constructor"
+                    for n in forward_args}}
 
 
 def tuning_names(backend, loaded, load, triton_fallback) -> frozenset:

@@ -259,8 +259,11 @@ class LinearJSDLoss(torch.nn.Module):
         if backend is not None:  # a misspelled backend fails here, not at the first forward
             _check_backend(backend)
         if tuning:  # misspelled or foreign keywords fail here, not at the first forward
-            common.check_keyword_names(type(self).__name__, tuning, _PARAMETERS,
-                                       _tuning_names(backend), common.JAX_WEIGHT_LAYOUT)
+            names, hints = common.module_keywords(
+                type(self), ("student_input", "student_weight", "teacher_input",
+                             "teacher_weight", "target"), common.JAX_WEIGHT_LAYOUT)
+            common.check_keyword_names(type(self).__name__, tuning, names,
+                                       _tuning_names(backend), hints)
             if backend is not None:
                 common.tuning_for_backend(type(self).__name__, backend, _load(backend).TUNING,
                                           tuning, explicit=True)

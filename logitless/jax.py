@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 from typing import Optional
 
 import jax
@@ -20,6 +21,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from . import _jax_common as common
+from ._keywords import check_tuning
 from .specs.linear_cross_entropy import LinearCrossEntropyOptions
 
 __all__ = ["linear_cross_entropy", "available_backends", "global_token_count"]
@@ -121,16 +123,17 @@ def linear_cross_entropy(x, linear_weight, labels, *, linear_bias=None, weight=N
                 tuning)
 
 
+_PARAMETERS = tuple(p for p in inspect.signature(linear_cross_entropy).parameters
+                    if p != "tuning")
+
+
 def _run(x, linear_weight, labels, linear_bias, weight, opts, weight_layout, backend, tuning,
          needs=(True, True, True)):
     """:func:`linear_cross_entropy` with its options built (no ``axis_name``); ``needs``: which
     of (dX, dW, db) the caller will use (the PyTorch bridge: a frozen head costs no dW GEMM
     and no float32 [V, H] accumulator; a skipped one gets a zero cotangent)."""
     name, impl = _resolve(backend)
-    unknown = sorted(set(tuning) - set(impl.TUNING))
-    if unknown:
-        raise TypeError(f"unknown tuning keyword(s) {unknown} for backend={name!r}; "
-                        f"it accepts {list(impl.TUNING)}")
+    check_tuning("linear_cross_entropy", tuning, _PARAMETERS, name, impl.TUNING)
 
     def body(x, linear_weight, labels, linear_bias, weight):
         prepared = common.prepare(x, linear_weight, labels, linear_bias, weight,

@@ -121,8 +121,8 @@ def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weig
             and the global V; default an equal split (``rank * V_local``, ``world * V_local``).
         options: accepted for ``F.linear_cross_entropy`` compatibility. Its chunking settings
             do not apply (logitless always chunks; ``chunk_size`` / ``memory_budget`` tune
-            it); ``allow_retain_graph=True`` needs the ``"torch"`` backend, which recomputes
-            (the fused backends finish their saved gradients in place).
+            it); ``allow_retain_graph=True`` needs ``backend="torch"`` or ``"pallas"``
+            (``"triton"`` finishes its saved gradients in place: one backward per forward).
 
     Tuning keywords (defaults in parentheses; ``None`` means derived from the budget or
     the shapes):
@@ -173,9 +173,10 @@ def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weig
         return _vocab_parallel(prepared, opts, backend, process_group, vocab_start_index,
                                vocab_size, tuning)
     name, impl = _resolve(backend, prepared.x.device, prepared.x.dtype)
-    if getattr(options, "allow_retain_graph", False) and name != "torch":
-        raise ValueError(f"options.allow_retain_graph=True needs backend='torch' (it recomputes "
-                         f"in backward); backend={name!r} runs its backward once")
+    if getattr(options, "allow_retain_graph", False) and getattr(impl, "ONE_BACKWARD", False):
+        raise ValueError(f"options.allow_retain_graph=True needs backend='torch' or 'pallas'; "
+                         f"backend={name!r} finishes its saved gradients in place in backward, "
+                         f"so it runs one backward per forward")
     if tuning:
         tuning = common.tuning_for_backend("linear_cross_entropy", name, impl.TUNING, tuning,
                                            explicit=backend is not None)
@@ -227,13 +228,15 @@ class LinearCrossEntropyLoss(torch.nn.Module):
 
     def __init__(self, *, weight=None, reduction="mean", ignore_index=-100, label_smoothing=0.0,
                  z_loss=0.0, softcap=None, return_lse=False, backend=None, process_group=None,
-                 vocab_start_index=None, vocab_size=None, **tuning):
+                 vocab_start_index=None, vocab_size=None, options=None, **tuning):
         super().__init__()
         if backend is not None:  # a misspelled backend fails here, not at the first forward
             _check_backend(backend)
         if tuning:  # misspelled or foreign keywords fail here, not at the first forward
-            common.check_keyword_names(type(self).__name__, tuning, _PARAMETERS,
-                                       _tuning_names(backend))
+            names, hints = common.module_keywords(
+                type(self), ("input", "linear_weight", "target", "linear_bias"))
+            common.check_keyword_names(type(self).__name__, tuning, names,
+                                       _tuning_names(backend), hints)
             if process_group is not None:
                 _vocab_parallel_tuning(tuning)
             elif backend is not None:
@@ -247,6 +250,7 @@ class LinearCrossEntropyLoss(torch.nn.Module):
         self.backend = backend
         self.process_group = process_group
         self.vocab_parallel = dict(vocab_start_index=vocab_start_index, vocab_size=vocab_size)
+        self.compat_options = options  # F.linear_cross_entropy's options object
         self.tuning = dict(tuning)
 
     def forward(self, input, linear_weight, target, linear_bias=None):
@@ -256,7 +260,7 @@ class LinearCrossEntropyLoss(torch.nn.Module):
             reduction=o.reduction, ignore_index=o.ignore_index,
             label_smoothing=o.label_smoothing, z_loss=o.z_loss, softcap=o.softcap,
             return_lse=o.return_lse, backend=self.backend, process_group=self.process_group,
-            **self.vocab_parallel, **self.tuning)
+            options=self.compat_options, **self.vocab_parallel, **self.tuning)
 
     def extra_repr(self):
         return f"{self.options}, backend={self.backend!r}"

@@ -427,6 +427,12 @@ BAD = [
     (dict(weight_layout="vhh"), ValueError, "weight_layout must be"),
     (dict(backend="triton"), ValueError, "backend must be None or one of"),
     (dict(backend="xla", block_v=64), TypeError, "unknown tuning keyword(s) ['block_v']"),
+    # a misspelled option is Python's TypeError with a suggestion, not a "tuning keyword"
+    (dict(reducton="sum"), TypeError,
+     "linear_cross_entropy() got an unexpected keyword argument 'reducton' (did you mean "
+     "'reduction'?)"),
+    (dict(backend="xla", chunk_sze=8), TypeError, "['chunk_sze'] for backend='xla' (did you "
+                                                  "mean 'chunk_size'?)"),
     (dict(backend="pallas", blocks=64), TypeError, "it accepts ['chunk_size'"),
     (dict(backend="pallas", block_v=48), ValueError, "block_v must be a power of two"),
     (dict(backend="pallas", num_warps=64), ValueError, "num_warps must be a power of two"),

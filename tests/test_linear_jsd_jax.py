@@ -242,6 +242,8 @@ BAD = [
     (dict(weight_layout="hv"), ValueError, "student_weight (H, V) has shape (7, 4)"),
     (dict(backend="triton"), ValueError, "backend must be None or one of"),
     (dict(backend="xla", block_v=64), TypeError, "unknown tuning keyword(s) ['block_v']"),
+    (dict(tempreature=2.0), TypeError, "linear_jsd() got an unexpected keyword argument "
+                                       "'tempreature' (did you mean 'temperature'?)"),
     (dict(backend="pallas", block_v=48), ValueError, "block_v must be a power of two"),
     (dict(backend="pallas", fp32_logits=1), TypeError, "fp32_logits must be a bool"),
     (dict(backend="pallas", segment_size=3000), ValueError, "segment_size must be a power of two"),

@@ -204,12 +204,16 @@ def test_drop_in_for_f_linear_cross_entropy():
         got = lt.linear_cross_entropy(x, w, y, **kw, options=options, backend=backend)
         assert _err(got, want) <= 1e-5, backend
     retain = torch.nn.LinearCrossEntropyOptions(allow_retain_graph=True)
-    with pytest.raises(ValueError, match="allow_retain_graph=True needs backend='torch'"):
+    refused = "allow_retain_graph=True needs backend='torch' or 'pallas'"
+    with pytest.raises(ValueError, match=refused):
         lt.linear_cross_entropy(x, w, y, options=retain, backend="triton")
+    with pytest.raises(ValueError, match=refused):  # the module passes options= on
+        lt.LinearCrossEntropyLoss(options=retain, backend="triton")(x, w, y)
     xr = x.detach().requires_grad_()
-    loss = lt.linear_cross_entropy(xr, w, y, options=retain, backend="torch")
-    first = torch.autograd.grad(loss, xr, retain_graph=True)[0]
-    torch.testing.assert_close(torch.autograd.grad(loss, xr)[0], first, rtol=0, atol=0)
+    for backend in ("torch", "pallas"):
+        loss = lt.linear_cross_entropy(xr, w, y, options=retain, backend=backend)
+        first = torch.autograd.grad(loss, xr, retain_graph=True)[0]
+        torch.testing.assert_close(torch.autograd.grad(loss, xr)[0], first, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("dynamic", [None, True])

@@ -366,6 +366,21 @@ def test_misspelled_or_foreign_keywords_come_first_with_a_hint(op, kw, hint):
             fn()
 
 
+def test_modules_name_their_own_parameters():
+    """A module's constructor suggests among its own keywords (the function's options= too),
+    and says where a forward() argument goes instead of suggesting that very name."""
+    assert lt.LinearCrossEntropyLoss(options=None).compat_options is None
+    for make_mod, arg in ((lt.LinearCrossEntropyLoss, "linear_bias"),
+                          (lt.LinearCrossEntropyLoss, "target"), (lt.LinearJSDLoss, "target"),
+                          (lt.LinearJSDLoss, "teacher_weight")):
+        with pytest.raises(TypeError, match=re.escape(
+                f"got an unexpected keyword argument {arg!r} ({arg} is an argument of "
+                f"forward(), not of the constructor)")):
+            make_mod(**{arg: None})
+    with pytest.raises(TypeError, match=re.escape("'reducton' (did you mean 'reduction'?)")):
+        lt.LinearJSDLoss(reducton="sum")
+
+
 def test_modules_check_tuning_keywords_at_construction():
     with pytest.raises(TypeError, match=r"\['low_memory'\] for backend='torch'"):
         lt.LinearCrossEntropyLoss(backend="torch", low_memory=True)

@@ -45,6 +45,9 @@ TUNING = ("low_memory", "chunk_size", "vocab_chunk_size", "memory_budget", "grad
           "block_v", "num_warps", "logits_gemm")
 # the target range check runs in the forward op (_fwd_op), as in torch_chunked (see there)
 CHECKS_TARGETS = True
+# backward finishes the forward's saved gradients in place (narrow_cast.hand_over_once): one
+# backward per forward, so the front door refuses F.linear_cross_entropy's allow_retain_graph
+ONE_BACKWARD = True
 
 # One [chunk, V] block of logits: 3584 tokens at V=128256 in bf16. Peak extra memory is the
 # fp32 dW accumulator (4·V·H, narrowed in place into the 2·V·H result) plus this block: 1.97 GB

@@ -1,0 +1,37 @@
+"""Keyword-argument errors shared by the PyTorch and JAX front doors (imports no framework):
+Python's own wording, with a hint at what was probably meant."""
+from __future__ import annotations
+
+import difflib
+from typing import Iterable, Mapping, Optional
+
+
+def unexpected_keyword(op: str, name: str, candidates: Iterable[str],
+                       hints: Optional[Mapping[str, str]] = None, fallback: str = "") -> TypeError:
+    """The TypeError for keyword ``name`` of ``op()``: its hint is ``hints[name]`` if given,
+    else the closest of ``candidates`` ("did you mean ...?"), else ``fallback``."""
+    if hints and name in hints:
+        hint = f" ({hints[name]})"
+    else:
+        close = difflib.get_close_matches(name, list(candidates), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else (f" ({fallback})" if fallback else "")
+    return TypeError(f"{op}() got an unexpected keyword argument {name!r}{hint}")
+
+
+def check_tuning(op: str, tuning: Iterable[str], parameters: Iterable[str], backend: str,
+                 accepted: Iterable[str]) -> None:
+    """The JAX front doors' rule: every keyword of ``tuning`` must be one the chosen
+    ``backend`` takes (``accepted``). One that resembles a parameter of ``op`` (a misspelled
+    ``reduction``) is reported as Python reports it; the others are named with what the
+    backend accepts (and the closest of those)."""
+    accepted = list(accepted)
+    unknown = sorted(set(tuning) - set(accepted))
+    for k in unknown:
+        close = difflib.get_close_matches(k, list(parameters), n=1)
+        if close and not difflib.get_close_matches(k, accepted, n=1, cutoff=0.9):
+            raise unexpected_keyword(op, k, close)
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], accepted, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise TypeError(f"unknown tuning keyword(s) {unknown} for backend={backend!r}{hint}; "
+                        f"it accepts {accepted}")
