@@ -10,6 +10,11 @@ PYTEST_ARGS ?=
 # may not): the suite is mostly single-threaded interpreter work, so 2 cores take ~half the time.
 TEST_WORKERS ?= 2
 DEMO_ARGS ?=
+# requirements-cpu.txt pins a bare torch==2.13.0: the dev/CI machines resolve it to a local CPU
+# wheel (pip find-links); elsewhere PyPI serves the multi-GB CUDA build. On such a machine
+#   make test TORCH_INDEX=https://download.pytorch.org/whl/cpu
+# takes the CPU build from PyTorch's index instead. Empty by default (CI is unchanged).
+TORCH_INDEX ?=
 
 .PHONY: test demo bench env clean
 
@@ -22,7 +27,7 @@ endif
 $(VENV)/.installed: requirements-cpu.txt
 	@command -v $(BASE_PY) >/dev/null || { echo "need $(BASE_PY) (or run with PY=python3 on a prepared machine)"; exit 1; }
 	test -x $(PY) || $(BASE_PY) -m venv $(VENV)
-	$(PY) -m pip install -q --no-cache-dir --disable-pip-version-check -r requirements-cpu.txt
+	$(PY) -m pip install -q --no-cache-dir --disable-pip-version-check $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) -r requirements-cpu.txt
 	touch $@
 
 env: $(ENV_DEP)
