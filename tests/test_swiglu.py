@@ -176,6 +176,23 @@ def test_triton_strided_views_and_in_place_outputs():
     assert close(both[:, :77], ref["dg"]) and close(both[:, 77:], ref["du"])
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_torch_double_backward(dtype):
+    """create_graph=True through lt.swiglu (the Triton op for float32 — interpreted off a
+    GPU — and the torch formula for float64) gives float64 autograd's second derivatives."""
+    g, u, dh = _inputs((5, 33), "float32", salt=9)
+    t = lambda a, dt: torch.tensor(a, dtype=dt, device=DEV).requires_grad_()
+
+    def second(fn, dt):
+        gate, up, dht = t(g, dt), t(u, dt), torch.tensor(dh, dtype=dt, device=DEV)
+        dg, du = torch.autograd.grad(fn(gate, up), (gate, up), dht, create_graph=True)
+        return torch.autograd.grad((dg * dg).sum() + (du * up).sum(), (gate, up))
+    want = second(lambda a, b: torch.nn.functional.silu(a) * b, torch.float64)
+    got = second(lt.swiglu, getattr(torch, dtype))
+    for a, b in zip(got, want):
+        assert rel_err(a.double().cpu().numpy(), b.cpu().numpy()) < 1e-5
+
+
 def test_nan_propagates():
     g = torch.tensor([[0.5, float("nan"), -2.0]], device=DEV)
     u = torch.ones_like(g)

@@ -165,7 +165,12 @@ class _Bridge(torch.autograd.Function):
 
 class JaxFunction:
     """Wrap ``fn(*arrays, **static)`` (a JAX function returning an array or a tuple of arrays)
-    as a PyTorch-callable, autograd-aware op. See the module docstring."""
+    as a PyTorch-callable, autograd-aware op. See the module docstring.
+
+    ``name``: what errors and ``repr`` call it (default ``fn.__name__``);
+    ``no_double_backward``: the message of the RuntimeError a backward under
+    ``create_graph=True`` raises (default: one saying JAX's pullback is not differentiable
+    by PyTorch's autograd)."""
 
     def __init__(self, fn: Callable, *, name: Optional[str] = None,
                  no_double_backward: Optional[str] = None):

@@ -441,6 +441,7 @@ def unpatch_causal_lm(model):
 
 
 def is_patched(model) -> bool:
+    """Whether :func:`patch_causal_lm` patched this model instance (and it was not undone)."""
     return _STATE in getattr(model, "__dict__", {})
 
 

@@ -210,7 +210,13 @@ def _backward(ctx, grad_h):
     gate, up = ctx.saved_tensors
     if grad_h is None:
         return None, None
-    dg, du = swiglu_backward_op(grad_h, gate, up)
+    if torch.is_grad_enabled():
+        # create_graph=True (a gradient penalty): the same math in differentiable torch ops,
+        # as the CPU path has; the kernel's backward has no derivative of its own
+        from ..tiled_mlp_torch import _swiglu_backward_torch
+        dg, du = _swiglu_backward_torch(grad_h, gate, up)
+    else:
+        dg, du = swiglu_backward_op(grad_h, gate, up)
     return (dg if ctx.needs_input_grad[0] else None), (du if ctx.needs_input_grad[1] else None)
 
 
