@@ -116,7 +116,9 @@ def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weig
             ``weight`` are this rank's contiguous slice of the vocabulary, ``input`` and
             ``target`` (global class indices) are the same on every rank of the group; the
             loss and lse are global, dX is summed over the group, dW/db are this rank's
-            slices. Runs :mod:`logitless.vocab_parallel_torch` (backend ``None``/"torch").
+            slices. Runs :mod:`logitless.vocab_parallel_torch` (backend ``None``/"torch"),
+            whose tuning keywords are its own (``chunk_size``, ``memory_budget``): any other
+            (e.g. Triton's ``low_memory``) is a TypeError here, also with ``backend=None``.
         vocab_start_index, vocab_size: with ``process_group``, where this rank's slice starts
             and the global V; default an equal split (``rank * V_local``, ``world * V_local``).
         options: accepted for ``F.linear_cross_entropy`` compatibility. Its chunking settings
