@@ -577,7 +577,7 @@ def run(xs, ws, xt, wt, target, opts: spec.LinearJSDOptions, weight_layout, back
     """:func:`linear_jsd` with its options built; ``needs``: which of (dX, dW) the caller will
     use (the PyTorch bridge: a frozen student head costs no dW GEMM or accumulator)."""
     name, impl = _resolve(backend)
-    check_tuning("linear_jsd", tuning, _PARAMETERS, name, impl.TUNING)
+    check_tuning("linear_jsd", tuning, _PARAMETERS, f"backend={name!r}", impl.TUNING)
 
     def body(xs, ws, xt, wt, target):
         p = dataclasses.replace(prepare(xs, ws, xt, wt, target, opts, weight_layout),

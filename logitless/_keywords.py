@@ -14,24 +14,33 @@ def unexpected_keyword(op: str, name: str, candidates: Iterable[str],
         hint = f" ({hints[name]})"
     else:
         close = difflib.get_close_matches(name, list(candidates), n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else (f" ({fallback})" if fallback else "")
+        if close and hints and close[0] in hints:  # e.g. a forward() argument: say where it goes
+            hint = f" (did you mean {close[0]!r}? {hints[close[0]]})"
+        else:
+            hint = (f" (did you mean {close[0]!r}?)" if close else
+                    (f" ({fallback})" if fallback else ""))
     return TypeError(f"{op}() got an unexpected keyword argument {name!r}{hint}")
 
 
-def check_tuning(op: str, tuning: Iterable[str], parameters: Iterable[str], backend: str,
+def _ratio(a: str, b: str) -> float:
+    return difflib.SequenceMatcher(None, a, b).ratio()
+
+
+def check_tuning(op: str, tuning: Iterable[str], parameters: Iterable[str], where: str,
                  accepted: Iterable[str]) -> None:
-    """The JAX front doors' rule: every keyword of ``tuning`` must be one the chosen
-    ``backend`` takes (``accepted``). One that resembles a parameter of ``op`` (a misspelled
-    ``reduction``) is reported as Python reports it; the others are named with what the
-    backend accepts (and the closest of those)."""
+    """The JAX front doors' rule: every keyword of ``tuning`` must be one that the chosen
+    path (``where``: "backend='xla'", "axis_name", ...) takes (``accepted``). One that
+    resembles a parameter of ``op`` more than any accepted keyword (a misspelled
+    ``reduction``) is reported as Python reports it; the others are named with what the path
+    accepts (and the closest of those)."""
     accepted = list(accepted)
     unknown = sorted(set(tuning) - set(accepted))
     for k in unknown:
         close = difflib.get_close_matches(k, list(parameters), n=1)
-        if close and not difflib.get_close_matches(k, accepted, n=1, cutoff=0.9):
+        if close and _ratio(k, close[0]) > max((_ratio(k, a) for a in accepted), default=0.0):
             raise unexpected_keyword(op, k, close)
     if unknown:
         close = difflib.get_close_matches(unknown[0], accepted, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise TypeError(f"unknown tuning keyword(s) {unknown} for backend={backend!r}{hint}; "
+        raise TypeError(f"unknown tuning keyword(s) {unknown} for {where}{hint}; "
                         f"it accepts {accepted}")

@@ -260,7 +260,7 @@ class LinearJSDLoss(torch.nn.Module):
             _check_backend(backend)
         if tuning:  # misspelled or foreign keywords fail here, not at the first forward
             names, hints = common.module_keywords(
-                type(self), ("student_input", "student_weight", "teacher_input",
+                LinearJSDLoss, ("student_input", "student_weight", "teacher_input",
                              "teacher_weight", "target"), common.JAX_WEIGHT_LAYOUT)
             common.check_keyword_names(type(self).__name__, tuning, names,
                                        _tuning_names(backend), hints)

@@ -135,7 +135,7 @@ def _run(x, linear_weight, labels, linear_bias, weight, opts, weight_layout, bac
     of (dX, dW, db) the caller will use (the PyTorch bridge: a frozen head costs no dW GEMM
     and no float32 [V, H] accumulator; a skipped one gets a zero cotangent)."""
     name, impl = _resolve(backend)
-    check_tuning("linear_cross_entropy", tuning, _PARAMETERS, name, impl.TUNING)
+    check_tuning("linear_cross_entropy", tuning, _PARAMETERS, f"backend={name!r}", impl.TUNING)
 
     def body(x, linear_weight, labels, linear_bias, weight):
         prepared = common.prepare(x, linear_weight, labels, linear_bias, weight,
@@ -165,10 +165,8 @@ def _vocab_parallel(x, linear_weight, labels, linear_bias, weight, opts, weight_
     if backend not in (None, "xla"):
         raise ValueError(f"axis_name (vocab parallelism) runs on backend None or 'xla', "
                          f"got backend={backend!r}")
-    unknown = sorted(set(tuning) - set(vp.TUNING))
-    if unknown:
-        raise TypeError(f"unknown tuning keyword(s) {unknown} with axis_name; "
-                        f"it accepts {list(vp.TUNING)}")
+    check_tuning("linear_cross_entropy", tuning, _PARAMETERS, "axis_name (vocab parallelism)",
+                 vp.TUNING)
     # labels are global, the weight a slice: concrete labels are checked against the global
     # V = V_local · axis size, traced ones become NaN in the vocab-parallel math
     prepared = common.prepare(x, linear_weight, labels, linear_bias, weight,

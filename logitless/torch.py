@@ -236,7 +236,7 @@ class LinearCrossEntropyLoss(torch.nn.Module):
             _check_backend(backend)
         if tuning:  # misspelled or foreign keywords fail here, not at the first forward
             names, hints = common.module_keywords(
-                type(self), ("input", "linear_weight", "target", "linear_bias"))
+                LinearCrossEntropyLoss, ("input", "linear_weight", "target", "linear_bias"))
             common.check_keyword_names(type(self).__name__, tuning, names,
                                        _tuning_names(backend), hints)
             if process_group is not None:

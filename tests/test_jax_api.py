@@ -433,6 +433,9 @@ BAD = [
      "'reduction'?)"),
     (dict(backend="xla", chunk_sze=8), TypeError, "['chunk_sze'] for backend='xla' (did you "
                                                   "mean 'chunk_size'?)"),
+    # a typo nearer a tuning keyword than a parameter stays a tuning-keyword error
+    (dict(backend="pallas", inteapret=True), TypeError, "(did you mean 'interpret'?)"),
+    (dict(reducton="sum", axis_name="tp"), TypeError, "(did you mean 'reduction'?)"),
     (dict(backend="pallas", blocks=64), TypeError, "it accepts ['chunk_size'"),
     (dict(backend="pallas", block_v=48), ValueError, "block_v must be a power of two"),
     (dict(backend="pallas", num_warps=64), ValueError, "num_warps must be a power of two"),

@@ -379,6 +379,24 @@ def test_modules_name_their_own_parameters():
             make_mod(**{arg: None})
     with pytest.raises(TypeError, match=re.escape("'reducton' (did you mean 'reduction'?)")):
         lt.LinearJSDLoss(reducton="sum")
+    # a near miss of a forward() argument: the suggestion says where it goes
+    with pytest.raises(TypeError, match=re.escape(
+            "'targets' (did you mean 'target'? target is an argument of forward(), not of the "
+            "constructor)")):
+        lt.LinearCrossEntropyLoss(targets=None)
+
+    # a subclass with its own constructor: suggestions still come from the loss's keywords
+    class MyLoss(lt.LinearCrossEntropyLoss):
+        def __init__(self, scale=1.0, **kwargs):
+            super().__init__(**kwargs)
+
+    class MyJSD(lt.LinearJSDLoss):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+    for make_mod, typo, meant in ((MyLoss, "reducton", "reduction"),
+                                  (MyJSD, "tempreature", "temperature")):
+        with pytest.raises(TypeError, match=re.escape(f"(did you mean {meant!r}?)")):
+            make_mod(**{typo: 1})
 
 
 def test_modules_check_tuning_keywords_at_construction():

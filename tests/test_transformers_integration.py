@@ -614,6 +614,22 @@ def test_tensor_parallel_and_fsdp2_heads():
         want.loss.backward()
         _assert_grads_close(fsdp.lm_head.weight.grad.full_tensor(), ref.lm_head.weight.grad,
                             "lm_head.weight")
+        # FSDP2 at an outer root (a PeftModel under accelerate's FSDP2), the inner model
+        # patched: its head holds a DTensor at patch time, gathered by the outer forward
+        class Outer(torch.nn.Module):
+            def __init__(self, m):
+                super().__init__()
+                self.m = m
+
+            def forward(self, **kw):
+                return self.m(**kw)
+        outer = Outer(copy.deepcopy(ref))
+        fully_shard(outer, mesh=mesh)
+        assert isinstance(outer.m.lm_head.weight, DTensor)
+        patch_causal_lm(outer.m, chunk_size=CHUNK)
+        got = outer(input_ids=ids, attention_mask=mask, labels=labels)
+        assert got.logits is None
+        torch.testing.assert_close(got.loss, want.loss, rtol=1e-5, atol=0)
     finally:
         dist.destroy_process_group()
     # a local shard as a plain tensor (a hand-rolled TP): not the full vocabulary
@@ -621,6 +637,52 @@ def test_tensor_parallel_and_fsdp2_heads():
     shard.lm_head.weight = torch.nn.Parameter(shard.lm_head.weight.detach()[: V // 2])
     with pytest.raises(RuntimeError, match=rf"shape \({V // 2}, {H}\), not .*\({V}, {H}\)"):
         shard(input_ids=ids, attention_mask=mask, labels=labels)
+
+
+def test_head_weights_checked_when_the_loss_reads_them():
+    """The weight's shape is checked when the loss reads it, against config.vocab_size (what
+    the model's own loss views the logits as): a wrapper may hold a flat shard at patch time
+    (FSDP1 outside its forward), and a hand-grown vocabulary leaves out_features stale."""
+    ids, mask, labels = make_batch(19)
+    ref = make_model("llama", seed=19)
+    want = ref(input_ids=ids, attention_mask=mask, labels=labels).loss
+    # a flat shard at patch time (as FSDP1 keeps it), the full weight again at the call
+    model = copy.deepcopy(ref)
+    full = model.lm_head.weight
+    model.lm_head.weight = torch.nn.Parameter(full.detach().reshape(-1)[:0])
+    patch_causal_lm(model, chunk_size=CHUNK)
+    model.lm_head.weight = full
+    torch.testing.assert_close(model(input_ids=ids, attention_mask=mask, labels=labels).loss,
+                               want, rtol=1e-5, atol=0)
+    # a vocabulary grown by hand: 8 more rows, config.vocab_size updated, out_features not
+    grown = copy.deepcopy(ref)
+    extra = torch.randn(8, H, generator=torch.Generator().manual_seed(19)) * 0.02
+    grown.lm_head.weight = torch.nn.Parameter(torch.cat([grown.lm_head.weight.detach(), extra]))
+    grown.config.vocab_size = V + 8
+    want_grown = grown(input_ids=ids, attention_mask=mask, labels=labels).loss
+    patch_causal_lm(grown, chunk_size=CHUNK)
+    torch.testing.assert_close(grown(input_ids=ids, attention_mask=mask, labels=labels).loss,
+                               want_grown, rtol=1e-5, atol=0)
+
+
+def test_patched_forward_has_no_wrapped_chain():
+    """accelerate's unwrap_model(keep_fp32_wrapper=False) follows ``__wrapped__``: the
+    patched forward has none (it had the class's forward, so unwrapping dropped the patch
+    while is_patched stayed True and unpatching then refused), and keeps the class forward's
+    signature (the Trainer reads it). Unpatching under accelerate's mixed-precision wrapper
+    says what to call first."""
+    import inspect
+    model = patch_causal_lm(make_model("llama", seed=20))
+    assert inspect.unwrap(model.forward) == model.forward
+    assert inspect.signature(model.forward) == inspect.signature(make_model("llama").forward)
+    patched = model.forward
+    model._original_forward = patched  # what Accelerator.prepare's autocast wrapper keeps
+    model.forward = lambda *a, **k: patched(*a, **k)
+    with pytest.raises(RuntimeError, match=r"accelerator\.unwrap_model\(model, "
+                                           r"keep_fp32_wrapper=False\) first"):
+        unpatch_causal_lm(model)
+    model.forward = model.__dict__.pop("_original_forward")  # what unwrap_model restores
+    assert not is_patched(unpatch_causal_lm(model))
 
 
 def test_unpatch_under_a_later_wrapper():

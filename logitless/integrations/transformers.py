@@ -40,8 +40,9 @@ where it is already visible, else at the call): a head offloaded by accelerate (
 kept on the ``meta`` device), a head sharded by transformers' tensor parallelism (``tp_plan``:
 a ``DTensor``; the vocab-parallel path is ``logitless.torch.linear_cross_entropy(...,
 process_group=...)`` on the local shard), or a weight that is not the head's full
-``(out_features, in_features)`` matrix. A model sharded with FSDP2 at its root is accepted: its
-root forward hands the head a plain, gathered weight.
+``(config.vocab_size, in_features)`` matrix when the loss reads it. A model sharded with FSDP2
+(at its root or an outer one, e.g. a PEFT model) or wrapped by FSDP1 is accepted: the wrapper's
+forward hands the head a plain, gathered weight before the loss reads it.
 
 For the same reason, whatever changes the head's computation on the instance is refused (at
 patch time and at every fused call): a ``forward`` replaced on the head (a user's wrapper,
@@ -239,7 +240,10 @@ def _check_head_weight(model, head, *, at_patch: bool):
     if dtensor is not None and isinstance(w, dtensor.DTensor):
         # An FSDP2 root gathers its parameters before its forward (this patched one
         # included): at patch time, outside the forward, they are still sharded.
-        if at_patch and _is_fsdp(model):
+        # At patch time a DTensor on a head that nothing wraps is FSDP2's (of this model or of
+        # an outer root, e.g. a PeftModel): the root's forward gathers it before the call,
+        # where this check runs again. Tensor parallelism wraps the head (tp_forward / hooks).
+        if at_patch and "forward" not in head.__dict__ and not _head_hooks(head):
             return
         raise RuntimeError(
             f"patch_causal_lm: {type(model).__name__}'s lm_head weight is a DTensor (placements "
@@ -250,18 +254,25 @@ def _check_head_weight(model, head, *, at_patch: bool):
             f"logitless.torch.linear_cross_entropy(hidden, weight.to_local(), labels, "
             f"process_group=tp_group, vocab_start_index=..., vocab_size=...), not this patch; "
             f"with FSDP2, shard the head with the root module; or unpatch_causal_lm(model)")
-    if tuple(w.shape) != (head.out_features, head.in_features):
+    # At patch time a wrapper may still hold the weight sharded (FSDP1 keeps a flat 1-D shard
+    # view outside its forward); the loss's contract is the model's own: config.vocab_size rows
+    # (ForCausalLMLoss views the logits as (-1, config.vocab_size)).
+    vocab = getattr(model.config, "vocab_size", None) or head.out_features
+    if not at_patch and tuple(w.shape) != (vocab, head.in_features):
         raise RuntimeError(
             f"patch_causal_lm: {type(model).__name__}'s lm_head weight has shape "
-            f"{tuple(w.shape)}, not the head's (out_features, in_features) = "
-            f"({head.out_features}, {head.in_features}) (a tensor-parallel local shard?): "
-            f"the fused loss needs the full vocabulary; a vocab-sharded head needs "
-            f"logitless.torch.linear_cross_entropy(..., process_group=...)")
+            f"{tuple(w.shape)}, not (config.vocab_size, in_features) = ({vocab}, "
+            f"{head.in_features}), when the fused loss reads it (a tensor-parallel local shard, "
+            f"or one a wrapper did not gather?): the loss needs the full vocabulary; a "
+            f"vocab-sharded head "
+            f"needs logitless.torch.linear_cross_entropy(..., process_group=...)")
 
 
-def _is_fsdp(model) -> bool:
-    fsdp = sys.modules.get("torch.distributed.fsdp")
-    return fsdp is not None and isinstance(model, getattr(fsdp, "FSDPModule", ()))
+def _head_hooks(head):
+    """Whether any hook is registered on the head itself."""
+    return bool(head._forward_pre_hooks or head._forward_hooks or head._backward_pre_hooks
+                or head._backward_hooks)
+
 
 
 def _check_head_call(model, head):
@@ -283,8 +294,10 @@ def _check_head_call(model, head):
         raise RuntimeError(
             f"patch_causal_lm: {type(model).__name__}'s lm_head has hooks ({', '.join(found)}): "
             f"the fused loss reads lm_head.weight directly and the head runs only on an empty "
-            f"slice, so a hook sees no logits and what it changes never reaches the loss. Remove "
-            f"them (handle.remove()), or unpatch_causal_lm(model) to use the model's own loss")
+            f"slice, so a hook sees no logits and what it changes never reaches the loss (and a "
+            f"hook that gathers a sharded weight, as DeepSpeed ZeRO-3's or an FSDP unit of the "
+            f"head's own, gathers it for that call only). Remove them (handle.remove()), or "
+            f"unpatch_causal_lm(model) to use the model's own loss")
     forward = head.__dict__.get("forward")
     if forward is None or _is_own_forward(head, forward) or _is_device_hook(head, forward):
         return
@@ -429,11 +442,15 @@ def unpatch_causal_lm(model):
         model._old_forward = state.inner_forward
     else:
         now = "the class's forward" if current is None else f"a {type(current).__name__}"
+        how = "Remove the wrapper first (restore the forward it replaced), then unpatch"
+        if is_patch(model.__dict__.get("_original_forward")):
+            # accelerate's mixed-precision wrapper (Accelerator.prepare, a Trainer with bf16)
+            how = ("It is accelerate's mixed-precision wrapper (Accelerator.prepare): "
+                   "accelerator.unwrap_model(model, keep_fp32_wrapper=False) first, then unpatch")
         raise RuntimeError(
             f"unpatch_causal_lm: {type(model).__name__}.forward was replaced after "
             f"patch_causal_lm (now {now}); unpatching would drop that wrapper or leave it "
-            f"calling the patch. Remove the wrapper first (restore the forward it replaced), "
-            f"then unpatch")
+            f"calling the patch. {how}")
     model.base_model._forward_hooks.pop(state.hook_id, None)
     model.base_model.__dict__.pop(_SLOT, None)
     object.__delattr__(model, _STATE)
@@ -449,6 +466,10 @@ def _make_forward(cls_forward):
     @functools.wraps(cls_forward)
     def forward(self, *args, **kwargs):
         return _patched_forward(self, args, kwargs)
+    # no __wrapped__: accelerate's unwrap_model(keep_fp32_wrapper=False) walks __wrapped__ and
+    # would stop past the patch (at the class's forward); the Trainer reads __signature__
+    del forward.__wrapped__
+    forward.__signature__ = inspect.signature(cls_forward)
     return forward
 
 
