@@ -238,11 +238,10 @@ def _check_head_weight(model, head, *, at_patch: bool):
     # importing it here would cost every call).
     dtensor = sys.modules.get("torch.distributed.tensor")
     if dtensor is not None and isinstance(w, dtensor.DTensor):
-        # An FSDP2 root gathers its parameters before its forward (this patched one
-        # included): at patch time, outside the forward, they are still sharded.
-        # At patch time a DTensor on a head that nothing wraps is FSDP2's (of this model or of
-        # an outer root, e.g. a PeftModel): the root's forward gathers it before the call,
-        # where this check runs again. Tensor parallelism wraps the head (tp_forward / hooks).
+        # At patch time (outside any forward) a DTensor on a head that nothing wraps is
+        # FSDP2's, of this model or of an outer root (e.g. a PeftModel): the root's forward
+        # gathers it before the call, where this check runs again. Tensor parallelism always
+        # wraps the head (tp_forward / hooks).
         if at_patch and "forward" not in head.__dict__ and not _head_hooks(head):
             return
         raise RuntimeError(
@@ -264,15 +263,14 @@ def _check_head_weight(model, head, *, at_patch: bool):
             f"{tuple(w.shape)}, not (config.vocab_size, in_features) = ({vocab}, "
             f"{head.in_features}), when the fused loss reads it (a tensor-parallel local shard, "
             f"or one a wrapper did not gather?): the loss needs the full vocabulary; a "
-            f"vocab-sharded head "
-            f"needs logitless.torch.linear_cross_entropy(..., process_group=...)")
+            f"vocab-sharded head needs logitless.torch.linear_cross_entropy(..., "
+            f"process_group=...)")
 
 
 def _head_hooks(head):
     """Whether any hook is registered on the head itself."""
     return bool(head._forward_pre_hooks or head._forward_hooks or head._backward_pre_hooks
                 or head._backward_hooks)
-
 
 
 def _check_head_call(model, head):
