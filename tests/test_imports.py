@@ -95,3 +95,9 @@ def test_jax_side_loads_no_torch():
     assert "jax" in mods
     bad = mods & {"torch"}
     assert not bad, f"{side} imported {sorted(bad)}"
+
+
+def test_keyword_errors_load_no_framework():
+    """The front doors' shared keyword wording (logitless/_keywords.py) is framework-free."""
+    mods = loaded_after("import logitless._keywords")
+    assert not mods & {"torch", "jax", "jaxlib", "triton"}, sorted(mods & {"torch", "jax"})
