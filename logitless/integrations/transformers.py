@@ -189,8 +189,8 @@ def patch_causal_lm(model, *, backend: Optional[str] = None, fuse_in_eval: bool 
     object.__setattr__(base, _SLOT, [])   # off (empty) unless a fused call is running
     state.hook_id = base.register_forward_hook(_keep_hidden).id
     # A bound method of a function that holds no reference to the model: copy.deepcopy
-    # rebinds it to the copy. functools.wraps keeps the signature the Trainer inspects.
-    state.patched_func = _make_forward(cls_forward)
+    # rebinds it to the copy. It carries the class forward's signature (the Trainer reads it).
+    state.patched_func = _make_forward(cls_forward, signature)
     model.forward = types.MethodType(state.patched_func, model)
     return model
 
@@ -267,10 +267,17 @@ def _check_head_weight(model, head, *, at_patch: bool):
             f"process_group=...)")
 
 
+def _hook_dicts(head):
+    """(kind, dict) of the hooks registered on the head itself (the *_with_kwargs and
+    always_call variants are flags on hooks kept in these dicts)."""
+    return (("forward pre-hook", head._forward_pre_hooks), ("forward hook", head._forward_hooks),
+            ("backward pre-hook", head._backward_pre_hooks),
+            ("backward hook", head._backward_hooks))
+
+
 def _head_hooks(head):
     """Whether any hook is registered on the head itself."""
-    return bool(head._forward_pre_hooks or head._forward_hooks or head._backward_pre_hooks
-                or head._backward_hooks)
+    return any(hooks for _, hooks in _hook_dicts(head))
 
 
 def _check_head_call(model, head):
@@ -280,10 +287,7 @@ def _check_head_call(model, head):
     torch.compile), as a hook or wrapper may be added after patching. (A hook added after
     torch.compile traced the call goes unseen, as it does unpatched: dynamo does not guard on
     module hooks, ``torch._dynamo.config.skip_nnmodule_hook_guards``.)"""
-    # the *_with_kwargs / always_call variants are flags on hooks kept in these dicts
-    kinds = (("forward pre-hook", head._forward_pre_hooks), ("forward hook", head._forward_hooks),
-             ("backward pre-hook", head._backward_pre_hooks),
-             ("backward hook", head._backward_hooks))
+    kinds = _hook_dicts(head)
     found = []
     if any(hooks for _, hooks in kinds):
         found = [f"{kind} {_name(h)}" for kind, hooks in kinds for h in hooks.values()
@@ -460,14 +464,14 @@ def is_patched(model) -> bool:
     return _STATE in getattr(model, "__dict__", {})
 
 
-def _make_forward(cls_forward):
+def _make_forward(cls_forward, signature):
     @functools.wraps(cls_forward)
     def forward(self, *args, **kwargs):
         return _patched_forward(self, args, kwargs)
     # no __wrapped__: accelerate's unwrap_model(keep_fp32_wrapper=False) walks __wrapped__ and
     # would stop past the patch (at the class's forward); the Trainer reads __signature__
     del forward.__wrapped__
-    forward.__signature__ = inspect.signature(cls_forward)
+    forward.__signature__ = signature
     return forward
 
 
