@@ -125,7 +125,7 @@ def cross_entropy_rows_kernel(
     COMPUTE_LSE: tl.constexpr, WRITE_GRAD: tl.constexpr, FROM_TILES: tl.constexpr,
     HAS_CW: tl.constexpr, SMOOTH: tl.constexpr, HAS_Z: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_H: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_V: tl.constexpr, ROUND_BF16: tl.constexpr = False,
+    BLOCK_V: tl.constexpr, ROUND_BF16: tl.constexpr = False, STAGES: tl.constexpr = 1,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -158,7 +158,7 @@ def cross_entropy_rows_kernel(
                     s = s * tl.exp(m - m_ref) + tl.sum(ts * tl.exp(tm - m_ref), 0)
                     m = m_new
             else:
-                for start in range(0, n_cols, BLOCK_V):
+                for start in tl.range(0, n_cols, BLOCK_V, num_stages=STAGES):
                     cols = start + offs
                     cmask = cols < n_cols
                     z = _logit(base, bias_ptr, col_offset, cols, cols < n_load, cmask, HAS_BIAS)
@@ -203,7 +203,7 @@ def cross_entropy_rows_kernel(
                                                  z_loss, HAS_Z, SMOOTH, HAS_H)
             # Backwards over the row: its most recently read tail is the likeliest to be in L2.
             n_blocks = tl.cdiv(n_cols, BLOCK_V)
-            for i in range(0, n_blocks):
+            for i in tl.range(0, n_blocks, num_stages=STAGES):
                 cols = (n_blocks - 1 - i) * BLOCK_V + offs
                 cmask = cols < n_cols
                 lmask = cols < n_load

@@ -100,7 +100,8 @@ def _online(m, s, x):
 
 @triton.jit
 def _seg_stats(s_row, t_row, col0, col1, col1_load, y_local, inv_t, KIND: tl.constexpr,
-               HARD: tl.constexpr, T_ONE: tl.constexpr, BLOCK: tl.constexpr):
+               HARD: tl.constexpr, T_ONE: tl.constexpr, BLOCK: tl.constexpr,
+               STAGES: tl.constexpr):
     """Pass 1 over columns [col0, col1): (m_a, s_a, m_b, s_b, u, md, w, m_z, s_z, z_y) with
     u = Σ e^(a−m_a)·expm1(b − a), md = max(b − a), w = Σ e^(b−m_b)·(b − a) (forward KL) or
     Σ e^(a−m_a)·(a − b) (reverse KL), z_y the target's raw logit (0 when it is elsewhere)."""
@@ -116,7 +117,7 @@ def _seg_stats(s_row, t_row, col0, col1, col1_load, y_local, inv_t, KIND: tl.con
     m_z = zero - float("inf")
     s_z = zero
     z_y = zero
-    for start in range(col0, col1, BLOCK):
+    for start in tl.range(col0, col1, BLOCK, num_stages=STAGES):
         cols = start + offs
         cmask = cols < col1
         a, b, zs = _load_block(s_row, t_row, cols, cols < col1_load, inv_t)
@@ -264,7 +265,7 @@ def _log_p_over_m(delta, lam, beta, omb, FORM: tl.constexpr):
 
 @triton.jit
 def _seg_jsd_sums(s_row, t_row, col0, col1, col1_load, inv_t, m_a, ls_a, c, beta, omb,
-                  FORM: tl.constexpr, BLOCK: tl.constexpr):
+                  FORM: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr):
     """Pass 2 (0 < β < 1) over [col0, col1): −Σ Q·Λ and Σ Q (K is their ratio: Q carries the
     rounding of L_a as a factor common to the row, which K must not; see
     ``_jax_jsd.jsd_k``) and Σ β·P·log(P/M) − (1−β)·Q·Λ (→ J); ``omb`` = 1 − β, computed on
@@ -273,7 +274,7 @@ def _seg_jsd_sums(s_row, t_row, col0, col1, col1_load, inv_t, m_a, ls_a, c, beta
     k = tl.sum(tl.zeros([BLOCK], dtype=tl.float32), 0)
     j = k
     qs = k
-    for start in range(col0, col1, BLOCK):
+    for start in tl.range(col0, col1, BLOCK, num_stages=STAGES):
         cols = start + offs
         cmask = cols < col1
         a, b, zs = _load_block(s_row, t_row, cols, cols < col1_load, inv_t)
@@ -290,11 +291,11 @@ def _seg_jsd_sums(s_row, t_row, col0, col1, col1_load, inv_t, m_a, ls_a, c, beta
 def _seg_grad(s_row, t_row, dz_row, col0, col1_load, y_local, inv_t, m_a, ls_a, m_b, ls_b, c,
               l_z, kk, beta, omb, coef, hard_coef, poison, KIND: tl.constexpr,
               HARD: tl.constexpr, T_ONE: tl.constexpr, ROUND_BF16: tl.constexpr, FORM: tl.constexpr,
-              BLOCK: tl.constexpr):
+              BLOCK: tl.constexpr, STAGES: tl.constexpr):
     """Pass 3 over [col0, col1_load): dz = coef·∂J/∂a + hard_coef·(S − [v = y]) (+ poison),
     with coef = g·m/T, hard_coef = g·m·w_h, kk the row's KL (reverse KL) or K (JSD)."""
     offs = tl.arange(0, BLOCK)
-    for start in range(col0, col1_load, BLOCK):
+    for start in tl.range(col0, col1_load, BLOCK, num_stages=STAGES):
         cols = start + offs
         lmask = cols < col1_load  # the padding too: junk there, read by no GEMM
         a, b, zs = _load_block(s_row, t_row, cols, lmask, inv_t)
@@ -366,7 +367,7 @@ def _row_segment(row, seg, s_ptr, s_stride, t_ptr, t_stride, dz_ptr, dz_stride, 
                  T_ONE: tl.constexpr, WRITE_LOSS: tl.constexpr, WRITE_GRAD: tl.constexpr,
                  PHASE: tl.constexpr, SEGS: tl.constexpr, SEGS_P2: tl.constexpr,
                  SEG: tl.constexpr, BLOCK: tl.constexpr, ROUND_BF16: tl.constexpr,
-                 MAX_SPIN: tl.constexpr, FORM: tl.constexpr):
+                 MAX_SPIN: tl.constexpr, FORM: tl.constexpr, STAGES: tl.constexpr):
     row64 = tl.cast(row, tl.int64)
     s_row = s_ptr + row64 * s_stride
     t_row = t_ptr + row64 * t_stride
@@ -393,7 +394,8 @@ def _row_segment(row, seg, s_ptr, s_stride, t_ptr, t_stride, dz_ptr, dz_stride, 
         # ---------------------------------------------------------------- pass 1
         if PHASE <= 1:
             m_a, s_a, m_b, s_b, u, md, w, m_z, s_z, z_y = _seg_stats(
-                s_row, t_row, col0, col1, col1_load, y_local, inv_t, KIND, HARD, T_ONE, BLOCK)
+                s_row, t_row, col0, col1, col1_load, y_local, inv_t, KIND, HARD, T_ONE, BLOCK,
+                STAGES)
             if SEGS > 1:
                 p = part + seg * _NF
                 tl.store(p + F_MA, m_a)
@@ -436,7 +438,7 @@ def _row_segment(row, seg, s_ptr, s_stride, t_ptr, t_stride, dz_ptr, dz_stride, 
                 if PHASE != 3:
                     k_seg, j_seg, q_seg = _seg_jsd_sums(s_row, t_row, col0, col1, col1_load,
                                                         inv_t, m_a, ls_a, c, beta, omb, FORM,
-                                                        BLOCK)
+                                                        BLOCK, STAGES)
                     if SEGS > 1:
                         tl.store(part + seg * _NF + F_K, k_seg)
                         tl.store(part + seg * _NF + F_J, j_seg)
@@ -470,7 +472,7 @@ def _row_segment(row, seg, s_ptr, s_stride, t_ptr, t_stride, dz_ptr, dz_stride, 
                     g = tl.load(g_ptr + row64 * g_stride).to(tl.float32)
                     _seg_grad(s_row, t_row, dz_row, col0, col1_load, y_local, inv_t, m_a, ls_a,
                               m_b, ls_b, c, l_z, kk, beta, omb, g * inv_t, g * hard_w, nan, KIND,
-                              HARD, T_ONE, ROUND_BF16, FORM, BLOCK)
+                              HARD, T_ONE, ROUND_BF16, FORM, BLOCK, STAGES)
     else:
         if PHASE == 0 or PHASE == 3:
             if WRITE_LOSS:
@@ -489,7 +491,7 @@ def jsd_rows_kernel(
     WRITE_LOSS: tl.constexpr, WRITE_GRAD: tl.constexpr, PHASE: tl.constexpr,
     SEGS: tl.constexpr, SEGS_P2: tl.constexpr, SEG: tl.constexpr, BLOCK: tl.constexpr,
     ROUND_BF16: tl.constexpr = False, MAX_SPIN: tl.constexpr = 1 << 20,
-    FORM: tl.constexpr = 0,
+    FORM: tl.constexpr = 0, STAGES: tl.constexpr = 1,
 ):
     """Per-token loss (``loss_ptr``, fp32) and/or the student logit gradient (``dz_ptr``) for
     rows [0, n_rows) of the student / teacher logits buffers. ``inv_t`` = 1/T, ``g`` the
@@ -507,7 +509,7 @@ def jsd_rows_kernel(
                              dz_ptr, dz_stride, y_ptr, g_ptr, g_stride, loss_ptr, part_ptr,
                              sync_ptr, V, V_LOAD, ignore_index, inv_t, beta, omb, hard_w, KIND,
                              HAS_Y, HARD, T_ONE, WRITE_LOSS, WRITE_GRAD, PHASE, SEGS, SEGS_P2,
-                             SEG, BLOCK, ROUND_BF16, MAX_SPIN, FORM)
+                             SEG, BLOCK, ROUND_BF16, MAX_SPIN, FORM, STAGES)
                 ticket = tl.atomic_add(sync_ptr, 1, sem="relaxed")
         else:
             for row in range(tl.program_id(0), n_rows, tl.num_programs(0)):
@@ -515,14 +517,14 @@ def jsd_rows_kernel(
                              y_ptr, g_ptr, g_stride, loss_ptr, part_ptr, sync_ptr, V, V_LOAD,
                              ignore_index, inv_t, beta, omb, hard_w, KIND, HAS_Y, HARD, T_ONE,
                              WRITE_LOSS, WRITE_GRAD, PHASE, SEGS, SEGS_P2, SEG, BLOCK,
-                             ROUND_BF16, MAX_SPIN, FORM)
+                             ROUND_BF16, MAX_SPIN, FORM, STAGES)
     else:
         pid = tl.program_id(0)
         _row_segment(pid // SEGS, pid % SEGS, s_ptr, s_stride, t_ptr, t_stride, dz_ptr,
                      dz_stride, y_ptr, g_ptr, g_stride, loss_ptr, part_ptr, sync_ptr, V, V_LOAD,
                      ignore_index, inv_t, beta, omb, hard_w, KIND, HAS_Y, HARD, T_ONE,
                      WRITE_LOSS, WRITE_GRAD, PHASE, SEGS, SEGS_P2, SEG, BLOCK, ROUND_BF16,
-                     MAX_SPIN, FORM)
+                     MAX_SPIN, FORM, STAGES)
 
 
 # ----------------------------------------------------------------------------- diagnostics

@@ -60,6 +60,9 @@ GPU_BLOCK = 2048
 GPU_SEGMENT = 8192
 GPU_WARPS = 8
 GPU_PROGRAMS_PER_SM = 2
+# Software-pipelining depth of the row loops (tl.range num_stages): 2 and 3 measured 0.7% and
+# 1.2% slower than 1 (benchmarks/row_stages_ab.py; a segment is only 4 blocks long).
+GPU_ROW_STAGES = 1
 REDUCTIONS = common.REDUCTION_CODES
 KINDS = {"forward_kl": jsd_rows.KIND_FORWARD_KL, "reverse_kl": jsd_rows.KIND_REVERSE_KL,
          "jsd": jsd_rows.KIND_JSD}
@@ -116,7 +119,7 @@ def _row_kernel(zs, zt, dz, y, g, loss, opts_t, v, cfg: Config, write_loss, writ
                 SEGS_P2=max(2, next_power_of_2(segs)), SEG=cfg.segment, BLOCK=cfg.block,
                 ROUND_BF16=_interpret() and dz is not None and dz.dtype == torch.bfloat16,
                 FORM=spec.beta_form(beta) if kind == jsd_rows.KIND_JSD else 0,
-                num_warps=cfg.num_warps)
+                STAGES=1 if _interpret() else GPU_ROW_STAGES, num_warps=cfg.num_warps)
     if fused:
         grid = rows if _interpret() else min(cfg.grid, rows * segs)
         jsd_rows.jsd_rows_kernel[(max(1, grid),)](*args, PHASE=0, **meta)
