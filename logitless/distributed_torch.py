@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ._torch_common import check_targets
+from ._torch_common import check_targets, widen_targets
 
 __all__ = ["global_token_count"]
 
@@ -40,6 +40,9 @@ def global_token_count(target, ignore_index: int = -100, *, weight=None, process
         raise TypeError(f"target must be a torch.Tensor, got {type(target).__name__}")
     if target.is_floating_point() or target.dtype == torch.bool or target.is_complex():
         raise TypeError(f"target must hold integer class indices, got {target.dtype}")
+    # widened as the loss widens them: compared in uint8, ignore_index=-100 would wrap to 156,
+    # and the valid class 156 would go uncounted
+    target = widen_targets(target, ignore_index)
     mask = target != ignore_index
     if weight is None:
         count = mask.sum(dtype=torch.float32)

@@ -15,6 +15,13 @@ Two implementations behind one entry point:
   adds it to any ``.grad`` left by earlier micro-batches. Module hooks run once per shard
   (and again in the recompute), on shard-sized tensors. Autocast state is recorded in
   forward and re-entered for the recompute.
+  Gradients reach only ``x`` and the registered parameters read at the call, so what would
+  lose others is refused: DTensor parameters (FSDP2 sharding the MLP inside the tiled call,
+  whose hooks re-gather them in each shard's recompute: shard the ``TiledMLP`` module or an
+  outer module instead), a hook that replaces a parameter during the recompute (accelerate's
+  offload hooks), and a tensor requiring grad that the MLP reads but does not register
+  (FSDP1's ``use_orig_params=False`` flat-parameter views, a weight computed in ``forward``
+  from another tensor): checked once per call on the first shard's recompute graph.
 * **fused SwiGLU** (a :class:`SwiGLUMLP` without module hooks of any kind or overridden
   forwards, on it or its projections: it never calls the modules): two
   ``torch.library`` ops. The backward recomputes only the gate/up GEMMs (the shard's output is
@@ -30,9 +37,12 @@ Two implementations behind one entry point:
 ``grad_accum_dtype``: the dtype in which half-precision parameter gradients are summed over
 shards. ``None`` (default) sums in each parameter's dtype, as PyTorch does across
 micro-batches and as peers' tiled MLPs do: one rounding per shard, no extra memory.
-``torch.float32`` sums in fp32 and rounds once (errors below the untiled MLP's), at the cost
-of fp32 accumulators, 2 bytes per parameter more than the gradients themselves (352 MB for a
-Llama-3-8B layer). One shard needs no accumulator.
+``torch.float32`` sums in fp32, at the cost of fp32 accumulators, 2 bytes per parameter more
+than the gradients themselves (352 MB for a Llama-3-8B layer). On the fused path the GEMMs
+accumulate straight into them, so the result is rounded once (errors below the untiled
+MLP's). On the generic path autograd has already rounded each shard's gradient to the
+parameter dtype: the fp32 sum over shards removes the running sum's roundings, not each
+shard's, so the errors stay those of one rounding per shard. One shard needs no accumulator.
 Nothing here synchronizes with the host: the shard plan depends on shapes only.
 The MLP must be position-wise. Backward recomputes it from the forward's RNG state (CPU, and
 CUDA for ``x``'s device), restored as ``torch.utils.checkpoint`` does, so dropout masks match.
@@ -343,6 +353,25 @@ def _fused_swiglu_parts(mlp) -> Optional[tuple]:
 
 _FUSED_NAMES = tuple(f"{m}_proj.{p}" for p in ("weight", "bias") for m in ("gate", "up", "down"))
 
+SHARD_OUTSIDE = ("shard the TiledMLP module or an outer module, not the MLP inside the tiled "
+                 "call")
+
+
+def _refuse_dtensors(named) -> None:
+    """TypeError for a DTensor among ``named`` ((name, tensor or None) pairs). The tiled call
+    reads the parameters before any of the MLP's hooks run: under FSDP2 sharding the MLP
+    itself these are the sharded DTensors, and its pre-forward hook installs the gathered
+    ones in every shard's recompute, where no gradient of the tiled backward reaches them."""
+    for name, t in named:
+        if t is not None and type(t).__name__ == "DTensor":  # by name, as common._refuse_dtensor
+            raise TypeError(
+                f"tiled_mlp: the MLP's parameter {name} is a DTensor (a sharded parameter, e.g. "
+                f"FSDP2's fully_shard applied to the MLP inside the tiled call): {SHARD_OUTSIDE}"
+                " (e.g. fully_shard(block) with the tiled call in block.forward), where FSDP2 "
+                "hands the tiled call plain tensors. Sharding the MLP itself would re-gather its "
+                "parameters in each shard's recompute, out of reach of the tiled backward: "
+                "their gradients would be lost.")
+
 
 # ----------------------------------------------------------------------------- generic path
 class _GenericRun:
@@ -390,7 +419,7 @@ class _GenericRun:
         dev = x.device.type
         cpu_rng, cuda_rng = self.rng
         with torch.random.fork_rng(devices=[x.device] if x.is_cuda else []), \
-                _parameters_swapped(self.mlp, alias_of), \
+                _parameters_swapped(self.mlp, alias_of) as swapped, \
                 torch.enable_grad(), torch.autocast(dev, enabled=self.autocast[0],
                                                     dtype=self.autocast[1]):
             torch.set_rng_state(cpu_rng)
@@ -398,9 +427,12 @@ class _GenericRun:
                 torch.cuda.set_rng_state(cuda_rng, x.device)
             # no tokens: one empty shard, so that parameters get zero gradients as autograd
             # through the untiled module gives them (None only for ones the MLP never uses)
-            for s, e in (list(self.plan.bounds()) or [(0, 0)]):
+            for i, (s, e) in enumerate(list(self.plan.bounds()) or [(0, 0)]):
                 xs = self.shard_view(x2, s, e).detach().requires_grad_(need_x)
                 ys = self.mlp(xs)
+                _check_still_swapped(swapped, alias_of)
+                if i == 0 and ys.grad_fn is not None:  # the graph is the same for every shard
+                    _check_no_foreign_leaf(ys.grad_fn, [xs] + wanted)
                 inputs = ([xs] if need_x else []) + wanted
                 if ys.requires_grad:
                     torch.autograd.backward(ys, dy2[s:e].view(ys.shape), inputs=inputs)
@@ -436,10 +468,54 @@ def _parameters_swapped(mlp: nn.Module, alias_of: dict):
     try:
         for m, name, p in swapped:
             m._parameters[name] = alias_of[id(p)]
-        yield
+        yield swapped
     finally:
         for m, name, p in swapped:
             m._parameters[name] = p
+
+
+def _check_still_swapped(swapped, alias_of):
+    """RuntimeError if a hook replaced an alias while the MLP ran (FSDP2 on the MLP itself,
+    accelerate's offload hooks): the recompute then used a tensor whose gradient the tiled
+    backward never collects."""
+    for m, name, p in swapped:
+        if m._parameters.get(name) is not alias_of[id(p)]:
+            raise RuntimeError(
+                f"tiled_mlp: a hook replaced the parameter {name!r} of {type(m).__name__} while "
+                "the MLP was recomputed in backward (e.g. FSDP2's fully_shard or accelerate's "
+                "offload hooks on the MLP inside the tiled call); its gradient would be lost. "
+                f"Hooks that install parameters must sit outside the tiled call: "
+                f"{SHARD_OUTSIDE}.")
+
+
+def _check_no_foreign_leaf(root, allowed):
+    """RuntimeError if the recompute's graph (from ``root``, an output's grad_fn) reaches a
+    leaf requiring grad other than ``allowed`` (the shard input and the parameter aliases):
+    the MLP read a tensor that is not a registered parameter, whose gradient the tiled
+    backward (``inputs=``) would drop. Depth-first, stopping at the first such leaf, so a
+    graph outside the MLP is walked only as far as its first leaf."""
+    ok = {id(t) for t in allowed}
+    seen, stack = set(), [root]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        leaf = getattr(node, "variable", None)  # AccumulateGrad nodes hold their leaf
+        if leaf is None:
+            stack.extend(f for f, _ in node.next_functions)
+        elif id(leaf) not in ok:
+            kind = "nn.Parameter" if isinstance(leaf, nn.Parameter) else "tensor"
+            raise RuntimeError(
+                "tiled_mlp: the MLP's forward reads a tensor that requires grad but is neither "
+                "x nor a parameter registered in the MLP (its gradient reaches a leaf "
+                f"{kind} of shape {list(leaf.shape)}, {leaf.dtype}), e.g. a weight computed "
+                "in forward from another tensor, a tensor attribute, another module's "
+                "parameter, FSDP1's use_orig_params=False flat-parameter views. The tiled "
+                "backward returns gradients only for x and the MLP's registered parameters: "
+                "that one would be lost. Register it as an nn.Parameter of the MLP (with FSDP: "
+                "FSDP2's fully_shard on the TiledMLP module or an outer module), or call the "
+                "MLP untiled.")
 
 
 def _check_output(ys, x_shape, tokens):
@@ -491,14 +567,20 @@ def tiled_mlp(mlp: nn.Module, x: torch.Tensor, *, num_shards: Optional[int] = No
             last one shorter); the MLP sees each as ``[1, …, 1, n, H]``.
         num_shards: default ``ceil(T / H)``.
         grad_accum_dtype: ``None`` (default) sums parameter gradients over shards in each
-            parameter's dtype; ``torch.float32`` sums half-precision ones in fp32 and rounds
-            once (more accurate, 2 more bytes per parameter while backward runs).
+            parameter's dtype; ``torch.float32`` sums half-precision ones in fp32 (2 more
+            bytes per parameter while backward runs). On the fused path that rounds once; on
+            the generic path each shard's gradient is still rounded to the parameter dtype
+            by autograd, and only the sum over shards is made in fp32.
 
     Returns:
         ``[..., T, H_out]``. Each parameter's gradient reaches autograd once per backward.
 
     Forward-mode AD (``torch.func.jvp``) is refused: backward is reverse mode only; so is a
-    double backward (``create_graph=True``).
+    double backward (``create_graph=True``). Refused too, since their gradients would be
+    lost: DTensor parameters (``TypeError``; FSDP2 must shard the ``TiledMLP`` module or an
+    outer one, not the MLP inside the tiled call) and, on the generic path, a parameter that a
+    hook replaces during the recompute or a tensor requiring grad that the MLP reads without
+    registering it as a parameter (``RuntimeError`` in backward, before any gradient lands).
     """
     if not isinstance(mlp, nn.Module):
         raise TypeError(f"mlp must be a torch.nn.Module, got {type(mlp).__name__}")
@@ -513,6 +595,7 @@ def tiled_mlp(mlp: nn.Module, x: torch.Tensor, *, num_shards: Optional[int] = No
     autocast = torch.is_autocast_enabled(dev)
     parts = _fused_swiglu_parts(mlp)
     if parts is not None:
+        _refuse_dtensors(zip(_FUSED_NAMES, parts))
         common.refuse_forward_ad("tiled_mlp", *zip(_FUSED_NAMES, parts))
         # under autocast, as nn.Linear would see them (a no-op outside autocast)
         xf, *cast = common.autocast_inputs(x, *parts)
@@ -525,6 +608,7 @@ def tiled_mlp(mlp: nn.Module, x: torch.Tensor, *, num_shards: Optional[int] = No
                                        accum_fp32 or wide)
             return y2.view(x.shape[:-1] + (y2.shape[-1],))
     named = list(mlp.named_parameters())
+    _refuse_dtensors(named)
     run = _GenericRun(mlp, [n for n, _ in named], plan, x.shape, accum_fp32,
                       (autocast, torch.get_autocast_dtype(dev) if autocast else None))
     return _TiledFunction.apply(run, x, *(p for _, p in named))

@@ -8,12 +8,17 @@ the concatenated batch with ``reduction="mean"``. All of it runs twice: with the
 loss backend and SwiGLU formula, and with the Triton loss and SwiGLU kernels (interpreted):
 
 * FSDP2 (``fully_shard``, DTensor parameters), the ``TiledMLP`` module sharded on its own and
-  the root sharded: gradients (``full_tensor()``) equal; the fused SwiGLU path runs because
-  FSDP2 unshards the parameters to plain tensors inside the sharded module's forward, where
-  the fused loss and tiled MLP read them;
-* DDP with the fused loss and the tiled MLP: gradients equal, same on both ranks;
+  the root sharded: gradients (``full_tensor()``) equal; the fused SwiGLU path runs (counted)
+  because FSDP2 unshards the parameters to plain tensors inside the sharded module's forward,
+  where the fused loss and tiled MLP read them;
+* DDP with the fused loss and the tiled MLP: gradients equal, same on both ranks, fused path;
 * the DTensor an FSDP2-sharded head exposes *outside* its forward is refused with an error
-  (what the loss must be given is the unsharded weight, i.e. call it inside the forward).
+  (what the loss must be given is the unsharded weight, i.e. call it inside the forward);
+* FSDP2 sharding the MLP *inside* the tiled call (below the ``TiledMLP``, or the MLP as the
+  root of ``tiled_mlp``) is refused with an error saying which module to shard: it had given
+  the MLP's parameters no gradient, silently.
+
+``global_token_count`` counts what the loss counts, also for uint8 targets (no processes).
 """
 import pytest
 import torch
@@ -72,15 +77,52 @@ def _step(model, rank):
     model(x, y, count, WORLD).backward()
 
 
+def _count_paths(tiled_mlp_torch):
+    """{"fused": n, "generic": n}: the tiled MLP's calls per path from now on."""
+    calls = {"fused": 0, "generic": 0}
+    fused, generic = tiled_mlp_torch._tiled_swiglu_fwd, tiled_mlp_torch._TiledFunction.apply
+
+    def count(kind, fn):
+        def wrapped(*a):
+            calls[kind] += 1
+            return fn(*a)
+        return wrapped
+    tiled_mlp_torch._tiled_swiglu_fwd = count("fused", fused)
+    tiled_mlp_torch._TiledFunction.apply = count("generic", generic)
+    return calls
+
+
+def _sharded_inside_error(mesh, backend, layout):
+    """The error of one step with FSDP2 on the MLP inside the tiled call, or None."""
+    from torch.distributed.fsdp import fully_shard
+    model = LM(backend)
+    if layout == "below_tiled":  # the SwiGLUMLP under the TiledMLP, then the root
+        fully_shard(model.mlp.mlp, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        step = lambda: model(*_data(0)).backward()
+    else:  # the MLP itself the FSDP root, given to tiled_mlp
+        import logitless.torch as lt
+        mlp = model.mlp.mlp
+        fully_shard(mlp, mesh=mesh)
+        step = lambda: lt.tiled_mlp(mlp, torch.randn(B, T, H), num_shards=3).sum().backward()
+    try:
+        step()
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
 def _worker(rank, world, backend):
     from logitless import tiled_mlp_torch
     res = {"reference": _reference(backend), "backend": backend,
            "triton_swiglu": tiled_mlp_torch._use_triton(torch.ones(1))}
+    calls = _count_paths(tiled_mlp_torch)
     # --- DDP
     from torch.nn.parallel import DistributedDataParallel as DDP
     ddp = DDP(LM(backend))
     _step(ddp, rank)
     res["ddp"] = {n[len("module."):]: p.grad.clone() for n, p in ddp.named_parameters()}
+    res["ddp_paths"], calls["fused"], calls["generic"] = dict(calls), 0, 0
     # --- FSDP2
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -92,6 +134,9 @@ def _worker(rank, world, backend):
     res["fsdp_param_is_dtensor"] = isinstance(model.head.weight, DTensor)
     _step(model, rank)
     res["fsdp"] = {n: p.grad.full_tensor().clone() for n, p in model.named_parameters()}
+    res["fsdp_paths"] = dict(calls)
+    res["sharded_inside"] = {layout: _sharded_inside_error(mesh, backend, layout)
+                             for layout in ("below_tiled", "mlp_is_root")}
     # outside its forward the head weight is the sharded DTensor: refused loudly
     import logitless.torch as lt
     try:
@@ -140,3 +185,44 @@ def test_fsdp2_parameters_are_dtensors_and_refused_outside_forward(results):
         assert r["dtensor_error"] is not None
         assert r["dtensor_error"].startswith("TypeError: linear_weight is a DTensor"), \
             r["dtensor_error"]
+
+
+@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+def test_fused_swiglu_path_runs_under_data_parallelism(results, kind):
+    for r in results:
+        assert r[f"{kind}_paths"] == {"fused": 1, "generic": 0}, r[f"{kind}_paths"]
+
+
+def test_fsdp2_sharding_the_mlp_inside_the_tiled_call_is_refused(results):
+    for r in results:
+        for layout, err in r["sharded_inside"].items():
+            assert err is not None, layout  # it had run, the MLP's parameters getting no grad
+            assert err.startswith("TypeError: tiled_mlp: the MLP's parameter gate_proj.weight "
+                                  "is a DTensor"), (layout, err)
+            assert "shard the TiledMLP module or an outer module, not the MLP inside the " \
+                   "tiled call" in err, (layout, err)
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64])
+@pytest.mark.parametrize("class_weights", [False, True])
+def test_global_token_count_is_the_losses_count(dtype, class_weights):
+    """The count the loss divides by under reduction="mean" (sum / mean), for small integer
+    targets too: compared in uint8, ignore_index=-100 had wrapped to 156, and the valid class
+    156 went uncounted."""
+    import logitless.torch as lt
+    g = torch.Generator().manual_seed(SEED + 60)
+    v = 157
+    y = torch.randint(0, min(v, torch.iinfo(dtype).max + 1), (40,), generator=g)
+    if dtype == torch.uint8:  # -100 cannot be stored: class 156 (what -100 wraps to) appears
+        y[:5] = 156
+    else:
+        y[torch.rand(40, generator=g) < 0.3] = -100
+    target = y.to(dtype)
+    weight = torch.rand(v, generator=g, dtype=torch.float64) + 0.5 if class_weights else None
+    h = torch.randn(40, 8, generator=g, dtype=torch.float64)
+    w = torch.randn(v, 8, generator=g, dtype=torch.float64)
+    losses = {red: lt.linear_cross_entropy(h, w, target, weight=weight, reduction=red,
+                                           backend="torch") for red in ("sum", "mean")}
+    count = lt.global_token_count(target, weight=weight)
+    torch.testing.assert_close(count.double(), losses["sum"] / losses["mean"],
+                               rtol=1e-6, atol=0)

@@ -494,6 +494,82 @@ def test_hooks_and_instance_forwards_take_the_generic_path(change):
         torch.testing.assert_close(got[2][n], want[2][n])
 
 
+def test_generic_path_refuses_a_hook_that_replaces_a_parameter():
+    """Hooks that install parameters for the forward (FSDP2 on the MLP inside the tiled call,
+    accelerate's offload hooks) replace the backward's alias in the recompute: the recompute
+    then runs on a tensor whose gradient the tiled backward never collects. It had given None
+    gradients silently; now an error, raised before any gradient lands."""
+    m, x = _small(LlamaMLP, seed=14)
+    lin = m.up_proj
+    stored = lin.weight  # as FSDP2: gathered copy for the forward, the stored one after
+
+    lin.register_forward_pre_hook(
+        lambda mod, args: mod._parameters.__setitem__("weight", nn.Parameter(stored.detach() * 1)))
+    lin.register_forward_hook(lambda mod, args, out: mod._parameters.__setitem__("weight", stored))
+    y = lt.tiled_mlp(m, x.requires_grad_(), num_shards=3)
+    with pytest.raises(RuntimeError, match=r"a hook replaced the parameter 'weight' of Linear.*"
+                                           r"shard the TiledMLP module or an outer module"):
+        y.sum().backward()
+    assert x.grad is None and all(p.grad is None for p in m.parameters())
+    assert lin.weight is stored and type(m.gate_proj.weight) is nn.Parameter  # restored
+
+
+class _ComputedWeight(nn.Module):
+    """An MLP reading a tensor that requires grad but is not its registered parameter."""
+
+    def __init__(self, w):
+        super().__init__()
+        self.w = w
+
+    def forward(self, x):
+        return torch.tanh(x @ self.w)
+
+
+def _flat_views_like_fsdp1(m):
+    """What FSDP1 (use_orig_params=False) installs for the forward: each parameter deleted and
+    replaced by a plain-tensor view of one flat leaf, which alone receives the gradient."""
+    slots = [(mod, n, p) for mod in m.modules() for n, p in list(mod._parameters.items())]
+    flat = torch.cat([p.detach().reshape(-1) for _, _, p in slots]).requires_grad_()
+    off = 0
+    for mod, n, p in slots:
+        delattr(mod, n)
+        setattr(mod, n, flat[off:off + p.numel()].view(p.shape))
+        off += p.numel()
+    return flat
+
+
+@pytest.mark.parametrize("kind", ["computed_weight", "tensor_attribute", "fsdp1_flat_views"])
+def test_generic_path_refuses_a_tensor_that_is_not_a_registered_parameter(kind):
+    """Its gradient cannot leave the tiled call (the backward returns gradients for x and the
+    registered parameters only): the tiled call had returned None for it, silently."""
+    torch.manual_seed(SEED + 15)
+    x = torch.randn(2, 9, 8, device=DEV, requires_grad=True)
+    base = torch.randn(8, 8, device=DEV, requires_grad=True)
+    if kind == "computed_weight":
+        m = _ComputedWeight(base * 1.0)  # a non-leaf
+    elif kind == "tensor_attribute":
+        m = _ComputedWeight(base)  # a leaf, not registered
+    else:
+        m = LlamaMLP(8, 12, bias=True).to(DEV)
+        _flat_views_like_fsdp1(m)
+    m(x).sum().backward()  # untiled, the tensor gets a gradient
+    with pytest.raises(RuntimeError, match="neither x nor a parameter registered in the MLP"):
+        lt.tiled_mlp(m, x, num_shards=3).sum().backward()
+
+
+def test_fused_path_gives_fsdp1_flat_views_their_gradient():
+    """The fused path takes the weights as op inputs, so the views' gradients reach the flat
+    parameter as untiled (the generic path refuses them, test above)."""
+    torch.manual_seed(SEED + 16)
+    m = lt.SwiGLUMLP(8, 12, bias=True).to(DEV)
+    flat = _flat_views_like_fsdp1(m)
+    x = torch.randn(2, 9, 8, device=DEV, requires_grad=True)
+    m(x).square().sum().backward()
+    want, flat.grad = flat.grad, None
+    lt.tiled_mlp(m, x, num_shards=3).square().sum().backward()
+    assert_fp32_close(flat.grad, want)
+
+
 def test_empty_sequence():
     """No tokens: zero gradients for every parameter on both paths, as the untiled module
     gets (a None on one rank would leave DDP waiting for its gradient)."""
