@@ -4,7 +4,8 @@ linear_cross_entropy, ``GPU_ROW_STAGES`` of linear_jsd), A/B with every variant 
 interleaved (A B A B ...) in one process so that clock drift hits them alike (sequential
 timing could not see a 0.3 ms gain in an 80 ms call). Each step sets every constant any
 variant names (the module's own value where its variant names none) before it runs; the
-modules' values are restored at the end.
+modules' values are restored at the end. A variant's ``"kwargs"`` entry adds keyword arguments
+to the call (e.g. ``{"kwargs": {"logits_gemm": "triton"}}``).
 
 Whole fwd+bwd calls (``backend="triton"``, bf16, default settings) at the TARGETS shapes:
 Llama CE (16384, 4096, 128256), Gemma CE (8192, 2304, 256000), low-memory CE at Llama and the
@@ -43,6 +44,8 @@ MODULES = (lce, ljsd)
 
 def _set(variant):
     for name, value in variant.items():
+        if name == "kwargs":
+            continue
         owners = [m for m in MODULES if hasattr(m, name)]
         if not owners:
             raise SystemExit(f"no module constant {name!r} in {[m.__name__ for m in MODULES]}")
@@ -59,7 +62,8 @@ def _ce_step(shape, kw):
 
     def step(variant):
         _set(variant)
-        lt.linear_cross_entropy(x, w, y, backend="triton", **kw).backward()
+        lt.linear_cross_entropy(x, w, y, backend="triton", **kw,
+                                **variant.get("kwargs", {})).backward()
         x.grad = w.grad = None
     return step
 
@@ -74,7 +78,8 @@ def _jsd_step(shape, kw):
 
     def step(variant):
         _set(variant)
-        lt.linear_jsd(xs, ws, xt, wt, beta=0.5, backend="triton", **kw).backward()
+        lt.linear_jsd(xs, ws, xt, wt, beta=0.5, backend="triton", **kw,
+                      **variant.get("kwargs", {})).backward()
         xs.grad = ws.grad = None
     return step
 
@@ -89,7 +94,7 @@ def main():
     a = ap.parse_args()
     given = json.loads(a.variants)
     original = {k: getattr(next((m for m in MODULES if hasattr(m, k)), None), k, None)
-                for v in given for k in v}
+                for v in given for k in v if k != "kwargs"}
     variants = [{**original, **v} for v in given]
     print(json.dumps({"about": __doc__.split("\n\n")[0], "gpu": torch.cuda.get_device_name(),
                       "torch": torch.__version__, "triton": common.package_version("triton"),

@@ -393,6 +393,57 @@ def test_logits_gemm_errors():
         lt.linear_cross_entropy(xx, ww, yy, backend="triton", label_smoothing=0.1)  # cuBLAS
 
 
+def test_logits_gemm_auto_rule(monkeypatch):
+    """"auto" resolves to our GEMM for the low-memory setting on a GPU where its layout checks
+    pass, to cuBLAS otherwise; an explicit "triton" on a bad layout raises instead."""
+    import logitless.triton_kernels.linear_cross_entropy as lce
+    codes = lce.LOGITS_GEMM
+
+    class Stub:  # only what the rule reads
+        def __init__(self, is_cuda, n=4):
+            self.is_cuda, self.shape = is_cuda, (n, 8)
+
+    why = {"reason": ""}
+    monkeypatch.setattr(lce.stats_gemm, "unsupported_layout", lambda x, w, b: why["reason"])
+    resolve = lambda code, x, low: lce._resolve_gemm(codes[code], x, None, None, low)
+    assert resolve("auto", Stub(True), True) == codes["triton"]
+    assert resolve("auto", Stub(True), False) == codes["cublas"]
+    assert resolve("auto", Stub(False), True) == codes["cublas"]  # the interpreter: torch.mm
+    assert resolve("auto", Stub(True, n=0), True) == codes["cublas"]
+    assert resolve("cublas", Stub(True), True) == codes["cublas"]
+    assert resolve("triton", Stub(True), False) == codes["triton"]
+    why["reason"] = "input must be row-major"
+    assert resolve("auto", Stub(True), True) == codes["cublas"]
+    with pytest.raises(ValueError, match="cannot run here: input must be row-major"):
+        resolve("triton", Stub(True), True)
+
+
+@pytest.mark.parametrize("low_memory", [True, False])
+def test_logits_gemm_default(monkeypatch, low_memory):
+    """The default ("auto") runs our GEMM exactly where the rule says (low-memory on a GPU;
+    the fast setting and the interpreter: cuBLAS), with cuBLAS's results, and falls back to
+    cuBLAS without an error where ours cannot run (smoothing, an unaligned layout)."""
+    n, h, v = 40, 64, 301
+    x, w, y = _data(n, h, v, dtype=torch.bfloat16, seed=41)
+    kw = dict(backend="triton", low_memory=low_memory, chunk_size=16, vocab_chunk_size=128)
+    calls = _spy_own_gemm(monkeypatch)
+    grad_calls = _spy_grad_gemm(monkeypatch)
+    ref = _loss_and_grads(x, w, y, logits_gemm="cublas", **kw)
+    got = _loss_and_grads(x, w, y, **kw)
+    own = low_memory and x.is_cuda
+    assert (len(calls) > 0) == own and (len(grad_calls) > 0) == own, (calls, grad_calls)
+    torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=0)
+    for a, r in zip(got[1:], ref[1:]):
+        rel = ((a.float() - r.float()).norm() / r.float().norm()).item()
+        assert rel < 2e-3, rel
+    calls.clear()
+    grad_calls.clear()
+    x33, w33, y33 = _data(8, 33, 40, dtype=torch.bfloat16)
+    _loss_and_grads(x33, w33, y33, **kw)  # rows not 16-byte aligned
+    _loss_and_grads(x, w, y, label_smoothing=0.1, **kw)
+    assert calls == [] and grad_calls == []
+
+
 # ----------------------------------------------------------------------------- GPU only
 @gpu
 @pytest.mark.gpu
