@@ -16,9 +16,9 @@ Two implementations behind one entry point:
   (and again in the recompute), on shard-sized tensors. Autocast state is recorded in
   forward and re-entered for the recompute.
   Gradients reach only ``x`` and the registered parameters read at the call, so what would
-  lose others is refused: DTensor parameters (FSDP2 sharding the MLP inside the tiled call,
-  whose hooks re-gather them in each shard's recompute: shard the ``TiledMLP`` module or an
-  outer module instead), a hook that replaces a parameter during the recompute (accelerate's
+  lose others is refused: FSDP2 sharding the MLP inside the tiled call (its hooks re-gather
+  the parameters in each shard's recompute: shard the ``TiledMLP`` module or an outer module
+  instead; other DTensor parameters, e.g. tensor parallelism's, take this path), a hook that replaces a parameter during the recompute (accelerate's
   offload hooks), and a tensor requiring grad that the MLP reads but does not register
   (FSDP1's ``use_orig_params=False`` flat-parameter views, a weight computed in ``forward``
   from another tensor): checked once per call on the first shard's recompute graph.
@@ -357,20 +357,27 @@ SHARD_OUTSIDE = ("shard the TiledMLP module or an outer module, not the MLP insi
                  "call")
 
 
-def _refuse_dtensors(named) -> None:
-    """TypeError for a DTensor among ``named`` ((name, tensor or None) pairs). The tiled call
-    reads the parameters before any of the MLP's hooks run: under FSDP2 sharding the MLP
-    itself these are the sharded DTensors, and its pre-forward hook installs the gathered
-    ones in every shard's recompute, where no gradient of the tiled backward reaches them."""
-    for name, t in named:
-        if t is not None and type(t).__name__ == "DTensor":  # by name, as common._refuse_dtensor
+def _refuse_fsdp2(mlp: nn.Module) -> None:
+    """TypeError if FSDP2's ``fully_shard`` manages the MLP or a module inside it. The tiled
+    call reads the parameters before any of the MLP's hooks run: there these are the sharded
+    DTensors, and FSDP2's pre-forward hook installs the gathered ones in every shard's
+    recompute, where no gradient of the tiled backward reaches them. (Other DTensor
+    parameters, e.g. tensor parallelism's, stay in place and take the generic path.)"""
+    for name, m in mlp.named_modules():
+        # by class name: fully_shard makes the module's class a subclass of FSDPModule, and
+        # torch.distributed need not be importable
+        if any(c.__name__ == "FSDPModule" for c in type(m).__mro__):
+            where = "the MLP" if not name else f"the MLP's submodule {name!r}"
             raise TypeError(
-                f"tiled_mlp: the MLP's parameter {name} is a DTensor (a sharded parameter, e.g. "
-                f"FSDP2's fully_shard applied to the MLP inside the tiled call): {SHARD_OUTSIDE}"
-                " (e.g. fully_shard(block) with the tiled call in block.forward), where FSDP2 "
-                "hands the tiled call plain tensors. Sharding the MLP itself would re-gather its "
-                "parameters in each shard's recompute, out of reach of the tiled backward: "
-                "their gradients would be lost.")
+                f"tiled_mlp: {where} is sharded by FSDP2's fully_shard inside the tiled call: "
+                f"{SHARD_OUTSIDE} (e.g. fully_shard(block) with the tiled call in "
+                "block.forward), where FSDP2 hands the tiled call plain tensors. Sharding the "
+                "MLP itself would re-gather its parameters in each shard's recompute, out of "
+                "reach of the tiled backward: their gradients would be lost.")
+
+
+def _any_dtensor(tensors) -> bool:
+    return any(t is not None and type(t).__name__ == "DTensor" for t in tensors)
 
 
 # ----------------------------------------------------------------------------- generic path
@@ -577,8 +584,8 @@ def tiled_mlp(mlp: nn.Module, x: torch.Tensor, *, num_shards: Optional[int] = No
 
     Forward-mode AD (``torch.func.jvp``) is refused: backward is reverse mode only; so is a
     double backward (``create_graph=True``). Refused too, since their gradients would be
-    lost: DTensor parameters (``TypeError``; FSDP2 must shard the ``TiledMLP`` module or an
-    outer one, not the MLP inside the tiled call) and, on the generic path, a parameter that a
+    lost: FSDP2 sharding the MLP or a module inside it (``TypeError``; shard the ``TiledMLP``
+    module or an outer one instead) and, on the generic path, a parameter that a
     hook replaces during the recompute or a tensor requiring grad that the MLP reads without
     registering it as a parameter (``RuntimeError`` in backward, before any gradient lands).
     """
@@ -593,9 +600,11 @@ def tiled_mlp(mlp: nn.Module, x: torch.Tensor, *, num_shards: Optional[int] = No
     common.refuse_forward_ad("tiled_mlp", ("x", x))
     dev = x.device.type
     autocast = torch.is_autocast_enabled(dev)
+    _refuse_fsdp2(mlp)
     parts = _fused_swiglu_parts(mlp)
+    if parts is not None and _any_dtensor(parts):  # the fused ops take plain tensors
+        parts = None
     if parts is not None:
-        _refuse_dtensors(zip(_FUSED_NAMES, parts))
         common.refuse_forward_ad("tiled_mlp", *zip(_FUSED_NAMES, parts))
         # under autocast, as nn.Linear would see them (a no-op outside autocast)
         xf, *cast = common.autocast_inputs(x, *parts)
@@ -608,7 +617,6 @@ def tiled_mlp(mlp: nn.Module, x: torch.Tensor, *, num_shards: Optional[int] = No
                                        accum_fp32 or wide)
             return y2.view(x.shape[:-1] + (y2.shape[-1],))
     named = list(mlp.named_parameters())
-    _refuse_dtensors(named)
     run = _GenericRun(mlp, [n for n, _ in named], plan, x.shape, accum_fp32,
                       (autocast, torch.get_autocast_dtype(dev) if autocast else None))
     return _TiledFunction.apply(run, x, *(p for _, p in named))

@@ -112,6 +112,30 @@ def _sharded_inside_error(mesh, backend, layout):
     return None
 
 
+def _tensor_parallel_grads(mesh):
+    """(untiled, tiled) gradients of a SwiGLUMLP whose projections tensor parallelism shards
+    (column-, column-, row-wise: DTensor parameters and module hooks, the generic path), and
+    x's gradient; a string for an exception."""
+    import logitless.torch as lt
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+    x0 = torch.randn(B, T, H, generator=torch.Generator().manual_seed(SEED + 70))
+    out = []
+    for tiled in (False, True):
+        torch.manual_seed(SEED + 71)
+        m = lt.SwiGLUMLP(H, I)
+        parallelize_module(m, mesh, {"gate_proj": ColwiseParallel(), "up_proj": ColwiseParallel(),
+                                     "down_proj": RowwiseParallel()})
+        x = x0.clone().requires_grad_()
+        try:
+            y = lt.tiled_mlp(m, x, num_shards=3) if tiled else m(x)
+            y.square().sum().backward()
+            out.append({"x": x.grad, **{n: p.grad.full_tensor() for n, p in m.named_parameters()}})
+        except Exception as e:  # noqa: BLE001
+            out.append(f"{type(e).__name__}: {e}")
+    return tuple(out)
+
+
 def _worker(rank, world, backend):
     from logitless import tiled_mlp_torch
     res = {"reference": _reference(backend), "backend": backend,
@@ -137,6 +161,7 @@ def _worker(rank, world, backend):
     res["fsdp_paths"] = dict(calls)
     res["sharded_inside"] = {layout: _sharded_inside_error(mesh, backend, layout)
                              for layout in ("below_tiled", "mlp_is_root")}
+    res["tensor_parallel"] = _tensor_parallel_grads(mesh)
     # outside its forward the head weight is the sharded DTensor: refused loudly
     import logitless.torch as lt
     try:
@@ -197,10 +222,22 @@ def test_fsdp2_sharding_the_mlp_inside_the_tiled_call_is_refused(results):
     for r in results:
         for layout, err in r["sharded_inside"].items():
             assert err is not None, layout  # it had run, the MLP's parameters getting no grad
-            assert err.startswith("TypeError: tiled_mlp: the MLP's parameter gate_proj.weight "
-                                  "is a DTensor"), (layout, err)
+            assert err.startswith("TypeError: tiled_mlp: the MLP") and \
+                "is sharded by FSDP2's fully_shard inside the tiled call" in err, (layout, err)
             assert "shard the TiledMLP module or an outer module, not the MLP inside the " \
                    "tiled call" in err, (layout, err)
+
+
+def test_tensor_parallel_mlp_takes_the_generic_path(results):
+    """DTensor parameters of tensor parallelism (no FSDP2) are not refused: the tiled MLP's
+    gradients equal the untiled module's."""
+    for r in results:
+        untiled, tiled = r["tensor_parallel"]
+        assert not isinstance(untiled, str), untiled
+        assert not isinstance(tiled, str), tiled
+        assert set(tiled) == set(untiled)
+        for name, ref in untiled.items():
+            torch.testing.assert_close(tiled[name], ref, rtol=1e-5, atol=1e-6, msg=name)
 
 
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64])
