@@ -259,9 +259,10 @@ def widen_targets(y: torch.Tensor, ignore_index: int) -> torch.Tensor:
 
 
 def prepare(input, linear_weight, target, linear_bias, weight, *, weight_layout="vh",
-            ignore_index=-100) -> Prepared:
+            ignore_index=-100, empty_vocab=False) -> Prepared:
     """Check types, dtypes, devices and shapes (errors name the argument); flatten to 2-D;
-    widen targets (:func:`widen_targets`)."""
+    widen targets (:func:`widen_targets`). ``empty_vocab``: a vocab-parallel rank's slice,
+    which may hold no class (V = 0; every other rank still waits for it in the collectives)."""
     _require_tensor("input", input)
     _require_tensor("linear_weight", linear_weight)
     _require_tensor("target", target)
@@ -295,9 +296,17 @@ def prepare(input, linear_weight, target, linear_bias, weight, *, weight_layout=
                     ("linear_bias", linear_bias), ("weight", weight)):
         if t is not None and t.device != dev:
             raise ValueError(f"{name} is on {t.device} but input is on {dev}; move them to one device")
-    problem = spec.check_shapes(input.shape, linear_weight.shape, target.shape,
-                                None if linear_bias is None else linear_bias.shape,
-                                None if weight is None else weight.shape, weight_layout=weight_layout)
+    w_shape = tuple(linear_weight.shape)
+    vectors = [None if t is None else tuple(t.shape) for t in (linear_bias, weight)]
+    v_dim = 0 if weight_layout == "vh" else 1
+    empty = empty_vocab and len(w_shape) == 2 and w_shape[v_dim] == 0
+    if empty:  # checked as a one-class slice (the spec wants V >= 1), then V set back to 0
+        w_shape = w_shape[:v_dim] + (1,) + w_shape[v_dim + 1:]
+        vectors = [(1,) if s == (0,) else s for s in vectors]
+    problem = spec.check_shapes(input.shape, w_shape, target.shape, *vectors,
+                                weight_layout=weight_layout)
+    if empty:
+        problem = dataclasses.replace(problem, v=0)
     w = linear_weight if weight_layout == "vh" else linear_weight.t()
     acc = torch.float64 if input.dtype == torch.float64 else torch.float32
     return Prepared(

@@ -43,7 +43,16 @@ def _load(name: str):
     # A dict lookup (not importlib) on the hot path: torch.compile traces it without a break.
     mod = _LOADED.get(name)
     if mod is None:
-        mod = _LOADED[name] = importlib.import_module(_BACKENDS[name])
+        # a first "pallas" call under torch.compile imports JAX outside the trace (Dynamo would
+        # compile the frames the import runs); wrapped only then: torch.compiler.disable
+        # imports torch._dynamo, which `import logitless.torch` should not pay for
+        load = torch.compiler.disable(_import) if torch.compiler.is_compiling() else _import
+        mod = load(name)
+    return mod
+
+
+def _import(name: str):
+    mod = _LOADED[name] = importlib.import_module(_BACKENDS[name])
     return mod
 
 
@@ -170,9 +179,11 @@ def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weig
         common.check_keyword_names("linear_cross_entropy", tuning, _PARAMETERS,
                                    _tuning_names(backend))
     input, linear_weight, linear_bias = common.autocast_inputs(input, linear_weight, linear_bias)
+    vocab_parallel = (process_group is not None or vocab_start_index is not None
+                      or vocab_size is not None)
     prepared = common.prepare(input, linear_weight, target, linear_bias, weight,
-                              ignore_index=opts.ignore_index)
-    if process_group is not None or vocab_start_index is not None or vocab_size is not None:
+                              ignore_index=opts.ignore_index, empty_vocab=vocab_parallel)
+    if vocab_parallel:
         return _vocab_parallel(prepared, opts, backend, process_group, vocab_start_index,
                                vocab_size, tuning)
     name, impl = _resolve(backend, prepared.x.device, prepared.x.dtype)

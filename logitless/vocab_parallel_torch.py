@@ -8,9 +8,12 @@ e.g. through a Megatron "copy to tensor-parallel region" in front of the head).
 
 Where a rank's slice sits: ``vocab_start_index`` (v0) and ``vocab_size`` (global V) keywords.
 Left out, the split is equal: ``v0 = rank · V_local``, ``V = world · V_local``. Uneven splits
-pass both. Nothing is derived by a collective at call time; instead the consistency of the
-slices (they must tile ``[0, V)`` exactly, and every rank must give the same V) rides along in
-the forward's single collective and is checked with a device-side assert (no host sync).
+pass both; a rank may hold an empty slice (``V_local = 0``, e.g. V smaller than the group): it
+contributes ``lse_r = −inf`` and nothing else, and joins every collective like the others (a
+rank that stayed out would leave the rest waiting in them). Nothing is derived by a collective
+at call time; instead the consistency of the slices (they must tile ``[0, V)`` exactly, with
+V >= 1, and every rank must give the same V) rides along in the forward's single collective and
+is checked with a device-side assert (no host sync).
 
 Algorithm (the spec's math, :mod:`logitless.specs.linear_cross_entropy`, split over V):
 
@@ -30,6 +33,7 @@ Collectives per call: 1 in forward, one per chunk in backward; no host syncs.
 """
 from __future__ import annotations
 
+import math
 import numbers
 
 import torch
@@ -86,15 +90,18 @@ class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
         # and the bytes are few: 4·N + 4 per rank)
         mine = torch.zeros(4 * n + _NUM_SCALARS, dtype=torch.float64, device=x.device)
         rows = mine[:4 * n].view(4, n)
-        for s, e in plan.bounds():
-            c = _chunk_logits(x[s:e], w, bias, acc, opts.softcap)
-            rows[_LSE, s:e] = common.logsumexp_rows(c)
-            rows[_CY, s:e] = torch.where(own[s:e], c.gather(1, y_loc[s:e, None])[:, 0], 0.0)
-            if smoothing:
-                rows[_WC, s:e] = c.sum(1) if class_weight is None else c @ class_weight
-            del c
-        if class_weight is not None:
-            rows[_WY] = torch.where(own, class_weight[y_loc], 0.0)
+        if shard.v_local == 0:  # an empty slice: a sum over no class (lse_r = log 0), no target
+            rows[_LSE] = -math.inf
+        else:
+            for s, e in plan.bounds():
+                c = _chunk_logits(x[s:e], w, bias, acc, opts.softcap)
+                rows[_LSE, s:e] = common.logsumexp_rows(c)
+                rows[_CY, s:e] = torch.where(own[s:e], c.gather(1, y_loc[s:e, None])[:, 0], 0.0)
+                if smoothing:
+                    rows[_WC, s:e] = c.sum(1) if class_weight is None else c @ class_weight
+                del c
+            if class_weight is not None:
+                rows[_WY] = torch.where(own, class_weight[y_loc], 0.0)
         scal = mine[4 * n:]
         scal[_S_VLOCAL], scal[_S_START], scal[_S_V] = shard.v_local, shard.v0, shard.v
         scal[_S_OMEGA] = shard.v_local if class_weight is None else class_weight.sum()
@@ -130,6 +137,10 @@ class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_loss, g_lse):
+        # create_graph=True: the error every backend gives (not mm()'s out= error from deep
+        # inside), raised before any collective, so every rank raises and none waits
+        if torch.is_grad_enabled():
+            raise RuntimeError(common.NO_DOUBLE_BACKWARD.format(op="linear_cross_entropy"))
         x, w, bias, y, class_weight, lse, omega, big_omega, denom = ctx.saved_tensors
         opts, plan, shard = ctx.opts, ctx.plan, ctx.shard
         if g_loss is None and g_lse is None:
@@ -166,24 +177,29 @@ class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
         pending = None  # (work, fp32 partial dX, start, stop): one all_reduce in flight
         for s, e in plan.bounds():
             xc = x[s:e]
-            c = _chunk_logits(xc, w, bias, acc, opts.softcap)
-            # in place where it can be: one [C, V_local] block beside c (the budget's two)
-            dz = torch.sub(c, lse[s:e, None]).exp_().mul_(coef[s:e, None])
-            dz.scatter_add_(1, y_loc[s:e, None], tgt[s:e, None])
-            if opts.uses_smoothing:
-                dz.addr_(sm[s:e], cw.to(dz.dtype), alpha=-1)
-            if opts.softcap is not None:
-                dz.mul_(c.div_(opts.softcap).square_().neg_().add_(1))
-            del c
-            if db is not None:
-                common.accumulate_rows_(db, dz, first=s == 0)
-            dz_low = dz.to(x.dtype)
-            del dz
-            if dw is not None:
-                common.accumulate_mm_(dw, dz_low.t(), xc, first=s == 0)
+            dz_low = None
+            if shard.v_local:  # an empty slice has no logit: no dW/db, no dX term
+                c = _chunk_logits(xc, w, bias, acc, opts.softcap)
+                # in place where it can be: one [C, V_local] block beside c (the budget's two)
+                dz = torch.sub(c, lse[s:e, None]).exp_().mul_(coef[s:e, None])
+                dz.scatter_add_(1, y_loc[s:e, None], tgt[s:e, None])
+                if opts.uses_smoothing:
+                    dz.addr_(sm[s:e], cw.to(dz.dtype), alpha=-1)
+                if opts.softcap is not None:
+                    dz.mul_(c.div_(opts.softcap).square_().neg_().add_(1))
+                del c
+                if db is not None:
+                    common.accumulate_rows_(db, dz, first=s == 0)
+                dz_low = dz.to(x.dtype)
+                del dz
+                if dw is not None:
+                    common.accumulate_mm_(dw, dz_low.t(), xc, first=s == 0)
             if dx is not None:
                 part = torch.empty(e - s, x.shape[1], dtype=acc, device=x.device)
-                common.accumulate_mm_(part, dz_low, w, first=True)
+                if dz_low is None:
+                    part.zero_()  # ... but the rank still joins the chunk's all-reduce
+                else:
+                    common.accumulate_mm_(part, dz_low, w, first=True)
                 # finish the previous chunk's reduction before starting this one: one fp32
                 # chunk buffer in flight, overlapping the next chunk's GEMMs on NCCL
                 _finish(pending, dx)
@@ -207,15 +223,20 @@ def _finish(pending, dx):
 
 
 def _assert_tiling(scalars, v):
-    """Device-side check that the ranks' slices tile [0, V) and agree on V (no host sync)."""
+    """Device-side check that the ranks' slices tile [0, V), V >= 1, and agree on V (no host
+    sync): slices inside [0, V), pairwise disjoint, their sizes summing to V. (Not a chain
+    of slices sorted by start: that misreads an empty slice [a, a) beside [a, b).)"""
     start, size = scalars[:, _S_START], scalars[:, _S_VLOCAL]
-    order = torch.argsort(start)
-    start, stop = start[order], (start + size)[order]
-    ok = (scalars[:, _S_V] == v).all() & (start[0] == 0) & (stop[-1] == v) & \
-        (start[1:] == stop[:-1]).all()
+    stop = start + size
+    empty = size == 0
+    itself = torch.eye(len(size), dtype=torch.bool, device=size.device)
+    apart = (stop[:, None] <= start[None, :]) | (stop[None, :] <= start[:, None]) | \
+        empty[:, None] | empty[None, :] | itself
+    ok = (scalars[:, _S_V] == v).all() & (start >= 0).all() & (stop <= v).all() & \
+        apart.all() & (size.sum() == v) & (v >= 1)
     torch._assert_async(ok, "vocab-parallel linear_cross_entropy: the ranks' linear_weight "
-                            "slices do not tile [0, vocab_size) (check vocab_start_index and "
-                            "vocab_size on every rank of process_group)")
+                            "slices do not tile [0, vocab_size) with vocab_size >= 1 (check "
+                            "vocab_start_index and vocab_size on every rank of process_group)")
 
 
 def _int_arg(name, value):
@@ -229,12 +250,16 @@ def resolve_shard(process_group, v_local: int, vocab_start_index=None, vocab_siz
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("process_group was given but torch.distributed is not initialized "
                            "(call torch.distributed.init_process_group first)")
+    # what torch.distributed.new_group returns on a rank outside the new group (an int)
+    if type(process_group) is int and process_group == dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError("process_group does not contain this process (it is "
+                         "torch.distributed.GroupMember.NON_GROUP_MEMBER, which new_group "
+                         "returns on ranks outside the group): call the vocab-parallel loss "
+                         "only on the group's ranks")
     if not isinstance(process_group, dist.ProcessGroup):
         raise TypeError(f"process_group must be a torch.distributed.ProcessGroup (e.g. "
                         f"torch.distributed.group.WORLD), got {type(process_group).__name__}")
     rank = dist.get_rank(group=process_group)
-    if rank < 0:
-        raise ValueError("process_group does not contain this process (get_rank() == -1)")
     world = dist.get_world_size(group=process_group)
     v0 = rank * v_local if vocab_start_index is None else _int_arg("vocab_start_index",
                                                                    vocab_start_index)
@@ -252,7 +277,7 @@ def vocab_parallel_linear_cross_entropy(p: common.Prepared, opts: spec.LinearCro
     bytes_per = 2 * torch.finfo(_acc_dtype(p.x)).bits // 8  # fp32 logits + their gradient
     # Planned on a width every rank knows (not V_local): the backward all-reduces dX once per
     # chunk, and ranks with different plans would pair collectives of different sizes.
-    width = -(-shard.v // shard.world)
+    width = max(1, -(-shard.v // shard.world))  # V = 0 is left to the forward's device assert
     plan = plan_token_chunks(p.problem.n, width, bytes_per_element=bytes_per,
                              budget_bytes=memory_budget, chunk_size=chunk_size)
     return _VocabParallelLinearCrossEntropy.apply(p.x, p.w, p.bias, p.y, p.class_weight, opts,

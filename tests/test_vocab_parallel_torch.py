@@ -223,11 +223,104 @@ def _check_uneven_budget_and_autocast(rank, world, group):
     return dict(budget=budget, autocast=abs(float(vp - single)) / abs(float(single)))
 
 
+# (V, per-rank (start, size)) splits holding empty slices: V below the group size, an empty
+# slice where the next one starts, at the end, inside another's range, ranks out of V order
+_EMPTY_SPLITS = {
+    2: [(1, [(0, 1), (1, 0)]), (7, [(0, 0), (0, 7)]), (7, [(0, 7), (7, 0)])],
+    4: [(3, [(0, 1), (1, 1), (2, 1), (3, 0)]), (7, [(2, 0), (0, 2), (2, 5), (7, 0)]),
+        (7, [(0, 3), (5, 0), (3, 4), (3, 0)])],
+}
+
+
+def _check_empty_slices(rank, world):
+    """Splits where some rank holds no class (V_local = 0), float64, every option, several
+    chunks: loss, lse, dX and the rank's dW/db slice against the single-device backend.
+    {split id: (max relative error, this rank's dW shape)} or {split id: traceback}. Its own
+    group with a short timeout: a rank that fails alone before the collectives (as they did)
+    must not leave the others waiting for gloo's 30 minutes."""
+    import datetime
+
+    import logitless.torch as lt
+    group = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=20))
+    out = {}
+    for k, (v, split) in enumerate(_EMPTY_SPLITS[world]):
+        for opt_id, opts in enumerate((
+                dict(reduction="mean", label_smoothing=0.1, z_loss=1e-2, softcap=5.0,
+                     bias=True, class_weight=True),
+                dict(reduction="none"))):
+            cid = f"split{k}-opts{opt_id}"
+            try:
+                g = torch.Generator().manual_seed(harness.SEED + 100 * k + opt_id)
+                n, h = 11, 6
+                x = torch.randn(n, h, generator=g, dtype=torch.float64)
+                w = torch.randn(v, h, generator=g, dtype=torch.float64)
+                b = torch.randn(v, generator=g, dtype=torch.float64) if opts.get("bias") else None
+                cw = torch.rand(v, generator=g, dtype=torch.float64) + 0.5 \
+                    if opts.get("class_weight") else None
+                y = torch.randint(0, v, (n,), generator=g)
+                y[::4] = -100
+                g_out = torch.randn(n, generator=g, dtype=torch.float64)
+                g_lse = torch.randn(n, generator=g, dtype=torch.float64)
+                kw = {key: val for key, val in opts.items() if key not in ("bias", "class_weight")}
+                start, size = split[rank]
+                sl = slice(start, start + size)
+
+                def run(w_, b_, cw_, **extra):
+                    xx = x.clone().requires_grad_()
+                    ww = w_.clone().requires_grad_()
+                    bb = None if b_ is None else b_.clone().requires_grad_()
+                    loss, lse = lt.linear_cross_entropy(xx, ww, y, linear_bias=bb, weight=cw_,
+                                                        return_lse=True, chunk_size=4, **kw,
+                                                        **extra)
+                    up = g_out if kw["reduction"] == "none" else g_out[0]
+                    torch.autograd.backward([loss, lse], [up, g_lse])
+                    return [loss, lse, xx.grad, ww.grad] + ([] if bb is None else [bb.grad])
+
+                want = run(w, b, cw, backend="torch")
+                got = run(w[sl], None if b is None else b[sl],
+                          None if cw is None else cw[sl].contiguous(), process_group=group,
+                          vocab_start_index=start, vocab_size=v)
+                want[3:] = [t[sl] for t in want[3:]]  # this rank's slices of dW, db
+                err = max(float((a - e).abs().max() / e.abs().max().clamp_min(1e-300))
+                          if e.numel() else float(a.shape != e.shape)
+                          for a, e in zip(got, want))
+                out[cid] = (err, tuple(got[3].shape))
+            except Exception:  # noqa: BLE001 - reported by the parent
+                out[cid] = traceback.format_exc(limit=4)
+    return out
+
+
+def _check_refusals(rank, world, group):
+    """create_graph=True, and a rank outside the group: {what: "Type: message"} per rank."""
+    import logitless.torch as lt
+    msgs = {}
+    x = torch.randn(5, 8, requires_grad=True)
+    w = torch.randn(3, 8, requires_grad=True)
+    y = torch.randint(0, 3 * world, (5,))
+    try:
+        loss = lt.linear_cross_entropy(x, w, y, process_group=group)
+        torch.autograd.grad(loss, x, create_graph=True)
+        msgs["double"] = "no error"
+    except Exception as e:  # noqa: BLE001 - the parent checks type and message
+        msgs["double"] = f"{type(e).__name__}: {e}"
+    # new_group on every rank; the last rank alone is in it, the others get its sentinel
+    alone = dist.new_group([world - 1])
+    if rank != world - 1:
+        try:
+            lt.linear_cross_entropy(x, w, y, process_group=alone)
+            msgs["non_member"] = "no error"
+        except Exception as e:  # noqa: BLE001
+            msgs["non_member"] = f"{type(e).__name__}: {e}"
+    return msgs
+
+
 def _worker(rank, world):
     group = dist.group.WORLD
     return dict(cases=_check_all(rank, world, group), errors=_check_errors(rank, world, group),
                 module=_check_module_and_count(rank, world, group),
-                uneven=_check_uneven_budget_and_autocast(rank, world, group))
+                uneven=_check_uneven_budget_and_autocast(rank, world, group),
+                refusals=_check_refusals(rank, world, group),
+                empty=_check_empty_slices(rank, world))
 
 
 def _redraw_worker(rank, world, only):
@@ -325,6 +418,63 @@ def test_uneven_slices_with_a_budget_and_autocast(results):
         u = r["uneven"]
         assert u["budget"][0] <= 1e-12 and u["budget"][1] <= 1e-12, u  # float64
         assert u["autocast"] <= 1e-6, u  # 7e-5 when autocast re-cast the smoothing sum
+
+
+def test_create_graph_is_refused_on_every_rank(results):
+    """create_graph=True: the no-double-backward error every backend gives, on every rank
+    (raised before the backward's collectives: none is left waiting). It was mm()'s
+    "functions with out=... arguments don't support automatic differentiation"."""
+    world, res = results
+    for r in res:
+        assert r["refusals"]["double"].startswith("RuntimeError: linear_cross_entropy has no "
+                                                  "double backward"), r["refusals"]
+
+
+def test_rank_outside_process_group_is_told_so(results):
+    """new_group returns GroupMember.NON_GROUP_MEMBER (an int) on the ranks outside it: the
+    error says the group does not contain this process (it said "got int")."""
+    world, res = results
+    for r in res[:-1]:
+        msg = r["refusals"]["non_member"]
+        assert msg.startswith("ValueError: process_group does not contain this process"), msg
+    assert "non_member" not in res[-1]["refusals"]
+
+
+def test_empty_vocab_slices(results):
+    """Ranks holding no class (V below the group size, uneven splits): every rank joins the
+    collectives and gets the single-device loss, lse, dX and its dW/db slice (a (0, H) dW on
+    an empty rank). It failed in prepare on the empty rank ("V >= 1") while the others waited
+    in the forward's all_gather (a hang under NCCL)."""
+    world, res = results
+    for rank, r in enumerate(res):
+        assert len(r["empty"]) == 2 * len(_EMPTY_SPLITS[world])
+        for cid, got in r["empty"].items():
+            assert not isinstance(got, str), f"rank {rank} {cid}: {got}"
+            err, dw_shape = got
+            k = int(cid[len("split"):cid.index("-")])
+            start, size = _EMPTY_SPLITS[world][k][1][rank]
+            assert dw_shape == (size, 6), (rank, cid, dw_shape)
+            assert err <= 1e-12, (rank, cid, err)
+
+
+@pytest.mark.parametrize("slices, v, ok", [
+    ([(0, 0), (0, 7)], 7, True), ([(0, 7), (0, 0)], 7, True),     # empty beside [0, V)
+    ([(0, 3), (5, 0), (3, 4)], 7, True),                             # empty inside a slice
+    ([(0, 1), (1, 1), (2, 1), (3, 0)], 3, True),                     # V below the group
+    ([(0, 4), (3, 4)], 7, False), ([(0, 3), (4, 3)], 7, False),      # overlap, gap
+    ([(0, 0), (0, 0)], 0, False), ([(0, 7), (8, 0)], 7, False),      # V = 0, start past V
+])
+def test_tiling_assert(slices, v, ok):
+    """The forward's device-side check of the gathered slices, alone (no process group)."""
+    from logitless import vocab_parallel_torch as vp
+    scal = torch.zeros(len(slices), 4, dtype=torch.float64)
+    for r, (start, size) in enumerate(slices):
+        scal[r, vp._S_VLOCAL], scal[r, vp._S_START], scal[r, vp._S_V] = size, start, v
+    if ok:
+        vp._assert_tiling(scal, v)
+    else:
+        with pytest.raises(RuntimeError, match="do not tile"):
+            vp._assert_tiling(scal, v)
 
 
 def test_process_group_needs_init():
