@@ -150,6 +150,18 @@ def test_int64_out_of_int32_range_is_an_error():
         to_jax(t)
 
 
+def test_uint64_is_narrowed_after_a_range_check():
+    """uint64 -> uint32 as the copy table says (PyTorch has no uint64 comparison kernels: the
+    range check failed with NotImplementedError "ge_cpu" for every uint64 tensor)."""
+    t = torch.tensor([0, 1, 7, 2**32 - 1], dtype=torch.uint64)
+    a = to_jax(t)
+    assert a.dtype == jnp.uint32
+    np.testing.assert_array_equal(np.asarray(a), np.array([0, 1, 7, 2**32 - 1], np.uint32))
+    for big in (2**32, 2**63 + 5):  # the second is negative seen as int64
+        with pytest.raises(RuntimeError, match="does not fit"):
+            to_jax(torch.tensor([3, big], dtype=torch.uint64))
+
+
 def test_int64_with_x64_is_zero_copy():
     t = torch.arange(10)
     with jax.enable_x64(True):
@@ -274,6 +286,69 @@ def test_jax_function_static_keys_keep_their_types(gen):
     assert [type(k) for k in seen[::2]] == [type(k) for k in values]
 
 
+def test_jax_function_cache_is_bounded(gen):
+    """One compiled program per token count: the cache keeps the ``cache_size`` most recently
+    used signatures (it grew with every new N), and an evicted one compiles again, right."""
+    traces = []
+
+    def f(x, w):
+        traces.append(x.shape[0])
+        return jnp.sum(jnp.sin(x @ w.T), axis=1)
+
+    op = JaxFunction(f, cache_size=3)
+    w = rand(gen, 5, 4).requires_grad_()
+    xs = {n: rand(gen, n, 4).requires_grad_() for n in range(1, 7)}
+    for n in (1, 2, 3, 1, 4, 5, 6):  # 1 used again before 4: 4, 5, 6 evict 2, 3, 1
+        op(xs[n], w).sum().backward()
+        with torch.no_grad():
+            op(xs[n], w)
+        assert len(op._plans) <= 3 and len(op._primal) <= 3
+    assert sorted(sig[0][0][0] for _, _, sig in op._plans.keys()) == [4, 5, 6]
+    n_traces = len(traces)
+    out = op(xs[2], w)  # evicted: traced again, and still right
+    assert len(traces) > n_traces
+    want = torch.sin(xs[2] @ w.T).sum(1)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+    for bad in (0, True, 2.0):
+        with pytest.raises(ValueError, match="cache_size"):
+            JaxFunction(f, cache_size=bad)
+
+
+def test_jax_function_refuses_forward_mode_ad(gen):
+    """A dual input's tangent was dropped silently (the output had tangent None); with
+    requires_grad too, autograd's "implement the jvp function". Refused as the loss ops do."""
+    import torch.autograd.forward_ad as fwad
+    op = JaxFunction(lambda x: jnp.sin(x) * 2, name="sin2")
+    x, t = rand(gen, 5), torch.ones(5)
+    with fwad.dual_level():
+        for primal in (x, x.clone().requires_grad_()):
+            with pytest.raises(NotImplementedError, match="sin2 does not support forward-mode"):
+                op(fwad.make_dual(primal, t))
+    torch.testing.assert_close(op(x), torch.sin(x) * 2)  # plain tensors still run
+
+
+@pytest.mark.parametrize("op", ["linear_cross_entropy", "linear_jsd"])
+def test_pallas_interpreter_x64_error_speaks_to_pytorch(gen, op):
+    """Interpreted Pallas cannot differentiate under jax_enable_x64: the PyTorch caller is
+    told what it can do (backend='torch', x64 off, no_grad), not "use backend='xla'"."""
+    import logitless.torch as lt
+    n, h, v = 5, 4, 7
+    x, w = rand(gen, n, h).requires_grad_(), rand(gen, v, h).requires_grad_()
+    y = torch.randint(0, v, (n,), generator=gen)
+    if op == "linear_cross_entropy":
+        run = lambda: lt.linear_cross_entropy(x, w, y, backend="pallas")
+    else:
+        xt, wt = rand(gen, n, h), rand(gen, v, h)
+        run = lambda: lt.linear_jsd(x, w, xt, wt, y, backend="pallas")
+    with jax.enable_x64(True):
+        with pytest.raises(NotImplementedError, match="jax_enable_x64") as e:
+            run().backward()
+        assert "backend='torch'" in str(e.value) and "backend='xla'" not in str(e.value)
+        with torch.no_grad():
+            loss = run()  # the loss alone runs
+    assert torch.isfinite(loss)
+
+
 @pytest.mark.parametrize("grad", [True, False], ids=["grad", "no_grad"])
 @pytest.mark.parametrize("op", ["linear_cross_entropy", "linear_jsd"])
 def test_pallas_backend_validates_tuning_whatever_ran_before(gen, op, grad):
@@ -318,6 +393,48 @@ def test_pallas_backend_under_torch_compile_is_a_graph_break(gen, op):
     want = _leaf_grads(f, x, w)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # one graph break: the bridged call, checks included (the torch.func refusal, traced
+    # outside the disabled JaxFunction call, was two more, with a Dynamo warning)
+    dynamo.reset()
+    breaks = _graph_breaks(f, x, w)
+    assert len(set(breaks["reasons"])) == 1 and "bridged" in breaks["reasons"][0], breaks
+    assert breaks["count"] <= 2 and not breaks["warnings"], breaks
+
+
+def _graph_breaks(f, *args):
+    """torch._dynamo.explain of ``f(*args)``: the break reasons (first line and the skipped
+    function), their count, and Dynamo's warnings. Dynamo has no nested graph breaks: one
+    break inside the front door is recorded in each frame holding traced ops on the way (the
+    caller's and the front door's), hence a count of 2 for a single break."""
+    import warnings
+
+    import torch._dynamo as dynamo
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        e = dynamo.explain(f)(*args)
+    return dict(count=e.graph_break_count, reasons=[
+        " ".join(str(b.reason).split("Hint")[0].split()) for b in e.break_reasons],
+        warnings=[str(m.message) for m in caught if "dynamo" in str(m.message).lower()])
+
+
+_COMPILE_FIRST_CALL = """
+import json, torch
+import logitless.torch as lt
+import test_bridge as tb
+x, w, y = torch.randn(6, 8), torch.randn(11, 8), torch.randint(0, 11, (6,))
+f = lambda x, w: lt.linear_cross_entropy(torch.tanh(x), w, y, backend="pallas") * 2
+print(json.dumps(tb._graph_breaks(f, x, w)))
+"""
+
+
+def test_pallas_first_call_under_torch_compile_does_not_trace_the_import():
+    """The first backend="pallas" call imports JAX: outside Dynamo's trace (Dynamo compiled
+    frames of JAX's import, warning about its lru_cache, and broke at importlib twice)."""
+    r = _fresh_python(_COMPILE_FIRST_CALL,
+                      PYTHONPATH=os.path.join(REPO, "tests") + os.pathsep + REPO)
+    assert not r["warnings"], r
+    assert not any("import_module" in b or "functorch" in b for b in r["reasons"]), r
+    assert len(set(r["reasons"])) == 1 and r["count"] <= 2, r
 
 
 def _leaf_grads(f, *inputs):

@@ -12,8 +12,11 @@ How it works, and what it costs:
 
 * Forward is one jit-compiled call of ``jax.vjp(fn, *differentiable inputs)``; backward one
   jit-compiled call of the pullback. Both are compiled once per static config and input
-  signature (the cache lives on the ``JaxFunction``); every tensor crosses zero-copy
-  (:mod:`.dlpack`), in both directions, with CUDA stream ordering by events.
+  signature -- shapes included: every new token count compiles anew (pad to a few sizes when
+  it varies) -- and kept in a least-recently-used cache on the ``JaxFunction``
+  (``cache_size`` signatures, 32 by default; an evicted one compiles again when it returns).
+  Every tensor crosses zero-copy (:mod:`.dlpack`), in both directions, with CUDA stream
+  ordering by events.
 * Differentiable inputs are the floating tensors that require grad (when grad mode is on);
   everything else -- integer targets, class weights -- enters as a constant, and gets
   ``None`` as its gradient. With nothing to differentiate, only ``jit(fn)`` runs.
@@ -22,6 +25,8 @@ How it works, and what it costs:
   ``saved_tensors_hooks`` apply) and catches in-place modification of saved inputs. A
   residual that *is* one of the inputs (e.g. ``x`` and ``W`` kept by a ``custom_vjp``) is not
   returned from the jit-compiled forward -- XLA would copy it -- but re-read from the input.
+* Reverse mode only: inputs carrying a forward-mode tangent (``torch.autograd.forward_ad``)
+  are refused, as are tensors under a ``torch.func`` transform (they cannot cross DLPack).
 * Integer outputs are marked non-differentiable; outputs that receive no gradient (``None``)
   get zeros built inside the compiled backward.
 * The inputs may be copied only where :func:`.dlpack.would_copy` says so (e.g. int64 targets
@@ -30,16 +35,18 @@ How it works, and what it costs:
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import threading
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
 
-from .dlpack import _export, to_jax, to_torch
+from .. import _torch_common as common
+from .dlpack import _export, _x64_enabled, to_jax, to_torch
 
 __all__ = ["JaxFunction"]
 
@@ -163,6 +170,34 @@ class _Bridge(torch.autograd.Function):
         return tuple(out)
 
 
+class _LRU:
+    """A dict of at most ``size`` entries, the least recently used dropped first (with it its
+    jit-compiled programs, once nothing else holds them)."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._d: "collections.OrderedDict[Any, Any]" = collections.OrderedDict()
+
+    def get_or_make(self, key, make: Callable[[], Any]):
+        value = self._d.get(key)
+        if value is None:
+            value = self._d[key] = make()
+            while len(self._d) > self.size:
+                self._d.popitem(last=False)
+        else:
+            self._d.move_to_end(key)
+        return value
+
+    def __len__(self):
+        return len(self._d)
+
+    def keys(self):
+        return self._d.keys()
+
+    def values(self):
+        return self._d.values()
+
+
 class JaxFunction:
     """Wrap ``fn(*arrays, **static)`` (a JAX function returning an array or a tuple of arrays)
     as a PyTorch-callable, autograd-aware op. See the module docstring.
@@ -170,18 +205,23 @@ class JaxFunction:
     ``name``: what errors and ``repr`` call it (default ``fn.__name__``);
     ``no_double_backward``: the message of the RuntimeError a backward under
     ``create_graph=True`` raises (default: one saying JAX's pullback is not differentiable
-    by PyTorch's autograd)."""
+    by PyTorch's autograd); ``cache_size``: how many (static config, input signature) pairs
+    keep their compiled programs (least recently used dropped first)."""
 
     def __init__(self, fn: Callable, *, name: Optional[str] = None,
-                 no_double_backward: Optional[str] = None):
+                 no_double_backward: Optional[str] = None, cache_size: int = 32):
+        if isinstance(cache_size, bool) or not isinstance(cache_size, int) or cache_size < 1:
+            raise ValueError(f"cache_size must be a positive int, got {cache_size!r}")
         self.fn = fn
         self.name = name or getattr(fn, "__name__", "jax_function")
         # the error for a backward under create_graph=True
         self.no_double_backward = no_double_backward or (
             f"{self.name} (a JaxFunction) has no double backward (create_graph=True): its "
             "backward is JAX's pullback, which PyTorch's autograd cannot differentiate")
-        self._plans: Dict[Any, _Plan] = {}
-        self._primal: Dict[Any, Callable] = {}
+        # compiled programs per (static config, kinds, input signature): a jax.jit holds one
+        # executable per shape it saw, so each signature gets its own, to be dropped
+        self._plans = _LRU(cache_size)
+        self._primal = _LRU(cache_size)
         self._lock = threading.Lock()
 
     def __repr__(self):
@@ -195,20 +235,16 @@ class JaxFunction:
         return tuple(sorted((k, _typed(v)) for k, v in static.items()))
 
     def _plan(self, static_key, static, kinds, arrays) -> _Plan:
-        sig = tuple((a.shape, str(a.dtype)) for a in arrays)
-        key = (static_key, kinds, sig)
+        key = (static_key, kinds, _signature(arrays))
         with self._lock:
-            plan = self._plans.get(key)
-            if plan is None:
-                plan = self._plans[key] = _build_plan(self.fn, static, kinds)
-        return plan
+            return self._plans.get_or_make(key, lambda: _build_plan(self.fn, static, kinds))
 
     def _forward_only(self, static_key, static, tensors):
+        arrays = [None if t is None else to_jax(t) for t in tensors]
+        key = (static_key, _signature(arrays))
         with self._lock:
-            f = self._primal.get(static_key)
-            if f is None:
-                f = self._primal[static_key] = jax.jit(lambda *a: self.fn(*a, **static))
-        out = f(*(None if t is None else to_jax(t) for t in tensors))
+            f = self._primal.get_or_make(key, lambda: jax.jit(lambda *a: self.fn(*a, **static)))
+        out = f(*arrays)
         return jax.tree_util.tree_map(to_torch, out)
 
     # Dynamo cannot trace into JAX or DLPack: under torch.compile the call is a graph break
@@ -220,6 +256,8 @@ class JaxFunction:
                 raise TypeError(f"{self.name}: positional argument {i} must be a torch.Tensor or "
                                 f"None, got {type(t).__name__}; pass Python values as keywords")
         refuse_functorch(self.name, *tensors)
+        # a dual tensor's tangent would be dropped silently (the op registers a backward only)
+        common.refuse_forward_ad(self.name, *((f"argument {i}", t) for i, t in enumerate(tensors)))
         static_key = self._static_key(static)
         kinds = tuple(_kind(t, f"{self.name}: argument {i}") for i, t in enumerate(tensors))
         if not (torch.is_grad_enabled() and "d" in kinds):
@@ -245,6 +283,27 @@ def refuse_functorch(name: str, *tensors) -> None:
             f"{name}: the JAX bridge (backend='pallas') cannot run under a torch.func "
             "transform (vmap, grad, jacrev, ...): its tensors cross to JAX through DLPack. "
             "Use torch.autograd, backend='triton' or 'torch', or jax.vmap on the JAX side.")
+
+
+def refuse_interpret_x64(op: str, interpret, needs) -> None:
+    """A PyTorch caller's error for what the interpreted Pallas kernels cannot do: gradients
+    under ``jax_enable_x64`` (the kernels' own error tells a JAX caller to pick
+    ``backend='xla'``, which a PyTorch caller cannot). ``interpret``: the tuning value (None:
+    interpreted off a GPU, as the kernels decide); ``needs``: which inputs want a gradient."""
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    if interpret is True and torch.is_grad_enabled() and any(needs) and _x64_enabled():
+        raise NotImplementedError(
+            f"{op}(backend='pallas') runs the Pallas interpreter here (CPU tensors, or "
+            "interpret=True), which cannot compute gradients while JAX's jax_enable_x64 is on "
+            "(a Pallas interpreter limitation). Use backend='torch' (or 'triton' on a GPU), "
+            "turn x64 off (jax.config.update('jax_enable_x64', False)), or call it under "
+            "torch.no_grad() for the loss alone.")
+
+
+def _signature(arrays):
+    """The input signature a compiled program is specialised to (None: an absent input)."""
+    return tuple(None if a is None else (a.shape, str(a.dtype)) for a in arrays)
 
 
 def _typed(v):

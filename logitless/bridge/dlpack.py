@@ -119,7 +119,10 @@ def _narrow_ints(t: torch.Tensor) -> torch.Tensor:
     narrow = _WIDE_TO_NARROW[t.dtype]
     if t.numel():
         info = torch.iinfo(narrow)
-        ok = ((t >= info.min) & (t <= info.max)).all()
+        # uint64 has no comparison kernels: its bits as int64, where values >= 2**63 are
+        # negative (below uint32's minimum 0, so refused as they should be)
+        v = t.view(torch.int64) if t.dtype == torch.uint64 else t
+        ok = ((v >= info.min) & (v <= info.max)).all()
         torch._assert_async(ok, f"to_jax: a {t.dtype} value does not fit {narrow} (JAX runs "
                                 f"without x64), so it cannot cross the bridge")
     return t.to(narrow, memory_format=torch.contiguous_format)

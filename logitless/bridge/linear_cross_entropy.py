@@ -27,7 +27,7 @@ import torch
 from .. import _torch_common as common
 from .. import jax as lj
 from ..specs import linear_cross_entropy as spec
-from .autograd import JaxFunction, refuse_functorch
+from .autograd import JaxFunction, refuse_functorch, refuse_interpret_x64
 
 __all__ = ["TUNING", "linear_cross_entropy"]
 # the front door leaves the target range check to bridged() (after the torch.func refusal)
@@ -69,6 +69,9 @@ def _weight_and_layout(w: torch.Tensor):
     return w.contiguous(), "vh"
 
 
+# Dynamo cannot trace JAX or DLPack: under torch.compile the whole bridged call is one graph
+# break that runs eagerly (its checks too: traced, each was a break of its own)
+@torch.compiler.disable
 def bridged(p: common.Prepared, opts: spec.LinearCrossEntropyOptions, jax_backend: str, tuning):
     """The torch-backend contract over any JAX backend (``"pallas"``, ``"xla"``)."""
     refuse_functorch("linear_cross_entropy", p.x, p.w, p.y, p.bias, p.class_weight)
@@ -83,6 +86,8 @@ def bridged(p: common.Prepared, opts: spec.LinearCrossEntropyOptions, jax_backen
     # the gradients autograd will ask for: a frozen head (LoRA) or input costs no dW / dX
     # GEMM, and the fused forward keeps no float32 [V, H] dW for it
     needs = tuple(t is not None and t.requires_grad for t in (p.x, p.w, p.bias))
+    if jax_backend == "pallas":
+        refuse_interpret_x64("linear_cross_entropy", tuning.get("interpret"), needs)
     out = _OP(p.x.contiguous(), w, p.y, p.bias, p.class_weight, opts=opts, layout=layout,
               backend=jax_backend, tuning=tuple(sorted(tuning.items())), needs=needs)
     return (out[0], out[1]) if opts.return_lse else (out[0], None)

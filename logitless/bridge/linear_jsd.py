@@ -20,7 +20,7 @@ from .. import _torch_common as common
 from .. import _torch_jsd as jsd_common
 from .. import _jax_jsd as jax_jsd
 from ..specs import linear_jsd as spec
-from .autograd import JaxFunction, refuse_functorch
+from .autograd import JaxFunction, refuse_functorch, refuse_interpret_x64
 
 __all__ = ["TUNING", "linear_jsd"]
 # the front door leaves the target range check to bridged() (after the torch.func refusal)
@@ -52,6 +52,9 @@ def _in_layout(w: torch.Tensor, layout: str) -> torch.Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
 
+# Dynamo cannot trace JAX or DLPack: under torch.compile the whole bridged call is one graph
+# break that runs eagerly (its checks too: traced, each was a break of its own)
+@torch.compiler.disable
 def bridged(p: jsd_common.Prepared, opts: spec.LinearJSDOptions, jax_backend: str, tuning):
     """The torch-backend contract over any JAX backend ("pallas", "xla")."""
     refuse_functorch("linear_jsd", p.xs, p.ws, p.xt, p.wt, p.y)
@@ -64,6 +67,8 @@ def bridged(p: jsd_common.Prepared, opts: spec.LinearJSDOptions, jax_backend: st
     if jax_backend == "pallas" and not p.xs.is_cuda and "interpret" not in tuning:
         tuning = {**tuning, "interpret": True}  # CPU tensors: a CPU computation
     needs = (p.xs.requires_grad, p.ws.requires_grad)  # a frozen head costs no dW GEMM
+    if jax_backend == "pallas":
+        refuse_interpret_x64("linear_jsd", tuning.get("interpret"), needs)
     return _OP(p.xs.contiguous(), _in_layout(p.ws, layout), p.xt.contiguous(),
                _in_layout(p.wt, layout), p.y, opts=opts, layout=layout, backend=jax_backend,
                tuning=tuple(sorted(tuning.items())), needs=needs)
