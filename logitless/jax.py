@@ -81,7 +81,12 @@ def linear_cross_entropy(x, linear_weight, labels, *, linear_bias=None, weight=N
         axis_name: vocab (tensor) parallelism inside ``shard_map``: ``linear_weight`` (and
             ``linear_bias``, ``weight``) are this device's equal slice of V along the mesh axis
             ``axis_name``; ``x`` and ``labels`` (global indices) are the same on every device of
-            it. Runs :mod:`logitless.vocab_parallel_jax` (backend ``None``/"xla").
+            it. Runs :mod:`logitless.vocab_parallel_jax` (backend ``None``/"xla"). Under
+            ``shard_map(check_vma=False)`` or ``jax.pmap``, take the gradient *outside* the
+            mapped function (``jax.grad`` of the mapped loss): taken inside, JAX
+            transposes the op's ``psum`` without knowing the loss is replicated, and dW comes
+            out multiplied by the axis size, dX wrong too (as for a hand-written
+            ``psum``/``pmax`` loss). With ``check_vma=True`` (the default) either place works.
         **tuning: the chosen backend's keywords (any other is a TypeError); every default
             ``None`` means the value in brackets.
 

@@ -26,3 +26,26 @@ def test_vocab_parallel_jax_equals_spec(part):
     assert res["concrete_labels_rel_err"] <= 1e-5, res  # closed-over global labels
     for msg in res["bad_concrete"]:  # ... and out-of-range ones an error, as documented
         assert "target out of range" in msg and "[0, 10)" in msg, res
+
+
+def test_docstring_says_where_to_take_the_gradient():
+    """Under shard_map(check_vma=False) or pmap a gradient taken *inside* the mapped function
+    comes out wrong (dW times the axis size: JAX transposes the psum without knowing the loss
+    is replicated; a hand-written psum/pmax loss does the same). The worker checks the
+    gradient taken outside; the docstring must tell users to take it there."""
+    import logitless.jax as lj
+    doc = " ".join(lj.linear_cross_entropy.__doc__.split())
+    assert "check_vma=False" in doc and "jax.pmap" in doc, doc
+    assert "take the gradient *outside* the mapped function" in doc, doc
+
+
+def test_linear_jsd_says_it_has_no_vocab_parallel_path():
+    """axis_name= is linear_cross_entropy's: linear_jsd said "unknown tuning keyword(s)
+    ['axis_name'] for backend='xla'", as if another backend took it."""
+    import jax.numpy as jnp
+
+    import logitless.jax as lj
+    x, w = jnp.ones((3, 4)), jnp.ones((5, 4))
+    with pytest.raises(TypeError, match="unexpected keyword argument 'axis_name' "
+                                        r"\(linear_jsd has no vocab-parallel path"):
+        lj.linear_jsd(x, w, x, w, axis_name="tp")
