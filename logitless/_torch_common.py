@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
 import importlib.util
 import inspect
 import warnings
@@ -256,6 +257,21 @@ def widen_targets(y: torch.Tensor, ignore_index: int) -> torch.Tensor:
     if y.dtype == torch.int32 and -2**31 <= ignore_index < 2**31:
         return y
     return y.long()
+
+
+def load_backend(loaded: dict, modules: dict, name: str):
+    """The module of backend ``name`` (``modules[name]``), imported once into ``loaded``. A
+    dict lookup on the hot path: torch.compile traces it without a break. A first import under
+    torch.compile (``"pallas"`` imports JAX) runs outside the trace, or Dynamo would compile
+    the frames the import runs; wrapped only then, as ``torch.compiler.disable`` imports
+    ``torch._dynamo``, which ``import logitless.torch`` should not pay for."""
+    mod = loaded.get(name)
+    if mod is None:
+        def load():
+            loaded[name] = importlib.import_module(modules[name])
+            return loaded[name]
+        mod = (torch.compiler.disable(load) if torch.compiler.is_compiling() else load)()
+    return mod
 
 
 def prepare(input, linear_weight, target, linear_bias, weight, *, weight_layout="vh",

@@ -7,7 +7,6 @@ See :mod:`logitless.specs.linear_jsd` for the math.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import inspect
 from typing import Optional
 
@@ -29,10 +28,7 @@ _LOADED = {}
 
 
 def _load(name: str):
-    mod = _LOADED.get(name)  # a dict lookup on the hot path: torch.compile traces it
-    if mod is None:
-        mod = _LOADED[name] = importlib.import_module(_BACKENDS[name])
-    return mod
+    return common.load_backend(_LOADED, _BACKENDS, name)
 
 
 def available_backends(device="cpu"):

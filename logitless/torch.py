@@ -7,7 +7,6 @@ z-loss, softcap, ``return_lse`` and a choice of backend. Every backend implement
 """
 from __future__ import annotations
 
-import importlib
 import inspect
 from typing import Optional
 
@@ -40,20 +39,7 @@ _LOADED = {}
 
 
 def _load(name: str):
-    # A dict lookup (not importlib) on the hot path: torch.compile traces it without a break.
-    mod = _LOADED.get(name)
-    if mod is None:
-        # a first "pallas" call under torch.compile imports JAX outside the trace (Dynamo would
-        # compile the frames the import runs); wrapped only then: torch.compiler.disable
-        # imports torch._dynamo, which `import logitless.torch` should not pay for
-        load = torch.compiler.disable(_import) if torch.compiler.is_compiling() else _import
-        mod = load(name)
-    return mod
-
-
-def _import(name: str):
-    mod = _LOADED[name] = importlib.import_module(_BACKENDS[name])
-    return mod
+    return common.load_backend(_LOADED, _BACKENDS, name)
 
 
 def _resolve(backend: Optional[str], device: torch.device, dtype: torch.dtype):

@@ -422,15 +422,20 @@ import json, torch
 import logitless.torch as lt
 import test_bridge as tb
 x, w, y = torch.randn(6, 8), torch.randn(11, 8), torch.randint(0, 11, (6,))
-f = lambda x, w: lt.linear_cross_entropy(torch.tanh(x), w, y, backend="pallas") * 2
+if "{op}" == "linear_cross_entropy":
+    f = lambda x, w: lt.linear_cross_entropy(torch.tanh(x), w, y, backend="pallas") * 2
+else:
+    xt, wt = torch.randn(6, 8), torch.randn(11, 8)
+    f = lambda x, w: lt.linear_jsd(torch.tanh(x), w, xt, wt, y, backend="pallas") * 2
 print(json.dumps(tb._graph_breaks(f, x, w)))
 """
 
 
-def test_pallas_first_call_under_torch_compile_does_not_trace_the_import():
+@pytest.mark.parametrize("op", ["linear_cross_entropy", "linear_jsd"])
+def test_pallas_first_call_under_torch_compile_does_not_trace_the_import(op):
     """The first backend="pallas" call imports JAX: outside Dynamo's trace (Dynamo compiled
     frames of JAX's import, warning about its lru_cache, and broke at importlib twice)."""
-    r = _fresh_python(_COMPILE_FIRST_CALL,
+    r = _fresh_python(_COMPILE_FIRST_CALL.format(op=op),
                       PYTHONPATH=os.path.join(REPO, "tests") + os.pathsep + REPO)
     assert not r["warnings"], r
     assert not any("import_module" in b or "functorch" in b for b in r["reasons"]), r
