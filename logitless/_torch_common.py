@@ -464,6 +464,11 @@ JAX_WEIGHT_LAYOUT = {"weight_layout": "weight_layout is a logitless.jax keyword;
 JAX_ONLY_KEYWORDS = {**JAX_WEIGHT_LAYOUT,
                      "axis_name": "axis_name is a logitless.jax keyword; PyTorch's vocabulary "
                                   "parallelism takes process_group="}
+# linear_jsd has no vocabulary-parallel path (README): its keywords would read as typos
+JSD_NOT_VOCAB_PARALLEL = {k: f"linear_jsd has no vocab-parallel path ({k}= is "
+                             "linear_cross_entropy's): give it the whole student and teacher heads"
+                          for k in ("process_group", "vocab_start_index", "vocab_size",
+                                    "axis_name")}
 _WARNED = set()  # (op, keyword, backend) already warned about: once per process
 
 

@@ -25,6 +25,8 @@ _BACKENDS = {
     "pallas": "logitless.bridge.linear_jsd",
 }
 _LOADED = {}
+# what a keyword of logitless.jax or of linear_cross_entropy's vocab parallelism is here
+_KEYWORD_HINTS = {**common.JAX_WEIGHT_LAYOUT, **common.JSD_NOT_VOCAB_PARALLEL}
 
 
 def _load(name: str):
@@ -225,7 +227,7 @@ def linear_jsd(student_input, student_weight, teacher_input, teacher_weight, tar
         hard_loss_weight=hard_loss_weight)
     if tuning:
         common.check_keyword_names("linear_jsd", tuning, _PARAMETERS, _tuning_names(backend),
-                                   common.JAX_WEIGHT_LAYOUT)
+                                   _KEYWORD_HINTS)
     student_input, student_weight, teacher_input, teacher_weight = common.autocast_inputs(
         student_input, student_weight, teacher_input, teacher_weight)
     prepared = prepare(student_input, student_weight, teacher_input, teacher_weight, target, opts)
@@ -257,7 +259,7 @@ class LinearJSDLoss(torch.nn.Module):
         if tuning:  # misspelled or foreign keywords fail here, not at the first forward
             names, hints = common.module_keywords(
                 LinearJSDLoss, ("student_input", "student_weight", "teacher_input",
-                             "teacher_weight", "target"), common.JAX_WEIGHT_LAYOUT)
+                             "teacher_weight", "target"), _KEYWORD_HINTS)
             common.check_keyword_names(type(self).__name__, tuning, names,
                                        _tuning_names(backend), hints)
             if backend is not None:

@@ -345,6 +345,9 @@ def _jsd_args(salt=20):
     ("both", dict(weight_layout="hv"), "weight_layout is a logitless.jax keyword"),
     ("ce", dict(axis_name="tp"), "axis_name is a logitless.jax keyword; PyTorch's vocabulary "
                                  "parallelism takes process_group="),
+    ("jsd", dict(process_group=None), "linear_jsd has no vocab-parallel path (process_group= is "
+                                      "linear_cross_entropy's)"),
+    ("jsd", dict(axis_name="tp"), "linear_jsd has no vocab-parallel path"),
 ])
 def test_misspelled_or_foreign_keywords_come_first_with_a_hint(op, kw, hint):
     """Checked before the shapes (a bad shape here must not hide the keyword), worded as
