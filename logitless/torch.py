@@ -134,8 +134,8 @@ def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weig
       ``memory_budget`` (None: 896 MiB, or 256 MiB with ``low_memory=True``), bytes for one
       logits block; ``grad_accum_dtype`` (``torch.float32``, or the input dtype);
       ``block_v`` (None: from the row length), ``num_warps`` (None: from the block);
-      ``logits_gemm`` (``"auto"``: ``"triton"`` for ``low_memory=True`` where that GEMM can
-      run, else ``"cublas"``; or either explicitly).
+      ``logits_gemm`` (``"auto"``: ``"triton"`` for ``low_memory=True`` on a Hopper GPU
+      where that GEMM can run, else ``"cublas"``; or either explicitly).
     * ``backend="pallas"``: the keywords of :func:`logitless.jax.linear_cross_entropy`'s
       ``"pallas"`` backend (``logitless.pallas_kernels.linear_cross_entropy.TUNING``).
     * with ``process_group``: ``chunk_size``, ``memory_budget`` (as ``"torch"``).

@@ -111,7 +111,22 @@ def own_gemm_runner(case, inp):
 
 register(Backend("triton-own-gemm", own_gemm_runner, naive="naive-torch",
                  requires=("torch", "triton"), takes=own_gemm_takes))
-# low-memory operating point; small vocabulary chunks exercise the multi-chunk dW sweep
+# low-memory operating point; small vocabulary chunks exercise the multi-chunk dW sweep.
+# cuBLAS pinned: the default ("auto") takes our GEMMs on a Hopper GPU where they can run, the
+# second backend below; cuBLAS is what every other GPU runs.
 register(Backend("triton-low-memory",
-                 torch_backend_runner("triton", low_memory=True, vocab_chunk_size=64),
+                 torch_backend_runner("triton", low_memory=True, vocab_chunk_size=64,
+                                      logits_gemm="cublas"),
                  naive="naive-torch", requires=("torch", "triton")))
+
+
+def low_memory_auto_takes(case):
+    """Where the low-memory default differs from cuBLAS: a Hopper GPU, the GEMM's cases."""
+    import torch
+    return (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+            and own_gemm_takes(case))
+
+
+register(Backend("triton-low-memory-auto",
+                 torch_backend_runner("triton", low_memory=True, vocab_chunk_size=64),
+                 naive="naive-torch", requires=("torch", "triton"), takes=low_memory_auto_takes))

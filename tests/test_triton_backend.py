@@ -394,17 +394,19 @@ def test_logits_gemm_errors():
 
 
 def test_logits_gemm_auto_rule(monkeypatch):
-    """"auto" resolves to our GEMM for the low-memory setting on a GPU where its layout checks
-    pass, to cuBLAS otherwise; an explicit "triton" on a bad layout raises instead."""
+    """"auto" resolves to our GEMM for the low-memory setting on a Hopper GPU where its layout
+    checks pass, to cuBLAS otherwise; an explicit "triton" on a bad layout raises instead."""
     import logitless.triton_kernels.linear_cross_entropy as lce
     codes = lce.LOGITS_GEMM
 
     class Stub:  # only what the rule reads
         def __init__(self, is_cuda, n=4):
-            self.is_cuda, self.shape = is_cuda, (n, 8)
+            self.is_cuda, self.shape, self.device = is_cuda, (n, 8), "cuda:0"
 
     why = {"reason": ""}
+    cap = {"cc": (9, 0)}
     monkeypatch.setattr(lce.stats_gemm, "unsupported_layout", lambda x, w, b: why["reason"])
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: cap["cc"])
     resolve = lambda code, x, low: lce._resolve_gemm(codes[code], x, None, None, low)
     assert resolve("auto", Stub(True), True) == codes["triton"]
     assert resolve("auto", Stub(True), False) == codes["cublas"]
@@ -412,6 +414,10 @@ def test_logits_gemm_auto_rule(monkeypatch):
     assert resolve("auto", Stub(True, n=0), True) == codes["cublas"]
     assert resolve("cublas", Stub(True), True) == codes["cublas"]
     assert resolve("triton", Stub(True), False) == codes["triton"]
+    cap["cc"] = (10, 0)  # measured on Hopper only: "auto" stays with cuBLAS elsewhere
+    assert resolve("auto", Stub(True), True) == codes["cublas"]
+    assert resolve("triton", Stub(True), True) == codes["triton"]
+    cap["cc"] = (9, 0)
     why["reason"] = "input must be row-major"
     assert resolve("auto", Stub(True), True) == codes["cublas"]
     with pytest.raises(ValueError, match="cannot run here: input must be row-major"):
@@ -430,7 +436,7 @@ def test_logits_gemm_default(monkeypatch, low_memory):
     grad_calls = _spy_grad_gemm(monkeypatch)
     ref = _loss_and_grads(x, w, y, logits_gemm="cublas", **kw)
     got = _loss_and_grads(x, w, y, **kw)
-    own = low_memory and x.is_cuda
+    own = low_memory and x.is_cuda and torch.cuda.get_device_capability()[0] == 9
     assert (len(calls) > 0) == own and (len(grad_calls) > 0) == own, (calls, grad_calls)
     torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=0)
     for a, r in zip(got[1:], ref[1:]):
@@ -477,6 +483,67 @@ def test_cuda_graph_training_step(backend, low_memory):
         hidden, w, y, backend=backend, z_loss=1e-4, **tuning),
         graph_batches(n, h, v, dtype=torch.float32, generator=g))
 
+
+def test_row_stages_fall_back_where_their_buffers_do_not_fit(monkeypatch):
+    """The row loops' software pipeline keeps (stages - 1) copies of each block's loads in
+    shared memory (256 KiB for fp32 rows of 32K columns, 128 KiB for bf16: more than an
+    L4's 99 KiB): where Triton refuses a launch for it, the kernel runs unpipelined, and that
+    launch configuration remembers it."""
+    import logitless.triton_kernels.linear_cross_entropy as lce
+    from triton.runtime.errors import OutOfResources
+    assert lce.ROW_STAGES > 1
+    launches = []
+
+    class Kernel:  # refuses pipelined launches as Triton does (before running anything)
+        def __getitem__(self, grid):
+            def run(*args, STAGES, **meta):
+                launches.append((STAGES, meta["HAS_BIAS"]))
+                if STAGES > 1:
+                    raise OutOfResources(256 << 10, 227 << 10, "shared memory")
+            return run
+    monkeypatch.setattr(lce, "cross_entropy_rows_kernel", Kernel())
+    monkeypatch.setattr(lce, "_interpret", lambda: False)
+    monkeypatch.setattr(lce, "_ROW_STAGES_FITTING", {})
+    n, v = 3, 40
+    buf = torch.zeros(n, v)
+    f32 = lambda *shape: torch.zeros(*shape)
+    cfg = lce.Config(chunk=n, vocab_chunk=v, block_v=0, num_warps=0)
+
+    def rows(bias):
+        lce._rows(buf, bias, n, v, 0, torch.zeros(n, dtype=torch.long), None, None, f32(n),
+                  f32(n), torch.ones(1), None, (-100, 0.0, 0.0, None), v, cfg, True, True)
+    rows(None)
+    assert launches == [(lce.ROW_STAGES, False), (1, False)]
+    rows(None)  # remembered: no second refusal
+    assert launches[2:] == [(1, False)]
+    rows(f32(v))  # another launch configuration tries again
+    assert launches[3:] == [(lce.ROW_STAGES, True), (1, True)]
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,options", [
+    (torch.float32, {}),
+    (torch.bfloat16, dict(label_smoothing=0.1, bias=True, class_weights=True)),
+    (torch.float16, dict(bias=True))])
+def test_long_rows_in_every_dtype_and_option_launch(dtype, options):
+    """Rows of 32K-column blocks whose pipelined loads would not fit shared memory (fp32
+    logits; class weights and bias loaded beside bf16 ones) run, with the torch backend's
+    results."""
+    n, h, v = 48, 64, 50257
+    x, w, y = _data(n, h, v, dtype=dtype, seed=51)
+    g = torch.Generator().manual_seed(SEED + 52)
+    kw = dict(label_smoothing=options.get("label_smoothing", 0.0))
+    if options.get("bias"):
+        kw["linear_bias"] = torch.randn(v, generator=g).to(DEV, dtype)
+    if options.get("class_weights"):
+        kw["weight"] = torch.rand(v, generator=g).to(DEV)
+    got = _loss_and_grads(x, w, y, backend="triton", **kw)
+    ref = _loss_and_grads(x, w, y, backend="torch", **kw)
+    torch.testing.assert_close(got[0], ref[0], rtol=1e-4, atol=1e-5)
+    for a, r in zip(got[1:], ref[1:]):
+        rel = ((a.float() - r.float()).norm() / r.float().norm()).item()
+        assert rel < (1e-4 if dtype == torch.float32 else 1e-2), rel
 
 @gpu
 @pytest.mark.gpu

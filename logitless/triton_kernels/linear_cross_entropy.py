@@ -28,10 +28,12 @@ The ops are registered with ``torch.library`` so ``torch.compile`` traces them w
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Optional, Tuple
 
 import torch
 import triton
+from triton.runtime.errors import OutOfResources
 
 from .. import _torch_common as common
 from ..specs import linear_cross_entropy as spec
@@ -77,10 +79,13 @@ LONG_ROW_BLOCK = 32768
 LONG_ROW_PROGRAMS_PER_SM = 1
 LONG_ROW_WARPS = 32
 PROGRAMS_PER_SM = 4
-# Software-pipelining depth of the row loops (tl.range num_stages) on the GPU: 3 cut whole
-# fwd+bwd calls by 0.3-0.4% at Llama and 0.7-1.8% at Gemma against 1 (benchmarks/row_stages_ab.py,
-# interleaved, two runs; 2 stages, 16K blocks or 2 programs/SM x 16 warps no better).
+# Software-pipelining depth of the row loops (tl.range num_stages) on the GPU. Whole fwd+bwd
+# calls against 1 stage (benchmarks/row_stages_ab.py, interleaved, two runs): Llama 0.996x and
+# 0.997x (95% intervals include 1), Gemma 0.982x and 0.993x (the second's includes 1); 2
+# stages, 16K blocks or 2 programs/SM x 16 warps no better. Where its shared-memory buffers
+# do not fit (fp32 rows, class weights; smaller GPUs), _rows falls back to 1.
 ROW_STAGES = 3
+_ROW_STAGES_FITTING = {}  # launch key -> 1 where ROW_STAGES' buffers did not fit (see _rows)
 
 # grad_mode of the forward op
 NO_GRAD, FULL_GRAD, DX_ONLY = 0, 1, 2
@@ -128,7 +133,12 @@ def _rows(buf, bias, n_rows, n_cols, col_offset, y, cw, omega_sum, lse, loss, g,
         grid = (n_rows,)
         block = cfg.block_v or min(1024, next_power_of_2(n_cols))
     dummy = lse  # any fp32 tensor stands in for absent optional pointers
-    cross_entropy_rows_kernel[grid](
+    flags = dict(COMPUTE_LSE=compute_lse, WRITE_GRAD=write_grad, FROM_TILES=stats is not None,
+                 HAS_CW=cw is not None, SMOOTH=eps > 0, HAS_Z=z_loss > 0,
+                 HAS_SOFTCAP=softcap is not None, HAS_H=h is not None, HAS_BIAS=bias is not None,
+                 BLOCK_V=block, ROUND_BF16=_interpret() and buf.dtype == torch.bfloat16)
+    launch = functools.partial(
+        cross_entropy_rows_kernel[grid],
         buf, buf.stride(0), dummy if bias is None else bias,
         y, dummy if cw is None else cw, dummy if omega_sum is None else omega_sum,
         lse, dummy if loss is None else loss,
@@ -137,12 +147,20 @@ def _rows(buf, bias, n_rows, n_cols, col_offset, y, cw, omega_sum, lse, loss, g,
         n_rows, n_cols, common.load_cols(n_cols, buf), col_offset, v, ignore_index,
         eps, z_loss, 1.0 if softcap is None else softcap,
         dummy if stats is None else stats[0], dummy if stats is None else stats[1],
-        0 if stats is None else stats[0].shape[1],
-        COMPUTE_LSE=compute_lse, WRITE_GRAD=write_grad, FROM_TILES=stats is not None,
-        HAS_CW=cw is not None, SMOOTH=eps > 0, HAS_Z=z_loss > 0,
-        HAS_SOFTCAP=softcap is not None, HAS_H=h is not None, HAS_BIAS=bias is not None,
-        BLOCK_V=block, ROUND_BF16=_interpret() and buf.dtype == torch.bfloat16,
-        STAGES=1 if _interpret() else ROW_STAGES, num_warps=num_warps)
+        0 if stats is None else stats[0].shape[1], num_warps=num_warps, **flags)
+    key = (buf.device, buf.dtype, None if bias is None else bias.dtype,
+           None if cw is None else cw.dtype, num_warps, tuple(flags.values()))
+    stages = 1 if _interpret() else _ROW_STAGES_FITTING.get(key, ROW_STAGES)
+    if stages > 1:
+        try:
+            launch(STAGES=stages)
+            return
+        except OutOfResources:
+            # the pipeline's shared-memory buffers ((stages - 1) x the block's loads: 256 KiB
+            # for fp32 rows of 32K columns, more with class weights) exceed this GPU's; Triton
+            # refuses before launching anything
+            _ROW_STAGES_FITTING[key] = 1
+    launch(STAGES=1)
 
 
 def _logits(x_c, w, out):
@@ -322,13 +340,14 @@ def _fwd_op(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], y: t
 def _resolve_gemm(code, x, w, bias, low_memory):
     """The ``LOGITS_GEMM`` code the sweeps run: "triton" once the tensors' layouts are
     checked (inside the ops, where their data pointers are real, not under tracing; the options
-    were checked up front), "auto" as "triton" for the low-memory setting on a GPU where that
-    GEMM can run (there it measured 1.6% faster than cuBLAS, the fast setting 0.5% slower:
+    were checked up front), "auto" as "triton" for the low-memory setting on a Hopper GPU
+    (compute capability 9.x) where that GEMM can run (there it measured 1.6% faster than cuBLAS, the fast setting 0.5% slower:
     results/…-s18-logits-gemm-ab.jsonl), else "cublas". The forward and backward ops resolve
     the same inputs alike. No tokens: no GEMM runs, nothing to check."""
     triton_code, cublas = LOGITS_GEMM["triton"], LOGITS_GEMM["cublas"]
-    if code == LOGITS_GEMM["auto"]:
+    if code == LOGITS_GEMM["auto"]:  # measured on Hopper only: not picked elsewhere
         own = (low_memory and x.is_cuda and x.shape[0] > 0
+               and torch.cuda.get_device_capability(x.device)[0] == 9
                and not stats_gemm.unsupported_layout(x, w, bias))
         return triton_code if own else cublas
     why = code == triton_code and x.shape[0] > 0 and stats_gemm.unsupported_layout(x, w, bias)
@@ -547,7 +566,8 @@ def linear_cross_entropy(p: common.Prepared, opts: spec.LinearCrossEntropyOption
     of its two passes over the logits, and whose recomputing sweeps (low-memory backward,
     "none", lse gradients) take dz from a GEMM epilogue; for bf16/fp16, row-major operands
     with 16-byte aligned rows, no label smoothing, a compute-capability 9.x/10.x GPU.
-    ``"auto"`` picks it for ``low_memory=True`` where it can run, cuBLAS otherwise: on an
+    ``"auto"`` picks it for ``low_memory=True`` on a Hopper GPU (compute capability 9.x,
+    where it was measured) where it can run, cuBLAS otherwise: on an
     H100 it made low-memory calls 1.6% faster and fast-mode ones 0.5% slower, in
     interleaved runs; see DESIGN.md).
 

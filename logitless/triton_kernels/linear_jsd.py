@@ -60,8 +60,9 @@ GPU_BLOCK = 2048
 GPU_SEGMENT = 8192
 GPU_WARPS = 8
 GPU_PROGRAMS_PER_SM = 2
-# Software-pipelining depth of the row loops (tl.range num_stages): 2 and 3 measured 0.7% and
-# 1.2% slower than 1 (benchmarks/row_stages_ab.py; a segment is only 4 blocks long).
+# Software-pipelining depth of the row loops (tl.range num_stages): 2 and 3 measured no faster
+# than 1 (1.007x, 1.012x; intervals include 1; benchmarks/row_stages_ab.py; a segment is only
+# 4 blocks long). Above 1, mind the shared memory it takes (see linear_cross_entropy._rows).
 GPU_ROW_STAGES = 1
 REDUCTIONS = common.REDUCTION_CODES
 KINDS = {"forward_kl": jsd_rows.KIND_FORWARD_KL, "reverse_kl": jsd_rows.KIND_REVERSE_KL,
