@@ -23,7 +23,7 @@ import numpy as np
 from jax import lax
 
 from . import _jax_common as common
-from ._keywords import check_tuning, unexpected_keyword
+from ._keywords import check_tuning, jsd_not_vocab_parallel, unexpected_keyword
 from .specs import linear_jsd as spec
 from .specs.tiling import ChunkPlan
 
@@ -577,9 +577,8 @@ def run(xs, ws, xt, wt, target, opts: spec.LinearJSDOptions, weight_layout, back
     """:func:`linear_jsd` with its options built; ``needs``: which of (dX, dW) the caller will
     use (the PyTorch bridge: a frozen student head costs no dW GEMM or accumulator)."""
     if "axis_name" in tuning:  # not a tuning keyword that one backend lacks: none has it
-        raise unexpected_keyword("linear_jsd", "axis_name", (), {"axis_name": (
-            "linear_jsd has no vocab-parallel path: axis_name= is linear_cross_entropy's; "
-            "give linear_jsd the whole student and teacher heads")})
+        raise unexpected_keyword("linear_jsd", "axis_name", (),
+                                 {"axis_name": jsd_not_vocab_parallel("axis_name")})
     name, impl = _resolve(backend)
     check_tuning("linear_jsd", tuning, _PARAMETERS, f"backend={name!r}", impl.TUNING)
 

@@ -44,3 +44,13 @@ def check_tuning(op: str, tuning: Iterable[str], parameters: Iterable[str], wher
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise TypeError(f"unknown tuning keyword(s) {unknown} for {where}{hint}; "
                         f"it accepts {accepted}")
+
+
+def jsd_not_vocab_parallel(keyword: str, owner: str = "") -> str:
+    """The hint for a vocabulary-parallel keyword given to ``linear_jsd``, which has no
+    vocab-parallel path on either front door (README): one wording for both. ``owner``: the
+    front door whose ``linear_cross_entropy`` takes ``keyword`` when it is not the one called
+    (``"logitless.jax"`` for ``axis_name=`` given to PyTorch's ``linear_jsd``)."""
+    whose = f"{owner}'s linear_cross_entropy" if owner else "linear_cross_entropy"
+    return (f"linear_jsd has no vocab-parallel path ({keyword}= is a keyword of {whose}): "
+            "give it the whole student and teacher heads")

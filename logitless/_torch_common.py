@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from ._keywords import unexpected_keyword
+from ._keywords import jsd_not_vocab_parallel, unexpected_keyword
 from .specs import linear_cross_entropy as spec
 from .specs.tiling import VOCAB_ALIGN, vocab_parts  # noqa: F401  (re-exported to the kernels)
 
@@ -224,9 +224,14 @@ def _require_tensor(name, t, optional=False):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
 
 
+def is_dtensor(t) -> bool:
+    """Whether ``t`` is a DTensor, by class name: importing torch.distributed.tensor costs
+    time on every import, and torch.distributed need not be available."""
+    return t is not None and type(t).__name__ == "DTensor"
+
+
 def _refuse_dtensor(name, t):
-    # By class name: importing torch.distributed.tensor costs time on every import.
-    if t is not None and type(t).__name__ == "DTensor":
+    if is_dtensor(t):
         raise TypeError(
             f"{name} is a DTensor (a sharded parameter, e.g. FSDP2 outside the module's "
             "forward): call the loss inside the sharded module's forward, where FSDP2 hands "
@@ -278,7 +283,8 @@ def prepare(input, linear_weight, target, linear_bias, weight, *, weight_layout=
             ignore_index=-100, empty_vocab=False) -> Prepared:
     """Check types, dtypes, devices and shapes (errors name the argument); flatten to 2-D;
     widen targets (:func:`widen_targets`). ``empty_vocab``: a vocab-parallel rank's slice,
-    which may hold no class (V = 0; every other rank still waits for it in the collectives)."""
+    which may hold no class (V = 0; every other rank still waits for it in the collectives);
+    its bias and class weights, where given, must then be (0,) too."""
     _require_tensor("input", input)
     _require_tensor("linear_weight", linear_weight)
     _require_tensor("target", target)
@@ -317,8 +323,14 @@ def prepare(input, linear_weight, target, linear_bias, weight, *, weight_layout=
     v_dim = 0 if weight_layout == "vh" else 1
     empty = empty_vocab and len(w_shape) == 2 and w_shape[v_dim] == 0
     if empty:  # checked as a one-class slice (the spec wants V >= 1), then V set back to 0
+        for name, s in (("linear_bias", vectors[0]), ("weight (class weights)", vectors[1])):
+            # before the substitution below, which would take a (1,) vector for this slice
+            if s is not None and s != (0,):
+                raise ValueError(
+                    f"{name} must have shape (V_local,) = (0,): this rank's vocabulary slice "
+                    f"is empty (linear_weight has shape {w_shape}), got {s}")
         w_shape = w_shape[:v_dim] + (1,) + w_shape[v_dim + 1:]
-        vectors = [(1,) if s == (0,) else s for s in vectors]
+        vectors = [None if s is None else (1,) for s in vectors]
     problem = spec.check_shapes(input.shape, w_shape, target.shape, *vectors,
                                 weight_layout=weight_layout)
     if empty:
@@ -465,10 +477,10 @@ JAX_ONLY_KEYWORDS = {**JAX_WEIGHT_LAYOUT,
                      "axis_name": "axis_name is a logitless.jax keyword; PyTorch's vocabulary "
                                   "parallelism takes process_group="}
 # linear_jsd has no vocabulary-parallel path (README): its keywords would read as typos
-JSD_NOT_VOCAB_PARALLEL = {k: f"linear_jsd has no vocab-parallel path ({k}= is "
-                             "linear_cross_entropy's): give it the whole student and teacher heads"
-                          for k in ("process_group", "vocab_start_index", "vocab_size",
-                                    "axis_name")}
+JSD_NOT_VOCAB_PARALLEL = {
+    **{k: jsd_not_vocab_parallel(k)
+       for k in ("process_group", "vocab_start_index", "vocab_size")},
+    "axis_name": jsd_not_vocab_parallel("axis_name", owner="logitless.jax")}
 _WARNED = set()  # (op, keyword, backend) already warned about: once per process
 
 

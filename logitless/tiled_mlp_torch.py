@@ -18,10 +18,13 @@ Two implementations behind one entry point:
   Gradients reach only ``x`` and the registered parameters read at the call, so what would
   lose others is refused: FSDP2 sharding the MLP inside the tiled call (its hooks re-gather
   the parameters in each shard's recompute: shard the ``TiledMLP`` module or an outer module
-  instead; other DTensor parameters, e.g. tensor parallelism's, take this path), a hook that replaces a parameter during the recompute (accelerate's
-  offload hooks), and a tensor requiring grad that the MLP reads but does not register
-  (FSDP1's ``use_orig_params=False`` flat-parameter views, a weight computed in ``forward``
-  from another tensor): checked once per call on the first shard's recompute graph.
+  instead; other DTensor parameters, e.g. tensor parallelism's, take this path; a forward
+  with no backward to follow, e.g. evaluation under ``no_grad``, runs as is), a hook that
+  replaces a parameter requiring grad during the recompute (accelerate's offload hooks on a
+  trainable weight; a frozen one, e.g. a LoRA's base weight, may be swapped), and a tensor
+  requiring grad that the MLP reads but does not register (FSDP1's ``use_orig_params=False``
+  flat-parameter views, a weight computed in ``forward`` from another tensor): checked once
+  per call on the first shard's recompute graph.
 * **fused SwiGLU** (a :class:`SwiGLUMLP` without module hooks of any kind or overridden
   forwards, on it or its projections: it never calls the modules): two
   ``torch.library`` ops. The backward recomputes only the gate/up GEMMs (the shard's output is
@@ -362,7 +365,10 @@ def _refuse_fsdp2(mlp: nn.Module) -> None:
     call reads the parameters before any of the MLP's hooks run: there these are the sharded
     DTensors, and FSDP2's pre-forward hook installs the gathered ones in every shard's
     recompute, where no gradient of the tiled backward reaches them. (Other DTensor
-    parameters, e.g. tensor parallelism's, stay in place and take the generic path.)"""
+    parameters, e.g. tensor parallelism's, stay in place and take the generic path.) Called
+    only when a backward can follow: a forward alone (evaluation under ``no_grad``, or nothing
+    requiring grad) runs the shards through FSDP2's hooks, which gather the weights, and
+    equals ``mlp(x)``."""
     for name, m in mlp.named_modules():
         # by class name: fully_shard makes the module's class a subclass of FSDPModule, and
         # torch.distributed need not be importable
@@ -374,10 +380,6 @@ def _refuse_fsdp2(mlp: nn.Module) -> None:
                 "block.forward), where FSDP2 hands the tiled call plain tensors. Sharding the "
                 "MLP itself would re-gather its parameters in each shard's recompute, out of "
                 "reach of the tiled backward: their gradients would be lost.")
-
-
-def _any_dtensor(tensors) -> bool:
-    return any(t is not None and type(t).__name__ == "DTensor" for t in tensors)
 
 
 # ----------------------------------------------------------------------------- generic path
@@ -482,11 +484,13 @@ def _parameters_swapped(mlp: nn.Module, alias_of: dict):
 
 
 def _check_still_swapped(swapped, alias_of):
-    """RuntimeError if a hook replaced an alias while the MLP ran (FSDP2 on the MLP itself,
-    accelerate's offload hooks): the recompute then used a tensor whose gradient the tiled
-    backward never collects."""
+    """RuntimeError if a hook replaced an alias requiring grad while the MLP ran (FSDP2 on the
+    MLP itself, accelerate's offload hooks): the recompute then used a tensor whose gradient
+    the tiled backward never collects. A frozen parameter's replacement loses nothing (e.g.
+    an offloaded frozen base weight under LoRA adapters), so it is let be."""
     for m, name, p in swapped:
-        if m._parameters.get(name) is not alias_of[id(p)]:
+        alias = alias_of[id(p)]
+        if alias.requires_grad and m._parameters.get(name) is not alias:
             raise RuntimeError(
                 f"tiled_mlp: a hook replaced the parameter {name!r} of {type(m).__name__} while "
                 "the MLP was recomputed in backward (e.g. FSDP2's fully_shard or accelerate's "
@@ -584,10 +588,11 @@ def tiled_mlp(mlp: nn.Module, x: torch.Tensor, *, num_shards: Optional[int] = No
 
     Forward-mode AD (``torch.func.jvp``) is refused: backward is reverse mode only; so is a
     double backward (``create_graph=True``). Refused too, since their gradients would be
-    lost: FSDP2 sharding the MLP or a module inside it (``TypeError``; shard the ``TiledMLP``
-    module or an outer one instead) and, on the generic path, a parameter that a
-    hook replaces during the recompute or a tensor requiring grad that the MLP reads without
-    registering it as a parameter (``RuntimeError`` in backward, before any gradient lands).
+    lost: FSDP2 sharding the MLP or a module inside it when a backward can follow
+    (``TypeError``; shard the ``TiledMLP`` module or an outer one instead) and, on the generic
+    path, a parameter requiring grad that a hook replaces during the recompute or a tensor
+    requiring grad that the MLP reads without registering it as a parameter
+    (``RuntimeError`` in backward, before any gradient lands).
     """
     if not isinstance(mlp, nn.Module):
         raise TypeError(f"mlp must be a torch.nn.Module, got {type(mlp).__name__}")
@@ -600,9 +605,11 @@ def tiled_mlp(mlp: nn.Module, x: torch.Tensor, *, num_shards: Optional[int] = No
     common.refuse_forward_ad("tiled_mlp", ("x", x))
     dev = x.device.type
     autocast = torch.is_autocast_enabled(dev)
-    _refuse_fsdp2(mlp)
+    if torch.is_grad_enabled() and (x.requires_grad or
+                                    any(p.requires_grad for p in mlp.parameters())):
+        _refuse_fsdp2(mlp)  # without a backward to follow (evaluation), FSDP2 works as is
     parts = _fused_swiglu_parts(mlp)
-    if parts is not None and _any_dtensor(parts):  # the fused ops take plain tensors
+    if parts is not None and any(map(common.is_dtensor, parts)):  # the fused ops take plain tensors
         parts = None
     if parts is not None:
         common.refuse_forward_ad("tiled_mlp", *zip(_FUSED_NAMES, parts))

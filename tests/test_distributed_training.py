@@ -16,7 +16,8 @@ loss backend and SwiGLU formula, and with the Triton loss and SwiGLU kernels (in
   (what the loss must be given is the unsharded weight, i.e. call it inside the forward);
 * FSDP2 sharding the MLP *inside* the tiled call (below the ``TiledMLP``, or the MLP as the
   root of ``tiled_mlp``) is refused with an error saying which module to shard: it had given
-  the MLP's parameters no gradient, silently.
+  the MLP's parameters no gradient, silently. A forward no backward can follow (evaluation
+  under ``no_grad``) runs, and equals the unsharded model.
 
 ``global_token_count`` counts what the loss counts, also for uint8 targets (no processes).
 """
@@ -112,6 +113,35 @@ def _sharded_inside_error(mesh, backend, layout):
     return None
 
 
+def _sharded_inside_forward_only(mesh, backend):
+    """{case: max |sharded − unsharded| or the error} for forwards that no backward can
+    follow, with FSDP2 on the MLP inside the tiled call: not refused (FSDP2's forward hooks
+    gather the weights in each shard), equal to the unsharded model. "eval": the whole LM's
+    loss under no_grad (the MLP below the TiledMLP sharded, then the root); "no_grad" and
+    "frozen" (grad mode on, nothing requiring grad): tiled_mlp on the sharded MLP."""
+    import logitless.torch as lt
+    from torch.distributed.fsdp import fully_shard
+    x, y = _data(0)
+    out = {}
+    for case in ("eval", "no_grad", "frozen"):
+        model = LM(backend)
+        mlp = model.mlp.mlp
+        if case == "frozen":
+            mlp.requires_grad_(False)
+        with torch.no_grad():
+            want = model(x, y) if case == "eval" else mlp(x)
+        fully_shard(mlp, mesh=mesh)
+        if case == "eval":
+            fully_shard(model, mesh=mesh)
+        try:
+            with torch.set_grad_enabled(case == "frozen"):
+                got = model(x, y) if case == "eval" else lt.tiled_mlp(mlp, x, num_shards=3)
+            out[case] = float((got - want).abs().max())
+        except Exception as e:  # noqa: BLE001
+            out[case] = f"{type(e).__name__}: {e}"
+    return out
+
+
 def _tensor_parallel_grads(mesh):
     """(untiled, tiled) gradients of a SwiGLUMLP whose projections tensor parallelism shards
     (column-, column-, row-wise: DTensor parameters and module hooks, the generic path), and
@@ -161,6 +191,7 @@ def _worker(rank, world, backend):
     res["fsdp_paths"] = dict(calls)
     res["sharded_inside"] = {layout: _sharded_inside_error(mesh, backend, layout)
                              for layout in ("below_tiled", "mlp_is_root")}
+    res["sharded_inside_forward_only"] = _sharded_inside_forward_only(mesh, backend)
     res["tensor_parallel"] = _tensor_parallel_grads(mesh)
     # outside its forward the head weight is the sharded DTensor: refused loudly
     import logitless.torch as lt
@@ -226,6 +257,15 @@ def test_fsdp2_sharding_the_mlp_inside_the_tiled_call_is_refused(results):
                 "is sharded by FSDP2's fully_shard inside the tiled call" in err, (layout, err)
             assert "shard the TiledMLP module or an outer module, not the MLP inside the " \
                    "tiled call" in err, (layout, err)
+
+
+def test_fsdp2_inside_the_tiled_call_runs_forwards_no_backward_follows(results):
+    """Evaluation under no_grad, or nothing requiring grad: no gradient can be lost, and the
+    output equals the unsharded model's (it was refused like training)."""
+    for r in results:
+        for case, err in r["sharded_inside_forward_only"].items():
+            assert not isinstance(err, str), (case, err)
+            assert err <= 1e-5, (case, err)
 
 
 def test_tensor_parallel_mlp_takes_the_generic_path(results):

@@ -244,6 +244,11 @@ BAD = [
     (dict(backend="xla", block_v=64), TypeError, "unknown tuning keyword(s) ['block_v']"),
     (dict(tempreature=2.0), TypeError, "linear_jsd() got an unexpected keyword argument "
                                        "'tempreature' (did you mean 'temperature'?)"),
+    # the wording PyTorch's linear_jsd gives its vocab-parallel keywords (logitless/_keywords)
+    (dict(axis_name="tp"), TypeError, "linear_jsd() got an unexpected keyword argument "
+                                      "'axis_name' (linear_jsd has no vocab-parallel path "
+                                      "(axis_name= is a keyword of linear_cross_entropy): give "
+                                      "it the whole student and teacher heads)"),
     (dict(backend="pallas", block_v=48), ValueError, "block_v must be a power of two"),
     (dict(backend="pallas", fp32_logits=1), TypeError, "fp32_logits must be a bool"),
     (dict(backend="pallas", segment_size=3000), ValueError, "segment_size must be a power of two"),

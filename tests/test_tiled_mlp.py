@@ -514,6 +514,52 @@ def test_generic_path_refuses_a_hook_that_replaces_a_parameter():
     assert lin.weight is stored and type(m.gate_proj.weight) is nn.Parameter  # restored
 
 
+class _LoRALinear(nn.Module):
+    """A frozen base Linear plus trainable rank-2 adapters (PEFT's LoRA layout)."""
+
+    def __init__(self, i, o):
+        super().__init__()
+        self.base = nn.Linear(i, o).requires_grad_(False)
+        self.lora_a, self.lora_b = nn.Linear(i, 2, bias=False), nn.Linear(2, o, bias=False)
+
+    def forward(self, x):
+        return self.base(x) + self.lora_b(self.lora_a(x))
+
+
+class _LoRAMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = _LoRALinear(16, 24), _LoRALinear(24, 16)
+
+    def forward(self, x):
+        return self.down(F.silu(self.up(x)))
+
+
+def test_generic_path_lets_a_hook_swap_a_frozen_parameter():
+    """accelerate's offload hooks (AlignDevicesHook) on a LoRA's frozen base Linear install its
+    weight before each forward and restore the stored one after. The frozen weight's gradient
+    is wanted by nobody, so the swap loses nothing: the adapters and x get the untiled
+    gradients (the swap check had refused every swapped parameter, frozen ones too)."""
+    torch.manual_seed(SEED + 17)
+    m = _LoRAMLP().to(DEV)
+    for lin in (m.up.base, m.down.base):
+        stored = lin.weight
+        lin.register_forward_pre_hook(lambda mod, args, st=stored: mod._parameters.__setitem__(
+            "weight", nn.Parameter(st.detach().clone(), requires_grad=False)))
+        lin.register_forward_hook(
+            lambda mod, args, out, st=stored: mod._parameters.__setitem__("weight", st))
+    x = torch.randn(2, 21, 16, device=DEV)
+    y_full, dx_full, full = _grads(m, x, m)
+    y, dx, got = _grads(m, x, lambda t: lt.tiled_mlp(m, t, num_shards=3))
+    assert_fp32_close(y, y_full)
+    assert_fp32_close(dx, dx_full)
+    for n, p in m.named_parameters():
+        if "base" in n:
+            assert got[n] is None and full[n] is None, n
+        else:
+            assert_fp32_close(got[n], full[n])
+
+
 class _ComputedWeight(nn.Module):
     """An MLP reading a tensor that requires grad but is not its registered parameter."""
 

@@ -346,8 +346,14 @@ def _jsd_args(salt=20):
     ("ce", dict(axis_name="tp"), "axis_name is a logitless.jax keyword; PyTorch's vocabulary "
                                  "parallelism takes process_group="),
     ("jsd", dict(process_group=None), "linear_jsd has no vocab-parallel path (process_group= is "
-                                      "linear_cross_entropy's)"),
-    ("jsd", dict(axis_name="tp"), "linear_jsd has no vocab-parallel path"),
+                                      "a keyword of linear_cross_entropy): give it the whole "
+                                      "student and teacher heads)"),
+    ("jsd", dict(vocab_size=8), "linear_jsd has no vocab-parallel path (vocab_size= is a "
+                                "keyword of linear_cross_entropy)"),
+    # PyTorch's linear_cross_entropy has no axis_name= either: logitless.jax's has
+    ("jsd", dict(axis_name="tp"), "linear_jsd has no vocab-parallel path (axis_name= is a "
+                                  "keyword of logitless.jax's linear_cross_entropy): give it "
+                                  "the whole student and teacher heads)"),
 ])
 def test_misspelled_or_foreign_keywords_come_first_with_a_hint(op, kw, hint):
     """Checked before the shapes (a bad shape here must not hide the keyword), worded as

@@ -10,6 +10,7 @@ error paths. All cases of one world size run inside one spawned group (start-up 
 """
 import dataclasses
 import os
+import re
 import traceback
 
 import numpy as np
@@ -290,6 +291,35 @@ def _check_empty_slices(rank, world):
     return out
 
 
+def _check_empty_rank_bad_vectors(rank, world):
+    """The rank with an empty slice (V below the group size) gives a (1,) class-weight or bias
+    vector: {what: "Type: message"} on that rank, nothing on the others, which stay out (the
+    error must come before any collective, or the empty rank would wait in the forward's
+    all_gather until its group's timeout). A (1,) class weight had been taken for the slice,
+    changing every rank's smoothed loss; a (1,) bias had been ignored."""
+    import datetime
+
+    import logitless.torch as lt
+    group = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=10))
+    v, split = _EMPTY_SPLITS[world][0]
+    start, size = split[rank]
+    if size:
+        return {}
+    x, y = torch.randn(5, 4, dtype=torch.float64), torch.randint(0, v, (5,))
+    w = torch.randn(0, 4, dtype=torch.float64)
+    one = torch.ones(1, dtype=torch.float64)
+    msgs = {}
+    for what, kw in (("weight", dict(weight=one, label_smoothing=0.2)),
+                     ("linear_bias", dict(linear_bias=one))):
+        try:
+            lt.linear_cross_entropy(x, w, y, process_group=group, vocab_start_index=start,
+                                    vocab_size=v, **kw)
+            msgs[what] = "no error"
+        except Exception as e:  # noqa: BLE001 - the parent checks type and message
+            msgs[what] = f"{type(e).__name__}: {e}"
+    return msgs
+
+
 def _check_refusals(rank, world, group):
     """create_graph=True, and a rank outside the group: {what: "Type: message"} per rank."""
     import logitless.torch as lt
@@ -320,7 +350,8 @@ def _worker(rank, world):
                 module=_check_module_and_count(rank, world, group),
                 uneven=_check_uneven_budget_and_autocast(rank, world, group),
                 refusals=_check_refusals(rank, world, group),
-                empty=_check_empty_slices(rank, world))
+                empty=_check_empty_slices(rank, world),
+                empty_bad=_check_empty_rank_bad_vectors(rank, world))
 
 
 def _redraw_worker(rank, world, only):
@@ -455,6 +486,46 @@ def test_empty_vocab_slices(results):
             start, size = _EMPTY_SPLITS[world][k][1][rank]
             assert dw_shape == (size, 6), (rank, cid, dw_shape)
             assert err <= 1e-12, (rank, cid, err)
+
+
+def test_empty_rank_refuses_vectors_that_are_not_empty(results):
+    """On the rank with an empty slice, a (1,) class weight or bias is a ValueError naming the
+    empty slice, raised before the forward's collective (the others stayed out: a rank that
+    reached the all_gather would have timed out instead)."""
+    world, res = results
+    v, split = _EMPTY_SPLITS[world][0]
+    for rank, r in enumerate(res):
+        if split[rank][1]:
+            assert r["empty_bad"] == {}, r["empty_bad"]
+            continue
+        assert sorted(r["empty_bad"]) == ["linear_bias", "weight"], r["empty_bad"]
+        for what, msg in r["empty_bad"].items():
+            assert msg.startswith(f"ValueError: {what}") and \
+                "must have shape (V_local,) = (0,): this rank's vocabulary slice is empty" in msg, \
+                (rank, what, msg)
+
+
+@pytest.mark.parametrize("layout", ["vh", "hv"])
+def test_prepare_on_an_empty_slice_wants_empty_vectors(layout):
+    """prepare(empty_vocab=True) with a (V_local = 0) weight: (0,) bias and class weights are
+    the slice's; any other shape is refused, naming the empty slice. It had checked them as
+    a one-class slice: a (1,) vector passed, and a wrong one was told "(V,) = (1,)"."""
+    from logitless import _torch_common as common
+    x, y = torch.randn(3, 4), torch.randint(0, 5, (3,))
+    w = torch.randn(0, 4) if layout == "vh" else torch.randn(4, 0)
+    empty = torch.zeros(0)
+    p = common.prepare(x, w, y, empty, empty, weight_layout=layout, empty_vocab=True)
+    assert p.problem.v == 0 and p.bias.shape == (0,) and p.class_weight.shape == (0,)
+    assert common.prepare(x, w, y, None, None, weight_layout=layout,
+                          empty_vocab=True).problem.v == 0
+    for bad in ((1,), (3,), (0, 0), ()):
+        t = torch.zeros(bad)
+        for name, args in (("linear_bias", (t, None)), ("weight (class weights)", (None, t)),
+                           ("linear_bias", (t, t))):
+            with pytest.raises(ValueError, match=re.escape(
+                    f"{name} must have shape (V_local,) = (0,): this rank's vocabulary slice "
+                    f"is empty (linear_weight has shape {tuple(w.shape)}), got {bad}")):
+                common.prepare(x, w, y, *args, weight_layout=layout, empty_vocab=True)
 
 
 @pytest.mark.parametrize("slices, v, ok", [
