@@ -40,7 +40,7 @@ def test_docstring_says_where_to_take_the_gradient():
 
 
 def test_linear_jsd_says_it_has_no_vocab_parallel_path():
-    """axis_name= is linear_cross_entropy's: linear_jsd said "unknown tuning keyword(s)
+    """axis_name= is a keyword of linear_cross_entropy: linear_jsd said "unknown tuning keyword(s)
     ['axis_name'] for backend='xla'", as if another backend took it."""
     import jax.numpy as jnp
 
