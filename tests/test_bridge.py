@@ -236,13 +236,15 @@ def test_jax_function_matches_torch_autograd(gen, dtype, used):
 def _assert_matches(a, r, dtype, tol):
     """fp32: elementwise. bf16: each framework rounds its own logits (XLA may fuse the bias add
     before rounding, PyTorch rounds twice), so a single value may stray by a bf16 ulp of the
-    logits (0.03 at |z| ~ 4); the whole vector must agree to bf16 precision."""
+    logits (0.03 at |z| ~ 4, a 3% change of that softmax term); the whole vector must agree
+    to a few bf16 ulps: over 300 seeds the worst of these norms was 2.4e-2 of the reference's
+    (the 2e-2 this had failed about one seed in 300), and a wrong scale or term is O(1)."""
     if dtype == torch.float32:
         np.testing.assert_allclose(as_np(a), as_np(r), **tol)
         return
     a64, r64 = as_np(a).astype(np.float64), as_np(r).astype(np.float64)
     assert np.isfinite(a64).all()
-    assert np.linalg.norm(a64 - r64) <= 2e-2 * np.linalg.norm(r64)
+    assert np.linalg.norm(a64 - r64) <= 4e-2 * np.linalg.norm(r64)
 
 
 def test_jax_function_compiles_once_per_config(gen):

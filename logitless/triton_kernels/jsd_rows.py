@@ -563,7 +563,7 @@ def compile_report(arch: int = 90, variants=None) -> str:
 
     base = dict(KIND=KIND_JSD, HAS_Y=True, HARD=False, T_ONE=True, WRITE_LOSS=True,
                 WRITE_GRAD=True, PHASE=0, SEGS=16, SEGS_P2=16, SEG=8192, BLOCK=2048,
-                ROUND_BF16=False, MAX_SPIN=1 << 20, FORM=0)
+                ROUND_BF16=False, MAX_SPIN=1 << 20, FORM=0, STAGES=1)
     variants = variants or [
         dict(), dict(KIND=KIND_FORWARD_KL), dict(KIND=KIND_REVERSE_KL, HARD=True),
         dict(HARD=True, T_ONE=False), dict(SEGS=1, SEGS_P2=2, SEG=131072),
