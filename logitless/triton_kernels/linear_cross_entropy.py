@@ -341,9 +341,10 @@ def _resolve_gemm(code, x, w, bias, low_memory):
     """The ``LOGITS_GEMM`` code the sweeps run: "triton" once the tensors' layouts are
     checked (inside the ops, where their data pointers are real, not under tracing; the options
     were checked up front), "auto" as "triton" for the low-memory setting on a Hopper GPU
-    (compute capability 9.x) where that GEMM can run (there it measured 1.6% faster than cuBLAS, the fast setting 0.5% slower:
-    results/…-s18-logits-gemm-ab.jsonl), else "cublas". The forward and backward ops resolve
-    the same inputs alike. No tokens: no GEMM runs, nothing to check."""
+    (compute capability 9.x) where that GEMM can run (there it measured 1.6% faster than
+    cuBLAS, the fast setting 0.5% slower: results/…-s18-logits-gemm-ab.jsonl), else
+    "cublas". The forward and backward ops resolve the same inputs alike. No tokens: no GEMM
+    runs, nothing to check."""
     triton_code, cublas = LOGITS_GEMM["triton"], LOGITS_GEMM["cublas"]
     if code == LOGITS_GEMM["auto"]:  # measured on Hopper only: not picked elsewhere
         own = (low_memory and x.is_cuda and x.shape[0] > 0
