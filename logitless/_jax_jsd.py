@@ -108,7 +108,7 @@ def expm1(x):
     t = jnp.where(small, x, 0.0)
     p = t * (1.0 + t * (0.5 + t * (1.0 / 6.0 + t * (1.0 / 24.0 + t * (1.0 / 120.0 +
                                                                        t * (1.0 / 720.0))))))
-    return jnp.where(small, p, common.exp(x) - 1.0)
+    return jnp.where(small, p, jnp.exp(x) - 1.0)
 
 
 def log1p(y):
@@ -130,7 +130,7 @@ def stats_init(rows: int):
 def _online(m, s, x):
     """Fold a block of exponents x (masked lanes -inf) into running (max, Σ exp(x − max))."""
     m_new = jnp.maximum(m, jnp.max(x, axis=1))
-    return m_new, s * common.exp(m - m_new) + jnp.sum(common.exp(x - m_new[:, None]), axis=1)
+    return m_new, s * jnp.exp(m - m_new) + jnp.sum(jnp.exp(x - m_new[:, None]), axis=1)
 
 
 def stats_update(carry, a, b, zs, cmask, is_target, *, kind, hard, t_one):
@@ -141,14 +141,14 @@ def stats_update(carry, a, b, zs, cmask, is_target, *, kind, hard, t_one):
     live = jnp.ones(a.shape, bool) if cmask is None else jnp.broadcast_to(cmask[None, :], a.shape)
     d = jnp.where(live, b - a, 0.0)
     ma_new = jnp.maximum(m_a, jnp.max(jnp.where(live, a, -jnp.inf), axis=1))
-    ra = common.exp(m_a - ma_new)
-    ea = jnp.where(live, common.exp(a - ma_new[:, None]), 0.0)
+    ra = jnp.exp(m_a - ma_new)
+    ea = jnp.where(live, jnp.exp(a - ma_new[:, None]), 0.0)
     s_a = s_a * ra + jnp.sum(ea, axis=1)
     u = u * ra + jnp.sum(ea * expm1(jnp.minimum(d, FAR)), axis=1)
     md = jnp.maximum(md, jnp.max(jnp.where(live, d, -jnp.inf), axis=1))
     mb_new = jnp.maximum(m_b, jnp.max(jnp.where(live, b, -jnp.inf), axis=1))
-    rb = common.exp(m_b - mb_new)
-    eb = jnp.where(live, common.exp(b - mb_new[:, None]), 0.0)
+    rb = jnp.exp(m_b - mb_new)
+    eb = jnp.where(live, jnp.exp(b - mb_new[:, None]), 0.0)
     s_b = s_b * rb + jnp.sum(eb, axis=1)
     if kind == "forward_kl":
         w = w * rb + jnp.sum(eb * d, axis=1)
@@ -186,11 +186,11 @@ def stats_merge(parts, *, kind, hard, t_one):
     the normalizers' sums (and u, and w) rescaled to the common maxima."""
     m_a, s_a, m_b, s_b, u, md, w, m_z, s_z, z_y = parts
     ma, mb = jnp.max(m_a, axis=0), jnp.max(m_b, axis=0)
-    ra, rb = common.exp(m_a - ma), common.exp(m_b - mb)
+    ra, rb = jnp.exp(m_a - ma), jnp.exp(m_b - mb)
     w = jnp.sum(w * (rb if kind == "forward_kl" else ra), axis=0)
     if hard and not t_one:
         mz = jnp.max(m_z, axis=0)
-        s_z = jnp.sum(s_z * common.exp(m_z - mz), axis=0)
+        s_z = jnp.sum(s_z * jnp.exp(m_z - mz), axis=0)
     else:  # unused
         mz, s_z = m_z[0], s_z[0]
     return (ma, jnp.sum(s_a * ra, axis=0), mb, jnp.sum(s_b * rb, axis=0),
@@ -208,8 +208,8 @@ def _jsd_terms(a, b, m_a, ls_a, c, beta):
     """Q, P, δ = log P − log Q and Λ = log Q − log M negated, per element (0 < β < 1)."""
     lq = log_q(a, m_a, ls_a)
     delta = (b - a) - c[:, None]
-    q = common.exp(lq)
-    p = common.exp(lq + delta)
+    q = jnp.exp(lq)
+    p = jnp.exp(lq + delta)
     form = spec.beta_form(beta)
     far = FAR if form == 1 else spec.far_delta(beta)
     if form == 2:  # β < TINY_BETA: far passes EXPM1_MAX, where β·expm1(δ) would overflow
@@ -269,20 +269,20 @@ def grad_block(a, b, zs, is_target, m_a, ls_a, m_b, ls_b, c, l_z, kk, coef, hard
     lq = log_q(a, m_a, ls_a)
     delta = (b - a) - c[:, None]
     if kind == "forward_kl":
-        q = common.exp(lq)
+        q = jnp.exp(lq)
         # Q − P: as −Q·expm1(δ) where P ≈ Q; elsewhere P from the teacher's own statistics
         # (e^(lq + δ) would add the rounding of b − a and of c)
         d = jnp.where(jnp.abs(delta) < SMALL, -q * expm1(delta),
-                      q - common.exp(log_q(b, m_b, ls_b)))
+                      q - jnp.exp(log_q(b, m_b, ls_b)))
     elif kind == "reverse_kl":
-        q = common.exp(lq)
+        q = jnp.exp(lq)
         d = -q * (delta + kk[:, None])
     else:
         q, _, _, lam = _jsd_terms(a, b, m_a, ls_a, c, beta)
         d = -(1.0 - beta) * q * (lam + kk[:, None])
     d = d * (coef / temperature)[:, None]
     if hard:
-        sv = q if t_one else common.exp(zs - l_z[:, None])
+        sv = q if t_one else jnp.exp(zs - l_z[:, None])
         d = d + hard_coef[:, None] * (sv - jnp.where(is_target, 1.0, 0.0))
     return d
 
