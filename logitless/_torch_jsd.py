@@ -231,7 +231,10 @@ def linear_jsd(student_input, student_weight, teacher_input, teacher_weight, tar
     student_input, student_weight, teacher_input, teacher_weight = common.autocast_inputs(
         student_input, student_weight, teacher_input, teacher_weight)
     prepared = prepare(student_input, student_weight, teacher_input, teacher_weight, target, opts)
-    name, impl = _resolve(backend, prepared.xs.device, prepared.xs.dtype)
+    # a float64 teacher beside a lower-precision student runs where float64 does
+    wide = torch.float64 in (prepared.xs.dtype, prepared.xt.dtype)
+    name, impl = _resolve(backend, prepared.xs.device,
+                          torch.float64 if wide else prepared.xs.dtype)
     if tuning:
         tuning = common.tuning_for_backend("linear_jsd", name, impl.TUNING, tuning,
                                            explicit=backend is not None)

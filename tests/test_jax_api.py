@@ -422,7 +422,8 @@ BAD = [
     (dict(softcap=0.0), ValueError, "softcap must be > 0"),
     (dict(ignore_index=2**40), ValueError, "ignore_index must fit in int32"),
     # a jnp scalar option (e.g. annealed under jit): refused, saying how to pass it
-    (dict(label_smoothing=jnp.float32(0.1)), TypeError, "pass a Python number (under jax.jit"),
+    (dict(label_smoothing=jnp.float32(0.1)), TypeError, "pass a Python number (float(t) of a 0-d "
+     "tensor or array; under jax.jit close over"),
     (dict(ignore_index=jnp.int32(-100)), TypeError, "ignore_index must be an int, got Array"),
     (dict(weight_layout="vhh"), ValueError, "weight_layout must be"),
     (dict(backend="triton"), ValueError, "backend must be None or one of"),

@@ -962,3 +962,19 @@ def test_gpu_out_of_range_target_is_an_error():
             "print(lt.linear_jsd(x,w,x,w,y,backend='triton').item())\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode != 0 and "assert" in (r.stderr + r.stdout).lower()
+
+
+def test_default_backend_takes_float64_from_either_head(monkeypatch):
+    """``backend=None`` where Triton is usable (stood in for here: no GPU needed) must not pick
+    Triton, which has no float64 kernels, for a float64 teacher beside a float32 student: it
+    runs on the torch backend, as on a CPU (it raised Triton's teacher dtype error)."""
+    torch = _torch()
+    import logitless._torch_jsd as front
+    import logitless.torch as lt
+    xs, ws, xt, wt, y = _data(8, 16, 12, 32, seed=9)
+    xt, wt = xt.double(), wt.double()
+    want = lt.linear_jsd(xs, ws, xt, wt, y, backend="torch")
+    monkeypatch.setattr(front, "_triton_usable", lambda device: True)
+    got = lt.linear_jsd(xs, ws, xt, wt, y)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert front._resolve(None, xs.device, torch.float32)[0] == "triton"  # the stand-in holds

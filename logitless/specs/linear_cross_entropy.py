@@ -95,8 +95,8 @@ def not_static(name, value, what) -> TypeError:
     hint = ""
     if getattr(value, "shape", None) == ():
         hint = ("; the options are compile-time constants of the kernels: pass a Python number "
-                "(under jax.jit, close over it or mark it static; each distinct value compiles "
-                "once)")
+                "(float(t) of a 0-d tensor or array; under jax.jit close over the value or mark "
+                "it static: each distinct value compiles once)")
     return TypeError(f"{name} must be {what}, got {value!r}{hint}")
 
 
