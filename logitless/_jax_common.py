@@ -290,8 +290,8 @@ def capped(z, softcap: Optional[float]):
 def token_loss(lse, c_y, wc, b, sm, smo, zw):
     """l_i from lse_i, the target logit c_y, the smoothing sum wc = Σ_v w_v c_v (or None)."""
     loss = b * (lse - c_y) + zw * lse * lse
-    if wc is not None:
-        loss = loss + (smo * lse - sm * wc)
+    if wc is not None:  # sm = 0 for an ignored token, whose wc may be −inf (0·inf = NaN)
+        loss = loss + jnp.where(sm != 0, smo * lse - sm * wc, 0.0)
     return loss
 
 

@@ -417,7 +417,10 @@ def token_terms(c: torch.Tensor, y: torch.Tensor, class_weight, opts: spec.Linea
     loss = (1 - opts.label_smoothing) * w_y * (lse - c_y)
     if opts.uses_smoothing:
         wc = c.sum(1) if class_weight is None else c @ class_weight
-        loss = loss + mask * (opts.label_smoothing / v) * (weight_sum * lse - wc)
+        # selected, not multiplied by the mask: an ignored token's wc may be −inf (a class
+        # masked by a −inf bias), and 0·inf = NaN
+        loss = loss + torch.where(mask_b, (opts.label_smoothing / v) * (weight_sum * lse - wc),
+                                  0.0)
     if opts.z_loss:
         loss = loss + opts.z_loss * w_y * lse * lse
     return TokenTerms(lse=lse, loss=loss, mask=mask, omega=w_y, y_safe=y_safe)

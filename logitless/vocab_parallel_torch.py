@@ -119,7 +119,8 @@ class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
         eps, v = opts.label_smoothing, shard.v
         loss = (1 - eps) * omega * (lse - sums[_CY])
         if smoothing:
-            loss = loss + mask * (eps / v) * (big_omega * lse - sums[_WC])
+            # selected, not times the mask: an ignored token's sum may be −inf (0·inf = NaN)
+            loss = loss + torch.where(mask > 0, (eps / v) * (big_omega * lse - sums[_WC]), 0.0)
         if opts.z_loss:
             loss = loss + opts.z_loss * omega * lse * lse
         loss, lse, omega = loss.to(acc), lse.to(acc), omega.to(acc)

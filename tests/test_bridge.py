@@ -737,3 +737,22 @@ def test_pallas_backend_refuses_float64(gen):
     x, w = rand(gen, 3, 4).double(), rand(gen, 5, 4).double()
     with pytest.raises(TypeError, match="float64"):
         lt.linear_cross_entropy(x, w, torch.tensor([0, 1, 2]), backend="pallas")
+
+
+@pytest.mark.parametrize("op", ["linear_cross_entropy", "linear_jsd"])
+@pytest.mark.parametrize("held", [False, True], ids=["not-held", "held-by-a-target"])
+def test_pallas_refuses_an_ignore_index_beyond_int32_whatever_the_targets(gen, op, held):
+    """The JAX port's targets are int32: an ignore_index beyond it is refused up front with
+    the same message whether or not a target holds it (a held one had failed to cross the
+    bridge with a message about int64 conversion instead)."""
+    import logitless.torch as lt
+    x, w = rand(gen, 3, 4), rand(gen, 5, 4)
+    y = torch.tensor([0, 2 ** 40 if held else 1, 2])
+    call = (lambda: lt.linear_cross_entropy(x, w, y, ignore_index=2 ** 40, backend="pallas")) \
+        if op == "linear_cross_entropy" else \
+        (lambda: lt.linear_jsd(x, w, x, w, y, ignore_index=2 ** 40, backend="pallas"))
+    with pytest.raises(ValueError, match=r"ignore_index must fit in int32 .* got 1099511627776"):
+        call()
+    # the torch backend takes it
+    assert torch.isfinite(getattr(lt, op)(x, w, *((x, w) if op == "linear_jsd" else ()), y,
+                                          ignore_index=2 ** 40, backend="torch"))

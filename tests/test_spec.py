@@ -387,11 +387,18 @@ def test_all_ignored_lse_gradient_still_flows(red):
     (dict(softcap=float("inf")), TypeError, "softcap"),
     (dict(softcap=float("nan")), TypeError, "softcap"),
     (dict(softcap="30"), TypeError, "softcap"),
+    # finite in float64 but outside float32's normal range: the kernels' z/softcap would be
+    # 0 or inf in float32, and their gradients NaN
+    (dict(softcap=1e39), ValueError, "softcap must lie in float32's normal range"),
+    (dict(softcap=1e-39), ValueError, "softcap must lie in float32's normal range"),
     (dict(ignore_index=-100.0), TypeError, "ignore_index"),
     (dict(ignore_index=1.5), TypeError, "ignore_index"),
     (dict(ignore_index="-100"), TypeError, "ignore_index"),
     (dict(ignore_index=True), TypeError, "ignore_index"),
     (dict(ignore_index=None), TypeError, "ignore_index"),
+    # beyond any integer target dtype (torch's ops had answered "Expected int, found int")
+    (dict(ignore_index=2 ** 63), ValueError, "ignore_index must fit in int64"),
+    (dict(ignore_index=-2 ** 63 - 1), ValueError, "ignore_index must fit in int64"),
     (dict(return_lse=1), TypeError, "return_lse"),
     (dict(return_lse="yes"), TypeError, "return_lse"),
     (dict(return_lse=None), TypeError, "return_lse"),
@@ -404,6 +411,10 @@ def test_options_reject_bad_values(kwargs, exc, name):
 def test_options_accept_edges_and_normalize():
     o = spec.LinearCrossEntropyOptions(label_smoothing=1, z_loss=0, softcap=1e-6,
                                        ignore_index=np.int32(7), return_lse=True)
+    for edge in (2 ** 63 - 1, -2 ** 63):
+        assert spec.LinearCrossEntropyOptions(ignore_index=edge).ignore_index == edge
+    for cap in (spec.FLOAT32_TINY, spec.FLOAT32_MAX):
+        assert spec.LinearCrossEntropyOptions(softcap=cap).softcap == cap
     assert o.ignore_index == 7 and type(o.ignore_index) is int
     assert spec.LinearCrossEntropyOptions(label_smoothing=0.0).uses_smoothing is False
     assert o.uses_smoothing is True

@@ -188,7 +188,9 @@ def _check_uneven_budget_and_autocast(rank, world, group):
     """(1) Uneven slices with a ``memory_budget``: the ranks' token-chunk plans (and with them
     the backward's per-chunk dX all-reduces) must pair up; planned on V_local they did not
     (a gloo abort, an NCCL hang). (2) Under autocast, class weights with label smoothing and a
-    large common logit offset: the fp32 loss math must not be re-cast to bf16 by autocast."""
+    large common logit offset: the fp32 loss math must not be re-cast to bf16 by autocast.
+    (3) Label smoothing beside a class masked by a −inf bias (on rank 0's slice): per-token
+    losses inf for kept tokens, 0 for ignored ones (were NaN: the mask times a −inf sum)."""
     import logitless.torch as lt
     g = torch.Generator().manual_seed(harness.SEED + 11)
     v, n = 6 * world + 1, 40
@@ -221,7 +223,13 @@ def _check_uneven_budget_and_autocast(rank, world, group):
         single = lt.linear_cross_entropy(x, w, y, linear_bias=b, weight=cw, **kw)
         vp = lt.linear_cross_entropy(x, w[sl], y, linear_bias=b[sl], weight=cw[sl].contiguous(),
                                      process_group=group, **kw)
-    return dict(budget=budget, autocast=abs(float(vp - single)) / abs(float(single)))
+    masked_b = b.clone()
+    masked_b[0] = -float("inf")
+    y_m = torch.where(torch.arange(n) % 3 == 1, -100, y.clamp_min(1))
+    per_tok = lt.linear_cross_entropy(x, w[sl], y_m, linear_bias=masked_b[sl],
+                                      process_group=group, reduction="none", **kw)
+    return dict(budget=budget, autocast=abs(float(vp - single)) / abs(float(single)),
+                masked=(per_tok.tolist(), (y_m != -100).tolist()))
 
 
 # (V, per-rank (start, size)) splits holding empty slices: V below the group size, an empty
@@ -449,6 +457,9 @@ def test_uneven_slices_with_a_budget_and_autocast(results):
         u = r["uneven"]
         assert u["budget"][0] <= 1e-12 and u["budget"][1] <= 1e-12, u  # float64
         assert u["autocast"] <= 1e-6, u  # 7e-5 when autocast re-cast the smoothing sum
+        loss, kept = u["masked"]
+        assert all((val == float("inf")) if k else (val == 0.0) for val, k in zip(loss, kept)), \
+            loss
 
 
 def test_create_graph_is_refused_on_every_rank(results):

@@ -285,6 +285,15 @@ def refuse_functorch(name: str, *tensors) -> None:
             "Use torch.autograd, backend='triton' or 'torch', or jax.vmap on the JAX side.")
 
 
+def refuse_wide_ignore_index(op: str, ignore_index: int) -> None:
+    """JAX's targets are int32: an ``ignore_index`` beyond int32 is refused up front (else the
+    error depended on the data: the targets holding it failed to cross the bridge)."""
+    if not -2 ** 31 <= ignore_index < 2 ** 31:
+        raise ValueError(f"{op}(backend='pallas'): ignore_index must fit in int32 (the JAX "
+                         f"port's targets are int32), got {ignore_index}; use backend='torch' "
+                         f"or 'triton'")
+
+
 def refuse_interpret_x64(op: str, interpret, needs) -> None:
     """A PyTorch caller's error for what the interpreted Pallas kernels cannot do: gradients
     under ``jax_enable_x64`` (the kernels' own error tells a JAX caller to pick

@@ -27,7 +27,8 @@ import torch
 from .. import _torch_common as common
 from .. import jax as lj
 from ..specs import linear_cross_entropy as spec
-from .autograd import JaxFunction, refuse_functorch, refuse_interpret_x64
+from .autograd import (JaxFunction, refuse_functorch, refuse_interpret_x64,
+                       refuse_wide_ignore_index)
 
 __all__ = ["TUNING", "linear_cross_entropy"]
 # the front door leaves the target range check to bridged() (after the torch.func refusal)
@@ -75,6 +76,7 @@ def _weight_and_layout(w: torch.Tensor):
 def bridged(p: common.Prepared, opts: spec.LinearCrossEntropyOptions, jax_backend: str, tuning):
     """The torch-backend contract over any JAX backend (``"pallas"``, ``"xla"``)."""
     refuse_functorch("linear_cross_entropy", p.x, p.w, p.y, p.bias, p.class_weight)
+    refuse_wide_ignore_index("linear_cross_entropy", opts.ignore_index)
     common.check_targets(p.y, p.problem.v, opts.ignore_index)  # after: vmap can't batch it
     if p.x.dtype == torch.float64:
         raise TypeError("float64 inputs are not supported by the JAX backends (JAX runs "

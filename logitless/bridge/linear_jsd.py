@@ -20,7 +20,8 @@ from .. import _torch_common as common
 from .. import _torch_jsd as jsd_common
 from .. import _jax_jsd as jax_jsd
 from ..specs import linear_jsd as spec
-from .autograd import JaxFunction, refuse_functorch, refuse_interpret_x64
+from .autograd import (JaxFunction, refuse_functorch, refuse_interpret_x64,
+                       refuse_wide_ignore_index)
 
 __all__ = ["TUNING", "linear_jsd"]
 # the front door leaves the target range check to bridged() (after the torch.func refusal)
@@ -58,6 +59,7 @@ def _in_layout(w: torch.Tensor, layout: str) -> torch.Tensor:
 def bridged(p: jsd_common.Prepared, opts: spec.LinearJSDOptions, jax_backend: str, tuning):
     """The torch-backend contract over any JAX backend ("pallas", "xla")."""
     refuse_functorch("linear_jsd", p.xs, p.ws, p.xt, p.wt, p.y)
+    refuse_wide_ignore_index("linear_jsd", opts.ignore_index)
     if p.y is not None:  # after: vmap can't batch it
         common.check_targets(p.y, p.problem.v, opts.ignore_index)
     if torch.float64 in (p.xs.dtype, p.xt.dtype):

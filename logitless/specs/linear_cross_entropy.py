@@ -52,6 +52,7 @@ from typing import Optional, Sequence, Tuple
 import numpy as np
 
 REDUCTIONS = ("mean", "sum", "none")
+FLOAT32_TINY, FLOAT32_MAX = float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +80,11 @@ class LinearCrossEntropyOptions:
             if name != "softcap" or self.softcap is not None:
                 object.__setattr__(self, name, _check_real(name, getattr(self, name), lo=lo,
                                                            hi=hi, lo_open=lo_open))
+        if self.softcap is not None and not FLOAT32_TINY <= self.softcap <= FLOAT32_MAX:
+            # the kernels divide by it and square c/softcap in float32: outside its normal
+            # range z/softcap becomes 0 or inf, and the gradient NaN
+            raise ValueError(f"softcap must lie in float32's normal range [{FLOAT32_TINY:.4g}, "
+                             f"{FLOAT32_MAX:.4g}], got {self.softcap!r}")
         if not isinstance(self.return_lse, bool):
             raise TypeError(f"return_lse must be a bool, got {self.return_lse!r}")
 
@@ -103,6 +109,8 @@ def not_static(name, value, what) -> TypeError:
 def check_ignore_index(value) -> None:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise not_static("ignore_index", value, "an int")
+    if not -2 ** 63 <= value < 2 ** 63:  # targets are at most int64
+        raise ValueError(f"ignore_index must fit in int64, got {value}")
 
 
 def _check_real(name, value, *, lo=None, hi=None, lo_open=False) -> float:

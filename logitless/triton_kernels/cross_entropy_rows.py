@@ -28,10 +28,17 @@ from .narrow_cast import round_bf16_bits
 
 @triton.jit
 def _tanh(u):
-    # tanh through exp of a non-positive argument: no overflow, works in the interpreter.
-    e = tl.exp(-2.0 * tl.abs(u))
+    # tanh through exp of a non-positive argument: no overflow, works in the interpreter. Below
+    # |u| = 1/4, where 1 − e^(−2|u|) would cancel (an absolute error of ~6e-8 whatever |u|: a
+    # softcap far above the logits capped them all by ~softcap·3e-8), its odd series through
+    # u⁹, whose first neglected term is < 1e-8 of tanh there.
+    a = tl.abs(u)
+    e = tl.exp(-2.0 * a)
+    u2 = u * u
+    series = u * (1.0 + u2 * (-1.0 / 3.0 + u2 * (2.0 / 15.0 + u2 * (-17.0 / 315.0 +
+                                                                     u2 * (62.0 / 2835.0)))))
     t = (1.0 - e) / (1.0 + e)
-    return tl.where(u < 0, -t, t)
+    return tl.where(a < 0.25, series, tl.where(u < 0, -t, t))
 
 
 @triton.jit
@@ -182,7 +189,8 @@ def cross_entropy_rows_kernel(
             c_y = _cap(z_y, softcap, HAS_SOFTCAP)
             loss = (1.0 - eps) * omega * (lse - c_y)
             if SMOOTH:
-                loss += mask_f * (eps / V) * (omega_sum * lse - wc)
+                # selected, not times the mask: an ignored token's wc may be −inf (0·inf)
+                loss += tl.where(mask_f > 0, (eps / V) * (omega_sum * lse - wc), 0.0)
             if HAS_Z:
                 loss += z_loss * omega * lse * lse
             # an out-of-range target poisons its loss: an error, never silent garbage
