@@ -381,18 +381,23 @@ def test_softcap_far_above_the_logits_stays_accurate(kw, softcap):
     x, w, y = _data(12, 16, 70, dtype=torch.bfloat16 if own else torch.float32, seed=21)
     got = _loss_and_grads(x, w, y, backend="triton", reduction="sum", softcap=softcap,
                           chunk_size=8, **kw)
-    if own:
-        want, tol = _loss_and_grads(x, w, y, backend="torch", reduction="sum",
-                                    softcap=softcap), 2e-3
+    rel = lambda a, r: ((a.double().cpu() - r.double().cpu()).norm() / r.double().cpu().norm()
+                        ).item()
+    if own:  # as close to backend="torch" as without a softcap (the GEMMs round differently)
+        want = _loss_and_grads(x, w, y, backend="torch", reduction="sum", softcap=softcap)
+        plain = zip(_loss_and_grads(x, w, y, backend="triton", reduction="sum", chunk_size=8,
+                                    **kw),
+                    _loss_and_grads(x, w, y, backend="torch", reduction="sum"))
+        tols = [2 * rel(a, r) + 1e-4 for a, r in plain]
     else:
         ref = spec.reference(x.double().cpu().numpy(), w.double().cpu().numpy(),
                              y.cpu().numpy(), options=spec.LinearCrossEntropyOptions(
                                  reduction="sum", softcap=softcap))
-        want, tol = [torch.as_tensor(np.asarray(ref[k])) for k in ("loss", "dx", "dw")], 2e-6
-    for a, r, key in zip(got, want, ("loss", "dx", "dw")):
-        a, r = a.double().cpu(), r.double().cpu()
-        rel = ((a - r).norm() / r.norm()).item()
-        assert rel < tol, (key, rel)
+        want = [torch.as_tensor(np.asarray(ref[k])) for k in ("loss", "dx", "dw")]
+        tols = [2e-6] * 3
+    for a, r, tol, key in zip(got, want, tols, ("loss", "dx", "dw")):
+        err = rel(a, r)
+        assert err < tol, (key, err, tol)
 
 
 def test_logits_gemm_errors():
