@@ -120,6 +120,14 @@ def log1p(y):
     return jnp.where(small, p, jnp.log(1.0 + y))
 
 
+def scaled(zs, zt, inv_t):
+    """a = z_s/T, b = z_t/T and d = (z_t − z_s)/T from raw logits. d is the difference
+    scaled, not b − a: where a compiler fuses the multiply into the subtraction (an FMA: XLA
+    on a CPU, Triton on a GPU) b − a is z_t·(1/T) − round(z_s·(1/T)), the rounding residual of
+    z/T where the heads are equal, not 0 (a JSD of equal heads at T = 0.3 came out 1e-6)."""
+    return zs * inv_t, zt * inv_t, (zt - zs) * inv_t
+
+
 def stats_init(rows: int):
     """(m_a, s_a, m_b, s_b, u, md, w, m_z, s_z, z_y) before any column."""
     zeros = jnp.zeros((rows,), jnp.float32)
@@ -133,13 +141,13 @@ def _online(m, s, x):
     return m_new, s * jnp.exp(m - m_new) + jnp.sum(jnp.exp(x - m_new[:, None]), axis=1)
 
 
-def stats_update(carry, a, b, zs, cmask, is_target, *, kind, hard, t_one):
+def stats_update(carry, a, b, d, zs, cmask, is_target, *, kind, hard, t_one):
     """Pass 1 over a column block: online normalizers of a and b, u = Σ e^(a−m_a)·expm1(b − a),
     md = max(b − a), for the KL kinds w = Σ e^(b−m_b)·(b − a) (forward) or Σ e^(a−m_a)·(a − b)
     (reverse), and for the hard-label term the target logit (and z_s's normalizer, T != 1)."""
     m_a, s_a, m_b, s_b, u, md, w, m_z, s_z, z_y = carry
     live = jnp.ones(a.shape, bool) if cmask is None else jnp.broadcast_to(cmask[None, :], a.shape)
-    d = jnp.where(live, b - a, 0.0)
+    d = jnp.where(live, d, 0.0)
     ma_new = jnp.maximum(m_a, jnp.max(jnp.where(live, a, -jnp.inf), axis=1))
     ra = jnp.exp(m_a - ma_new)
     ea = jnp.where(live, jnp.exp(a - ma_new[:, None]), 0.0)
@@ -204,12 +212,11 @@ def log_q(a, m_a, ls_a):
     return (a - m_a[:, None]) - ls_a[:, None]
 
 
-def _jsd_terms(a, b, m_a, ls_a, c, beta):
-    """Q, P, δ = log P − log Q and Λ = log Q − log M negated, per element (0 < β < 1)."""
+def _jsd_terms(a, d, m_a, ls_a, c, beta):
+    """Q, log Q, δ = log P − log Q and Λ = log Q − log M negated, per element (0 < β < 1)."""
     lq = log_q(a, m_a, ls_a)
-    delta = (b - a) - c[:, None]
+    delta = d - c[:, None]
     q = jnp.exp(lq)
-    p = jnp.exp(lq + delta)
     form = spec.beta_form(beta)
     far = FAR if form == 1 else spec.far_delta(beta)
     if form == 2:  # β < TINY_BETA: far passes EXPM1_MAX, where β·expm1(δ) would overflow
@@ -225,14 +232,17 @@ def _jsd_terms(a, b, m_a, ls_a, c, beta):
         # taken in float64 (in fp32, β·expm1(δ) would make it 1 − fp32(β))
         lam = jnp.where(delta < -1.0, jnp.logaddexp(math.log(beta) + delta, math.log1p(-beta)),
                         lam)
-    return q, p, delta, lam
+    return q, lq, delta, lam
 
 
-def jsd_sums_update(carry, a, b, m_a, ls_a, c, cmask, *, beta):
+def jsd_sums_update(carry, a, b, d, m_a, ls_a, m_b, ls_b, c, cmask, *, beta):
     """Pass 2 (0 < β < 1) over a column block: −Σ Q·Λ and ΣQ (K = KL(Q‖M) is their ratio,
     :func:`jsd_k`), and J = Σ β·P·log(P/M) − (1−β)·Q·Λ."""
     k, j, qs = carry
-    q, p, delta, lam = _jsd_terms(a, b, m_a, ls_a, c, beta)
+    q, lq, delta, lam = _jsd_terms(a, d, m_a, ls_a, c, beta)
+    # P as Q·e^δ where the heads are close (consistent with δ), else from the teacher's own
+    # statistics: log Q + δ cancels two terms of O(|z|/T) where they are far apart
+    p = jnp.where(jnp.abs(delta) < 1.0, jnp.exp(lq + delta), jnp.exp(log_q(b, m_b, ls_b)))
     qlam = q * lam
     live = True if cmask is None else cmask[None, :]
     k = k - jnp.sum(jnp.where(live, qlam, 0.0), axis=1)
@@ -261,30 +271,30 @@ def _log_p_over_m(delta, lam, beta):
     return -jnp.where(nd > FAR, far, log1p((1.0 - beta) * expm1(jnp.minimum(nd, FAR))))
 
 
-def grad_block(a, b, zs, is_target, m_a, ls_a, m_b, ls_b, c, l_z, kk, coef, hard_coef, *,
+def grad_block(a, b, d, zs, is_target, m_a, ls_a, m_b, ls_b, c, l_z, kk, coef, hard_coef, *,
                kind, beta, temperature, hard, t_one):
     """Pass 3: the student logit gradient of a column block, coef·(1/T)·∂J/∂a +
     hard_coef·(S − onehot), with coef = g·m per row (and hard_coef = coef·w_h); kk the row's
-    KL (reverse KL) or K (JSD)."""
+    KL (reverse KL) or K (JSD); a, b, d as :func:`scaled` makes them."""
     lq = log_q(a, m_a, ls_a)
-    delta = (b - a) - c[:, None]
+    delta = d - c[:, None]
     if kind == "forward_kl":
         q = jnp.exp(lq)
         # Q − P: as −Q·expm1(δ) where P ≈ Q; elsewhere P from the teacher's own statistics
         # (e^(lq + δ) would add the rounding of b − a and of c)
-        d = jnp.where(jnp.abs(delta) < SMALL, -q * expm1(delta),
+        g = jnp.where(jnp.abs(delta) < SMALL, -q * expm1(delta),
                       q - jnp.exp(log_q(b, m_b, ls_b)))
     elif kind == "reverse_kl":
         q = jnp.exp(lq)
-        d = -q * (delta + kk[:, None])
+        g = -q * (delta + kk[:, None])
     else:
-        q, _, _, lam = _jsd_terms(a, b, m_a, ls_a, c, beta)
-        d = -(1.0 - beta) * q * (lam + kk[:, None])
-    d = d * (coef / temperature)[:, None]
+        q, _, _, lam = _jsd_terms(a, d, m_a, ls_a, c, beta)
+        g = -(1.0 - beta) * q * (lam + kk[:, None])
+    dz = g * (coef / temperature)[:, None]
     if hard:
         sv = q if t_one else jnp.exp(zs - l_z[:, None])
-        d = d + hard_coef[:, None] * (sv - jnp.where(is_target, 1.0, 0.0))
-    return d
+        dz = dz + hard_coef[:, None] * (sv - jnp.where(is_target, 1.0, 0.0))
+    return dz
 
 
 def row_loss(kl_or_j, l_z, z_y, hard_w, hard):

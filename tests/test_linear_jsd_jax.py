@@ -321,3 +321,37 @@ def test_pallas_lowers_to_triton_at_an_odd_vocabulary(block_v):
     kw = {} if block_v is None else dict(block_v=block_v, segment_size=4)
     hlo = _lower_for_cuda(300, 64, 48, 1001, beta=0.5, chunk_size=128, **kw)
     assert "logitless_linear_jsd_grad" in hlo
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("temperature", [0.3, 1e-3])
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_equal_heads_give_exactly_zero_at_any_temperature(backend, temperature, beta):
+    """Student = teacher: every divergence is 0 and so is its gradient, exactly, whatever T.
+    With b − a formed from z/T, a compiler that fuses the multiply into the subtraction (XLA
+    on a CPU; Triton on a GPU) left the rounding residual of z/T: loss ±1e-6 at T = 0.3 (a
+    negative KL) and gradients up to 0.2 at T = 1e-3. Now d = (z_t − z_s)/T."""
+    xs, ws, _, _, y = _problem(salt=5)
+    # the teacher as arrays of its own: the same arrays would let XLA merge the two heads
+    xt, wt = jnp.array(xs, copy=True), jnp.array(ws, copy=True)
+    f = lambda xs, ws, xt, wt: lj.linear_jsd(xs, ws, xt, wt, y, beta=beta,
+                                             temperature=temperature, reduction="sum",
+                                             backend=backend, **_tuning(backend))
+    loss, (dx, dw) = jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(xs, ws, xt, wt)
+    assert float(loss) == 0.0
+    assert not np.asarray(dx).any() and not np.asarray(dw).any()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("temperature", [2.0 ** -10, 2.0 ** -17])
+def test_far_heads_at_a_low_temperature_keep_the_loss_digits(backend, temperature):
+    """0 < β < 1, heads far apart at a low (power-of-two: exactly scaled) temperature: P taken
+    as e^(log Q + δ) cancelled two terms of O(|z|/T), so the loss carried ulp(|z|/T): 1.2e-4
+    relative at T = 2⁻¹⁰, 1.5e-2 at 2⁻¹⁷. P now comes from the teacher's own statistics
+    there."""
+    xs, ws, xt, wt, _ = _problem(n=8, hs=4, ht=4, v=7, salt=6)
+    opts = dict(beta=0.5, temperature=temperature, reduction="none")
+    loss = lj.linear_jsd(xs, ws, xt, wt, None, backend=backend, **opts, **_tuning(backend))
+    ref = _ref(xs, ws, xt, wt, None, **opts)["loss"]
+    err = np.abs(np.asarray(loss, np.float64) - ref).max() / np.abs(ref).max()
+    assert err < 1e-6, err

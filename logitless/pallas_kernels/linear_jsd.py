@@ -67,9 +67,9 @@ LOGITS_SHARE = 1
 _ROWVALS = 8  # m_a, log s_a, m_b, log s_b, c, l_z, kk, coef per row for pass 3
 
 
-def _segment(zs_ref, zt_ref, y_ref, *, v, block_rows, block_v, seg_blocks):
+def _segment(zs_ref, zt_ref, y_ref, *, v, block_rows, block_v, seg_blocks, inv_t):
     """(rows, rmask, block) of this program: block(t) loads the segment's t-th column block
-    over the buffers' whole width (``lmask``: the padded vocabulary of
+    (a, b, d of ``_jax_jsd.scaled`` and the raw student logits) over the buffers' whole width (``lmask``: the padded vocabulary of
     ``_jax_common.VocabWeight`` too, so that the loads vectorize; a mask bound such as 50257
     would keep them scalar); ``cmask`` keeps the columns past ``v`` out of every sum."""
     n_rows = zs_ref.shape[0]
@@ -86,9 +86,10 @@ def _segment(zs_ref, zt_ref, y_ref, *, v, block_rows, block_v, seg_blocks):
         lmask = rmask[:, None] & (cols < zs_ref.shape[1])[None, :]
         zs = plgpu.load(zs_ref.at[rows, span], mask=lmask, other=0.0).astype(jnp.float32)
         zt = plgpu.load(zt_ref.at[rows, span], mask=lmask, other=0.0).astype(jnp.float32)
+        a, b, d = jc.scaled(zs, zt, inv_t)
         is_target = (cols[None, :] == y[:, None]) if y is not None else \
             jnp.zeros((block_rows, block_v), bool)
-        return zs, zt, cmask, is_target, span, lmask
+        return a, b, d, zs, cmask, is_target, span, lmask
 
     return rows, rmask, block
 
@@ -105,35 +106,34 @@ def _store_parts(out_ref, values, rows, rmask):
         plgpu.store(out_ref.at[pl.ds(base + k, 1), rows], val[None, :], mask=rmask[None, :])
 
 
-def _stats_kernel(zs_ref, zt_ref, *refs, has_y, inv_t, seg_blocks, kw, **tile):
+def _stats_kernel(zs_ref, zt_ref, *refs, has_y, seg_blocks, kw, **tile):
     y_ref = refs[0] if has_y else None
     rows, rmask, block = _segment(zs_ref, zt_ref, y_ref, seg_blocks=seg_blocks, **tile)
 
     def body(t, carry):
-        zs, zt, cmask, is_target, _, _ = block(t)
-        return jc.stats_update(carry, zs * inv_t, zt * inv_t, zs, cmask, is_target, **kw)
+        a, b, d, zs, cmask, is_target, _, _ = block(t)
+        return jc.stats_update(carry, a, b, d, zs, cmask, is_target, **kw)
 
     stats = lax.fori_loop(launch.I0, np.int32(seg_blocks), body,
                           jc.stats_init(tile["block_rows"]))
     _store_parts(refs[-1], stats, rows, rmask)
 
 
-def _sums_kernel(zs_ref, zt_ref, row_ref, out_ref, *, inv_t, seg_blocks, beta, **tile):
+def _sums_kernel(zs_ref, zt_ref, row_ref, out_ref, *, seg_blocks, beta, **tile):
     rows, rmask, block = _segment(zs_ref, zt_ref, None, seg_blocks=seg_blocks, **tile)
-    m_a, ls_a, c = (_load_row_values(row_ref, k, rows, rmask) for k in range(3))
+    m_a, ls_a, m_b, ls_b, c = (_load_row_values(row_ref, k, rows, rmask) for k in range(5))
 
     def body(t, carry):
-        zs, zt, cmask, _, _, _ = block(t)
-        return jc.jsd_sums_update(carry, zs * inv_t, zt * inv_t, m_a, ls_a, c, cmask,
-                                  beta=beta)
+        a, b, d, _, cmask, _, _, _ = block(t)
+        return jc.jsd_sums_update(carry, a, b, d, m_a, ls_a, m_b, ls_b, c, cmask, beta=beta)
 
     zero = jnp.zeros((tile["block_rows"],), jnp.float32)
     _store_parts(out_ref, lax.fori_loop(launch.I0, np.int32(seg_blocks), body, (zero,) * 3),
                  rows, rmask)
 
 
-def _grad_kernel(zs_ref, zt_ref, *refs, has_y, inv_t, seg_blocks, beta, temperature, hard_w,
-                 kw, **tile):
+def _grad_kernel(zs_ref, zt_ref, *refs, has_y, seg_blocks, beta, temperature, hard_w, kw,
+                 **tile):
     y_ref = refs[0] if has_y else None
     row_ref, dz_ref = refs[-2], refs[-1]
     rows, rmask, block = _segment(zs_ref, zt_ref, y_ref, seg_blocks=seg_blocks, **tile)
@@ -141,9 +141,9 @@ def _grad_kernel(zs_ref, zt_ref, *refs, has_y, inv_t, seg_blocks, beta, temperat
                                                for k in range(_ROWVALS))
 
     def body(t, carry):
-        zs, zt, cmask, is_target, span, lmask = block(t)
-        dz = jc.grad_block(zs * inv_t, zt * inv_t, zs, is_target, m_a, ls_a, m_b, ls_b, c, l_z,
-                           kk, coef, coef * hard_w, beta=beta, temperature=temperature, **kw)
+        a, b, d, zs, cmask, is_target, span, lmask = block(t)
+        dz = jc.grad_block(a, b, d, zs, is_target, m_a, ls_a, m_b, ls_b, c, l_z, kk, coef,
+                           coef * hard_w, beta=beta, temperature=temperature, **kw)
         if zs_ref.shape[1] > tile["v"]:  # the padded classes' gradient is 0 (the GEMMs read them)
             dz = jnp.where(cmask[None, :], dz, 0.0)
         plgpu.store(dz_ref.at[rows, span], dz.astype(dz_ref.dtype), mask=lmask)
@@ -201,7 +201,7 @@ class PallasHead(jc.Head):
         m_a, ls_a, m_b, ls_b, c, l_z, z_y, kl = jc.stats_finish(stats, **kw)
         if self.kind == "jsd":
             sums = run(functools.partial(_sums_kernel, beta=self.beta, **tile),
-                       [zs, zt, jnp.stack([m_a, ls_a, c])], parts(3),
+                       [zs, zt, jnp.stack([m_a, ls_a, m_b, ls_b, c])], parts(3),
                        "logitless_linear_jsd_sums")
             k, jj, qs = jnp.sum(sums.reshape(n_seg, 3, n_rows), axis=0)
             kk = jc.jsd_k(k, qs)

@@ -80,11 +80,8 @@ class LinearCrossEntropyOptions:
             if name != "softcap" or self.softcap is not None:
                 object.__setattr__(self, name, _check_real(name, getattr(self, name), lo=lo,
                                                            hi=hi, lo_open=lo_open))
-        if self.softcap is not None and not FLOAT32_TINY <= self.softcap <= FLOAT32_MAX:
-            # the kernels divide by it and square c/softcap in float32: outside its normal
-            # range z/softcap becomes 0 or inf, and the gradient NaN
-            raise ValueError(f"softcap must lie in float32's normal range [{FLOAT32_TINY:.4g}, "
-                             f"{FLOAT32_MAX:.4g}], got {self.softcap!r}")
+        if self.softcap is not None:
+            check_float32_normal("softcap", self.softcap)
         if not isinstance(self.return_lse, bool):
             raise TypeError(f"return_lse must be a bool, got {self.return_lse!r}")
 
@@ -104,6 +101,15 @@ def not_static(name, value, what) -> TypeError:
                 "(float(t) of a 0-d tensor or array; under jax.jit close over the value or mark "
                 "it static: each distinct value compiles once)")
     return TypeError(f"{name} must be {what}, got {value!r}{hint}")
+
+
+def check_float32_normal(name: str, value: float) -> None:
+    """A positive scale the kernels divide by in float32 (softcap, temperature): outside
+    float32's normal range z/value becomes 0 or inf there, and the gradients NaN."""
+    if not FLOAT32_TINY <= value <= FLOAT32_MAX:
+        raise ValueError(f"{name} must lie in float32's normal range [{FLOAT32_TINY:.4g}, "
+                         f"{FLOAT32_MAX:.4g}] (the kernels divide by it in float32), got "
+                         f"{value!r}")
 
 
 def check_ignore_index(value) -> None:

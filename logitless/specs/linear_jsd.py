@@ -77,7 +77,8 @@ from typing import Optional, Sequence, Tuple
 import numpy as np
 
 from .linear_cross_entropy import (REDUCTIONS, _check_real, _hidden_mismatch_hint,
-                                   check_ignore_index, check_targets, reduction_denominator)
+                                   check_float32_normal, check_ignore_index, check_targets,
+                                   reduction_denominator)
 
 # Thresholds of the fp32 forms every kernel uses (Triton, Pallas, XLA; the derivation is in
 # logitless/triton_kernels/jsd_rows.py): one definition, so that the backends cannot drift.
@@ -129,6 +130,7 @@ class LinearJSDOptions:
                                       ("hard_loss_weight", 0.0, None, False)):
             object.__setattr__(self, name, _check_real(name, getattr(self, name), lo=lo, hi=hi,
                                                        lo_open=lo_open))
+        check_float32_normal("temperature", self.temperature)
         if self.reduction not in REDUCTIONS:
             raise ValueError(f"reduction must be one of {REDUCTIONS}, got {self.reduction!r}")
         check_ignore_index(self.ignore_index)

@@ -63,11 +63,15 @@ GAP = tl.constexpr(spec.GAP)
 
 @triton.jit
 def _load_block(s_row, t_row, cols, lmask, inv_t):
-    """a = z_s/T and b = z_t/T (fp32), and the raw student logits z_s, loaded where ``lmask``:
-    it may reach into the rows' padding (see ``common.load_cols``), junk the callers mask."""
+    """a = z_s/T, b = z_t/T, d = (z_t − z_s)/T (fp32) and the raw student logits z_s, loaded
+    where ``lmask``: it may reach into the rows' padding (see ``common.load_cols``), junk the
+    callers mask. d is the difference scaled, not b − a: with the multiply fused into the
+    subtraction (an FMA, as the GPU compiles it) b − a is z_t·(1/T) − round(z_s·(1/T)), the
+    rounding residual of z/T where the heads are equal, not 0 (a JSD of equal heads at
+    T = 0.3 had come out 1e-6, with gradients to match)."""
     zs = tl.load(s_row + cols, mask=lmask, other=0.0).to(tl.float32)
     zt = tl.load(t_row + cols, mask=lmask, other=0.0).to(tl.float32)
-    return zs * inv_t, zt * inv_t, zs
+    return zs * inv_t, zt * inv_t, (zt - zs) * inv_t, zs
 
 
 @triton.jit
@@ -120,8 +124,8 @@ def _seg_stats(s_row, t_row, col0, col1, col1_load, y_local, inv_t, KIND: tl.con
     for start in tl.range(col0, col1, BLOCK, num_stages=STAGES):
         cols = start + offs
         cmask = cols < col1
-        a, b, zs = _load_block(s_row, t_row, cols, cols < col1_load, inv_t)
-        d = tl.where(cmask, b - a, 0.0)
+        a, b, d, zs = _load_block(s_row, t_row, cols, cols < col1_load, inv_t)
+        d = tl.where(cmask, d, 0.0)
         ma_new = tl.maximum(m_a, tl.max(tl.where(cmask, a, -float("inf")), 0))
         ra = tl.exp(m_a - ma_new)
         ea = tl.where(cmask, tl.exp(a - ma_new), 0.0)
@@ -217,13 +221,12 @@ def _far(beta, omb, FORM: tl.constexpr):
 
 
 @triton.jit
-def _jsd_terms(a, b, m_a, ls_a, c, beta, omb, FORM: tl.constexpr):
-    """Per element (0 < β < 1): Q, P, δ = log P − log Q and Λ = log Q − log M negated.
+def _jsd_terms(a, d, m_a, ls_a, c, beta, omb, FORM: tl.constexpr):
+    """Per element (0 < β < 1): Q, log Q, δ = log P − log Q and Λ = log Q − log M negated.
     ``FORM``: spec.beta_form(β), a compile-time switch."""
     lq = _log_q(a, m_a, ls_a)
-    delta = (b - a) - c
+    delta = d - c
     q = tl.exp(lq)
-    p = tl.exp(lq + delta)
     far = _far(beta, omb, FORM)
     lb = tl.log(beta)
     if FORM == 2:  # β < TINY_BETA: far passes EXPM1_MAX, β·expm1(δ) would overflow there
@@ -242,7 +245,7 @@ def _jsd_terms(a, b, m_a, ls_a, c, beta, omb, FORM: tl.constexpr):
         v = tl.log(omb)
         hi = tl.maximum(u, v)
         lam = tl.where(delta < -1.0, hi + _log1p(tl.exp(tl.minimum(u, v) - hi)), lam)
-    return q, p, delta, lam
+    return q, lq, delta, lam
 
 
 @triton.jit
@@ -264,8 +267,8 @@ def _log_p_over_m(delta, lam, beta, omb, FORM: tl.constexpr):
 
 
 @triton.jit
-def _seg_jsd_sums(s_row, t_row, col0, col1, col1_load, inv_t, m_a, ls_a, c, beta, omb,
-                  FORM: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr):
+def _seg_jsd_sums(s_row, t_row, col0, col1, col1_load, inv_t, m_a, ls_a, m_b, ls_b, c, beta,
+                  omb, FORM: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr):
     """Pass 2 (0 < β < 1) over [col0, col1): −Σ Q·Λ and Σ Q (K is their ratio: Q carries the
     rounding of L_a as a factor common to the row, which K must not; see
     ``_jax_jsd.jsd_k``) and Σ β·P·log(P/M) − (1−β)·Q·Λ (→ J); ``omb`` = 1 − β, computed on
@@ -277,8 +280,11 @@ def _seg_jsd_sums(s_row, t_row, col0, col1, col1_load, inv_t, m_a, ls_a, c, beta
     for start in tl.range(col0, col1, BLOCK, num_stages=STAGES):
         cols = start + offs
         cmask = cols < col1
-        a, b, zs = _load_block(s_row, t_row, cols, cols < col1_load, inv_t)
-        q, p, delta, lam = _jsd_terms(a, b, m_a, ls_a, c, beta, omb, FORM)
+        a, b, d, zs = _load_block(s_row, t_row, cols, cols < col1_load, inv_t)
+        q, lq, delta, lam = _jsd_terms(a, d, m_a, ls_a, c, beta, omb, FORM)
+        # P as Q·e^δ where the heads are close (consistent with δ), else from the teacher's
+        # own statistics: log Q + δ cancels two terms of O(|z|/T) where they are far apart
+        p = tl.where(tl.abs(delta) < 1.0, tl.exp(lq + delta), tl.exp(_log_q(b, m_b, ls_b)))
         qlam = q * lam
         k -= tl.sum(tl.where(cmask, qlam, 0.0), 0)
         qs += tl.sum(tl.where(cmask, q, 0.0), 0)
@@ -298,32 +304,32 @@ def _seg_grad(s_row, t_row, dz_row, col0, col1_load, y_local, inv_t, m_a, ls_a, 
     for start in tl.range(col0, col1_load, BLOCK, num_stages=STAGES):
         cols = start + offs
         lmask = cols < col1_load  # the padding too: junk there, read by no GEMM
-        a, b, zs = _load_block(s_row, t_row, cols, lmask, inv_t)
+        a, b, d, zs = _load_block(s_row, t_row, cols, lmask, inv_t)
         if KIND == 0:
             lq = _log_q(a, m_a, ls_a)
-            delta = (b - a) - c
+            delta = d - c
             q = tl.exp(lq)
             # Q − P: as −Q·expm1(δ) where P ≈ Q (no cancellation); elsewhere P from the
             # teacher's own statistics (e^(lq + δ) would add the rounding of b − a and of c)
-            d = tl.where(tl.abs(delta) < SMALL, -q * _expm1(delta),
+            g = tl.where(tl.abs(delta) < SMALL, -q * _expm1(delta),
                          q - tl.exp(_log_q(b, m_b, ls_b)))
         elif KIND == 1:
             q = tl.exp(_log_q(a, m_a, ls_a))
-            d = -q * (((b - a) - c) + kk)
+            g = -q * ((d - c) + kk)
         else:
-            q, p, delta, lam = _jsd_terms(a, b, m_a, ls_a, c, beta, omb, FORM)
-            d = -omb * q * (lam + kk)
-        d = coef * d
+            q, lq, delta, lam = _jsd_terms(a, d, m_a, ls_a, c, beta, omb, FORM)
+            g = -omb * q * (lam + kk)
+        dz = coef * g
         if HARD:
             if T_ONE:
                 sv = q
             else:
                 sv = tl.exp(zs - l_z)
-            d += hard_coef * (sv - tl.where(cols == y_local, 1.0, 0.0))
-        d += poison
+            dz += hard_coef * (sv - tl.where(cols == y_local, 1.0, 0.0))
+        dz += poison
         if ROUND_BF16:
-            d = round_bf16_bits(d)
-        tl.store(dz_row + cols, d.to(dz_row.dtype.element_ty), mask=lmask)
+            dz = round_bf16_bits(dz)
+        tl.store(dz_row + cols, dz.to(dz_row.dtype.element_ty), mask=lmask)
 
 
 @triton.jit
@@ -437,8 +443,8 @@ def _row_segment(row, seg, s_ptr, s_stride, t_ptr, t_stride, dz_ptr, dz_stride, 
             if KIND == 2:
                 if PHASE != 3:
                     k_seg, j_seg, q_seg = _seg_jsd_sums(s_row, t_row, col0, col1, col1_load,
-                                                        inv_t, m_a, ls_a, c, beta, omb, FORM,
-                                                        BLOCK, STAGES)
+                                                        inv_t, m_a, ls_a, m_b, ls_b, c, beta,
+                                                        omb, FORM, BLOCK, STAGES)
                     if SEGS > 1:
                         tl.store(part + seg * _NF + F_K, k_seg)
                         tl.store(part + seg * _NF + F_J, j_seg)
