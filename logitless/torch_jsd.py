@@ -20,10 +20,11 @@ from .specs.tiling import plan_token_chunks
 TUNING = ("chunk_size", "memory_budget")
 # the target range check runs in the forward op (below), as in torch_chunked (see there)
 CHECKS_TARGETS = True
-# Live [chunk, V] float32 temporaries of one chunk (two logits blocks, log-probabilities,
-# probabilities, log ratios and their far-apart forms, the gradient): the plan budgets this many
-# per token and vocab entry. Counted at its peak (live tensors under a dispatch mode, eighth
-# session): ~11.3 blocks; 8 had undercounted it.
+# Live [chunk, V] float32 temporaries of one chunk (two logits blocks, the two distributions
+# and δ, log ratios and their far-apart forms, the gradient): the plan budgets this many per
+# token and vocab entry. Counted at its peak (live tensors under a dispatch mode, eighth
+# session): ~11.3 blocks; 8 had undercounted it. δ without two log-softmaxes took ~1 block off
+# that peak (process peak RSS, 0 < β < 1).
 _TEMPORARIES = 12
 
 
@@ -31,28 +32,48 @@ def _acc_dtype(x):
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
+def _distributions(zs, zt, t):
+    """(Q, P, δ) of a chunk: Q = softmax(z_s/T), P = softmax(z_t/T), δ = log P − log Q, formed
+    as the kernels form them (logitless/triton_kernels/jsd_rows.py derives it). δ = d − c with
+    d = (z_t − z_s)/T, the difference taken before the scaling (so exactly 0 where the heads
+    agree, at any T), and the normalizer gap c = L_b − L_a = log1p(E_Q[expm1(d)]) where the
+    heads are close: log P − log Q as a difference of two log-softmaxes rounds its O(|z|/T)
+    terms to ~ulp(|z|), which swamps a KL second order in the heads' difference (β = 1 came
+    out negative). Far apart (some d >= FAR or |gap| >= GAP) the plain gap is accurate enough.
+    Q and P are each normalized by their own sum, not by e^−L: L's rounding would be a factor
+    on every element that the gradients' −Q·(δ + K) forms then fail to cancel."""
+    ms, mt = zs.amax(1, keepdim=True), zt.amax(1, keepdim=True)
+    ea = ((zs - ms) / t).exp_()  # e^(a − max a): T > 0 keeps the argmax
+    eb = ((zt - mt) / t).exp_()
+    sa, sb = ea.sum(1, keepdim=True), eb.sum(1, keepdim=True)
+    d = (zt - zs) / t
+    gap = (mt - ms) / t + (sb.log() - sa.log())
+    close = (d.amax(1, keepdim=True) < spec.FAR) & (gap.abs() < spec.GAP)
+    u = (ea * torch.expm1(d.clamp(max=spec.FAR))).sum(1, keepdim=True)
+    c = torch.where(close, torch.log1p(u / sa), gap)
+    return ea.div_(sa), eb.div_(sb), d.sub_(c)
+
+
 def chunk_terms(zs, zt, y, opts: spec.LinearJSDOptions, want_grad: bool):
     """Per-token loss l_i / m_i (J_i + w_h·ce_i) and, if wanted, ∂(J + w_h·ce)/∂z (C, V) for a
-    chunk of fp32/fp64 student and teacher logits (the spec's formulas, row-wise)."""
+    chunk of fp32/fp64 student and teacher logits (the spec's formulas, row-wise, in the forms
+    of the spec's precision notes)."""
     beta, t = opts.beta, opts.temperature
-    logq = torch.log_softmax(zs / t, dim=1)
-    logp = torch.log_softmax(zt / t, dim=1)
-    q = logq.exp()
+    q, p, delta = _distributions(zs, zt, t)
     da = None
     if opts.kind == "forward_kl":
-        p = logp.exp()
-        loss = (p * (logp - logq)).sum(1)
+        loss = (p * delta).sum(1)
         if want_grad:
-            da = q - p
+            # Q − P, as −Q·expm1(δ) where P ≈ Q (the difference would cancel)
+            da = torch.where(delta.abs() < spec.SMALL, -q * torch.expm1(delta), q - p)
     elif opts.kind == "reverse_kl":
-        lam = logq - logp
-        loss = (q * lam).sum(1)
+        loss = -(q * delta).sum(1)
         if want_grad:
-            da = q * (lam - loss[:, None])
+            da = -q * (delta + loss[:, None])
     else:
-        ell, lpm = _log_ratios(logp - logq, beta)
+        ell, lpm = _log_ratios(delta, beta)
         kl_qm = (q * ell).sum(1)
-        loss = beta * (logp.exp() * lpm).sum(1) + (1 - beta) * kl_qm
+        loss = beta * (p * lpm).sum(1) + (1 - beta) * kl_qm
         if want_grad:
             da = (1 - beta) * q * (ell - kl_qm[:, None])
     dz = None if da is None else da.div_(t)
