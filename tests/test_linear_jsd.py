@@ -283,6 +283,9 @@ def test_jsd_properties():
     (dict(temperature=-1.0), ValueError, "temperature"),
     (dict(temperature=float("inf")), TypeError, "temperature"),
     (dict(temperature=None), TypeError, "temperature"),
+    # positive but outside float32's normal range: every backend gave NaN
+    (dict(temperature=1e-39), ValueError, "temperature must lie in float32's normal range"),
+    (dict(temperature=1e39), ValueError, "temperature must lie in float32's normal range"),
     (dict(hard_loss_weight=-1.0), ValueError, "hard_loss_weight"),
     (dict(hard_loss_weight=True), TypeError, "hard_loss_weight"),
     (dict(reduction="avg"), ValueError, "reduction"),
@@ -1035,3 +1038,36 @@ def test_torch_backend_identical_heads_give_exactly_zero(beta, temperature, dtyp
                                    temperature=temperature, reduction="sum")
     for got in (loss, dx, dw):
         torch.testing.assert_close(got, torch.zeros_like(got), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("temperature", [0.3, 1e-3])
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_triton_identical_heads_give_exactly_zero(beta, temperature):
+    """Student = teacher (separate tensors): loss, dX and dW exactly 0 at any T. On a GPU the
+    compiler fuses the multiply of z·(1/T) into b − a (an FMA), which left z/T's rounding
+    residual (loss ±1e-6 at T = 0.3); the kernel now scales the difference z_t − z_s. (The
+    interpreter rounds every product, so on a CPU this held before too.)"""
+    torch = _torch()
+    xs, ws, _, _, y = _data(9, 16, 16, 53, seed=12)
+    loss, dx, dw = _loss_and_grads(xs, ws, xs.clone(), ws.clone(), y, backend="triton",
+                                   beta=beta, temperature=temperature, reduction="sum")
+    for got in (loss, dx, dw):
+        torch.testing.assert_close(got, torch.zeros_like(got), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("temperature", [2.0 ** -10, 2.0 ** -17])
+def test_far_heads_at_a_low_temperature_keep_the_loss_digits(backend, temperature):
+    """0 < β < 1, heads far apart at a low (power-of-two: exactly scaled) temperature: the
+    Triton kernel took P as e^(log Q + δ), two terms of O(|z|/T) that cancel: the loss carried
+    ulp(|z|/T), 1.2e-4 relative at T = 2⁻¹⁰, 1.5e-2 at 2⁻¹⁷. P now comes from the teacher's
+    own statistics there."""
+    torch = _torch()
+    xs, ws, xt, wt, _ = _data(8, 4, 4, 7, seed=13)
+    opts = dict(beta=0.5, temperature=temperature, reduction="none")
+    import logitless.torch as lt
+    got = lt.linear_jsd(xs, ws, xt, wt, backend=backend, **opts)
+    f64 = lambda t: t.double().cpu().numpy()
+    ref = spec.reference(f64(xs), f64(ws), f64(xt), f64(wt), options=spec.LinearJSDOptions(**opts))
+    err = np.abs(f64(got) - ref["token_loss"]).max() / np.abs(ref["token_loss"]).max()
+    assert err < 1e-6, err
