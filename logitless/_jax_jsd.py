@@ -99,6 +99,7 @@ def prepare(xs, ws, xt, wt, y, opts: spec.LinearJSDOptions, weight_layout="vh") 
 # c = L_b − L_a comes from log1p(E_Q[expm1(b − a)]) and the per-element terms from
 # δ = b − a − c = log P − log Q and Λ = log1p(β·expm1(δ)), so that a KL or JSD of nearly equal
 # distributions (second order in their difference) is not swamped by rounding of O(10) values.
+# b − a is always formed as (z_t − z_s)/T (:func:`scaled`).
 FAR, GAP, SMALL, HIGH_BETA = spec.FAR, spec.GAP, spec.SMALL, spec.HIGH_BETA  # see the spec
 
 
@@ -241,8 +242,10 @@ def jsd_sums_update(carry, a, b, d, m_a, ls_a, m_b, ls_b, c, cmask, *, beta):
     k, j, qs = carry
     q, lq, delta, lam = _jsd_terms(a, d, m_a, ls_a, c, beta)
     # P as Q·e^δ where the heads are close (consistent with δ), else from the teacher's own
-    # statistics: log Q + δ cancels two terms of O(|z|/T) where they are far apart
-    p = jnp.where(jnp.abs(delta) < 1.0, jnp.exp(lq + delta), jnp.exp(log_q(b, m_b, ls_b)))
+    # statistics: log Q + δ cancels two terms of O(|z|/T) or O(|c|) where δ or the
+    # normalizer gap c is large (one exp either way)
+    p = jnp.exp(jnp.where(jnp.maximum(jnp.abs(delta), jnp.abs(c)[:, None]) < 1.0, lq + delta,
+                          log_q(b, m_b, ls_b)))
     qlam = q * lam
     live = True if cmask is None else cmask[None, :]
     k = k - jnp.sum(jnp.where(live, qlam, 0.0), axis=1)

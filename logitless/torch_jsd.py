@@ -39,19 +39,24 @@ def _distributions(zs, zt, t):
     agree, at any T), and the normalizer gap c = L_b − L_a = log1p(E_Q[expm1(d)]) where the
     heads are close: log P − log Q as a difference of two log-softmaxes rounds its O(|z|/T)
     terms to ~ulp(|z|), which swamps a KL second order in the heads' difference (β = 1 came
-    out negative). Far apart (some d >= FAR or |gap| >= GAP) the plain gap is accurate enough.
-    Q and P are each normalized by their own sum, not by e^−L: L's rounding would be a factor
-    on every element that the gradients' −Q·(δ + K) forms then fail to cancel."""
+    out negative). Far apart (some d >= FAR or |gap| >= GAP) d − c would cancel two terms of
+    O(|c|) (a teacher a constant above the student, or a low T): δ there is the difference of
+    each head's own log-softmax, (z_t − max z_t)/T − log s_b − ((z_s − max z_s)/T − log s_a),
+    small where it matters. Q and P are each normalized by their own sum, not by e^−L: L's
+    rounding would be a factor on every element that the gradients' −Q·(δ + K) forms then
+    fail to cancel."""
     ms, mt = zs.amax(1, keepdim=True), zt.amax(1, keepdim=True)
     ea = ((zs - ms) / t).exp_()  # e^(a − max a): T > 0 keeps the argmax
     eb = ((zt - mt) / t).exp_()
     sa, sb = ea.sum(1, keepdim=True), eb.sum(1, keepdim=True)
+    lsa, lsb = sa.log(), sb.log()
     d = (zt - zs) / t
-    gap = (mt - ms) / t + (sb.log() - sa.log())
+    gap = (mt - ms) / t + (lsb - lsa)
     close = (d.amax(1, keepdim=True) < spec.FAR) & (gap.abs() < spec.GAP)
     u = (ea * torch.expm1(d.clamp(max=spec.FAR))).sum(1, keepdim=True)
     c = torch.where(close, torch.log1p(u / sa), gap)
-    return ea.div_(sa), eb.div_(sb), d.sub_(c)
+    far = (zt - mt).sub_(zs - ms).div_(t).sub_(lsb - lsa)
+    return ea.div_(sa), eb.div_(sb), torch.where(close, d.sub_(c), far)
 
 
 def chunk_terms(zs, zt, y, opts: spec.LinearJSDOptions, want_grad: bool):

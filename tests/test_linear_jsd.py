@@ -1071,3 +1071,39 @@ def test_far_heads_at_a_low_temperature_keep_the_loss_digits(backend, temperatur
     ref = spec.reference(f64(xs), f64(ws), f64(xt), f64(wt), options=spec.LinearJSDOptions(**opts))
     err = np.abs(f64(got) - ref["token_loss"]).max() / np.abs(ref["token_loss"]).max()
     assert err < 1e-6, err
+
+
+def _offset_heads(seed, temperature, offset=5.0, n=6, v=41):
+    """Exact logits (x = I, W = logitsᵀ: the GEMM rounds nothing) of a student near 8 and a
+    teacher a constant ``offset`` above it (softmax-invariant), both spread by O(T): after the
+    1/T scaling the two normalizers lie ~offset/T apart while the distributions stay close."""
+    rng = np.random.default_rng([seed, 45])
+    zs = (8.0 + 3 * temperature * rng.standard_normal((n, v))).astype(np.float32)
+    zt = (zs + offset + temperature * rng.standard_normal((n, v))).astype(np.float32)
+    eye = np.eye(n, dtype=np.float32)
+    return eye, zs.T.copy(), eye, zt.T.copy()
+
+
+@pytest.mark.parametrize("backend, beta", [("torch", 0.0), ("torch", 0.5), ("torch", 1.0),
+                                           ("triton", 0.5)])
+def test_heads_a_constant_apart_at_a_low_temperature(backend, beta):
+    """The teacher a constant 5 above the student at T = 2⁻¹⁰: the normalizer gap c is ~5e3
+    and δ = d − c cancels two terms of that size, so backend="torch" takes δ there from each
+    head's own log-softmax (loss 3.7e-4, dW 2.7e-4 off before) and the JSD's P comes from the
+    teacher's statistics wherever |c| >= 1 (loss 1.5e-4 off before). The Triton kernel's
+    gradients (and the KL kinds' losses) still take d − c in such rows: its JSD loss alone is
+    held (notes). dW = dzᵀ here; dX = dz·W sums logits of ~8 against a dz that sums to 0, a
+    cancellation of the GEMM's, not of the loss math."""
+    torch = _torch()
+    t = 2.0 ** -10
+    xs, ws, xt, wt = _offset_heads(SEED, t)
+    opts = dict(beta=beta, temperature=t, reduction="none")
+    want = spec.reference(xs, ws, xt, wt, options=spec.LinearJSDOptions(**opts))
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    tt = lambda a: torch.tensor(a, device=dev)
+    loss, _, dw = _loss_and_grads(tt(xs), tt(ws), tt(xt), tt(wt), None,
+                                  torch.ones(xs.shape[0], device=dev), backend=backend, **opts)
+    from harness import rel_err
+    assert rel_err(loss.cpu().numpy(), want["token_loss"]) < 1e-5
+    if backend == "torch":
+        assert rel_err(dw.cpu().numpy(), want["dw"]) < 1e-5

@@ -355,3 +355,21 @@ def test_far_heads_at_a_low_temperature_keep_the_loss_digits(backend, temperatur
     ref = _ref(xs, ws, xt, wt, None, **opts)["loss"]
     err = np.abs(np.asarray(loss, np.float64) - ref).max() / np.abs(ref).max()
     assert err < 1e-6, err
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_heads_a_constant_apart_keep_the_jsd_loss(backend):
+    """The teacher a constant 5 above the student at T = 2⁻¹⁰ (exact logits: x = I): the
+    normalizer gap is ~5e3 while |δ| stays small, and P = e^(log Q + δ) cancelled terms of that
+    size (1.5e-4 off): P comes from the teacher's statistics wherever |c| >= 1 too."""
+    t = 2.0 ** -10
+    rng = np.random.default_rng([SEED, 46])
+    zs = (8.0 + 3 * t * rng.standard_normal((6, 41))).astype(np.float32)
+    zt = (zs + 5.0 + t * rng.standard_normal((6, 41))).astype(np.float32)
+    eye = np.eye(6, dtype=np.float32)
+    opts = dict(beta=0.5, temperature=t, reduction="none")
+    loss = lj.linear_jsd(jnp.asarray(eye), jnp.asarray(zs.T), jnp.asarray(eye),
+                         jnp.asarray(zt.T), None, backend=backend, **opts, **_tuning(backend))
+    ref = _ref(eye, zs.T, eye, zt.T, None, **opts)["loss"]
+    err = np.abs(np.asarray(loss, np.float64) - ref).max() / np.abs(ref).max()
+    assert err < 1e-5, err

@@ -69,9 +69,10 @@ _ROWVALS = 8  # m_a, log s_a, m_b, log s_b, c, l_z, kk, coef per row for pass 3
 
 def _segment(zs_ref, zt_ref, y_ref, *, v, block_rows, block_v, seg_blocks, inv_t):
     """(rows, rmask, block) of this program: block(t) loads the segment's t-th column block
-    (a, b, d of ``_jax_jsd.scaled`` and the raw student logits) over the buffers' whole width (``lmask``: the padded vocabulary of
-    ``_jax_common.VocabWeight`` too, so that the loads vectorize; a mask bound such as 50257
-    would keep them scalar); ``cmask`` keeps the columns past ``v`` out of every sum."""
+    (a, b, d of ``_jax_jsd.scaled``, the raw student logits) over the buffers' whole width
+    (``lmask``: the padded vocabulary of ``_jax_common.VocabWeight`` too, so that the loads
+    vectorize; a mask bound such as 50257 would keep them scalar); ``cmask`` keeps the columns
+    past ``v`` out of every sum."""
     n_rows = zs_ref.shape[0]
     r0 = pl.program_id(0) * block_rows
     c0 = pl.program_id(1) * (seg_blocks * block_v)

@@ -97,15 +97,18 @@ def not_static(name, value, what) -> TypeError:
     (β = 1 − 1e-7 needs float64)."""
     hint = ""
     if getattr(value, "shape", None) == ():
+        conv = "int" if what == "an int" else "float"
         hint = ("; the options are compile-time constants of the kernels: pass a Python number "
-                "(float(t) of a 0-d tensor or array; under jax.jit close over the value or mark "
-                "it static: each distinct value compiles once)")
+                f"({conv}(t) of a 0-d tensor or array; under jax.jit close over the value or "
+                "mark it static: each distinct value compiles once)")
     return TypeError(f"{name} must be {what}, got {value!r}{hint}")
 
 
 def check_float32_normal(name: str, value: float) -> None:
     """A positive scale the kernels divide by in float32 (softcap, temperature): outside
-    float32's normal range z/value becomes 0 or inf there, and the gradients NaN."""
+    float32's normal range its reciprocal is not representable (z/value becomes 0 or inf,
+    the gradients NaN). Values inside it can still overflow z/value for large logits (a
+    temperature of 1e-37): the range is what the kernels need, not a recommendation."""
     if not FLOAT32_TINY <= value <= FLOAT32_MAX:
         raise ValueError(f"{name} must lie in float32's normal range [{FLOAT32_TINY:.4g}, "
                          f"{FLOAT32_MAX:.4g}] (the kernels divide by it in float32), got "

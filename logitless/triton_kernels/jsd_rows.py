@@ -21,6 +21,10 @@ third buffer. With a = z_s/T, b = z_t/T, L_a / L_b their log-sum-exps, Q = e^(a 
 3. the gradient, g·m·((1/T)·∂J/∂a + w_h·(S − onehot)), in dz's dtype:
    ∂J/∂a = −Q·expm1(δ) (forward KL), −Q·(δ + J) (reverse KL), −(1−β)·Q·(Λ + K) (JSD).
 
+Wherever b − a appears it is computed as (z_t − z_s)/T (``_load_block``: exactly 0 where the
+heads agree, which b − a under a fused multiply-add is not); pass 2 takes P from the
+teacher's own statistics where δ or c is large (log Q + δ would cancel there).
+
 Rows are split into ``SEGS`` segments of ``SEG`` columns, one program per (row, segment), so
 that a program's segment (and its re-reads in passes 2 and 3) stays in its SM's L1/L2. A row's
 segments meet through per-segment partials in global memory, two ways:
@@ -283,8 +287,10 @@ def _seg_jsd_sums(s_row, t_row, col0, col1, col1_load, inv_t, m_a, ls_a, m_b, ls
         a, b, d, zs = _load_block(s_row, t_row, cols, cols < col1_load, inv_t)
         q, lq, delta, lam = _jsd_terms(a, d, m_a, ls_a, c, beta, omb, FORM)
         # P as Q·e^δ where the heads are close (consistent with δ), else from the teacher's
-        # own statistics: log Q + δ cancels two terms of O(|z|/T) where they are far apart
-        p = tl.where(tl.abs(delta) < 1.0, tl.exp(lq + delta), tl.exp(_log_q(b, m_b, ls_b)))
+        # own statistics: log Q + δ cancels two terms of O(|z|/T) or O(|c|) where δ or the
+        # normalizer gap c is large (one exp either way)
+        p = tl.exp(tl.where(tl.maximum(tl.abs(delta), tl.abs(c)) < 1.0, lq + delta,
+                            _log_q(b, m_b, ls_b)))
         qlam = q * lam
         k -= tl.sum(tl.where(cmask, qlam, 0.0), 0)
         qs += tl.sum(tl.where(cmask, q, 0.0), 0)
