@@ -72,33 +72,32 @@ def test_supported_types_are_tested():
 
 @pytest.mark.parametrize("kind", TRAINED)
 def test_ten_training_steps_match_unpatched(kind):
+    """Ten AdamW steps of the patched model; at every step the unpatched model, loaded with the
+    same parameters, gives the same loss and the same gradients. (Comparing two independent
+    trajectories was chaotic: Adam divides by sqrt(v), so a coordinate whose gradient is ~0
+    steps either way on rounding noise, by up to lr, and the losses drifted apart by 3e-5 to
+    4e-3 relative at 2 of 20 seeds, on the old code too.)"""
+    fused = patch_causal_lm(make_model(kind), chunk_size=CHUNK)
     ref = make_model(kind)
-    fused = patch_causal_lm(copy.deepcopy(ref), chunk_size=CHUNK)
     assert is_patched(fused) and not is_patched(ref)
-    opt_r = torch.optim.AdamW(ref.parameters(), lr=3e-3)
-    opt_f = torch.optim.AdamW(fused.parameters(), lr=3e-3)
-    losses_r, losses_f = [], []
+    opt = torch.optim.AdamW(fused.parameters(), lr=3e-3)
+    losses = []
     for step in range(10):
         ids, mask, labels = make_batch(step)
-        for model, opt, losses in ((ref, opt_r, losses_r), (fused, opt_f, losses_f)):
-            opt.zero_grad(set_to_none=True)
-            out = model(input_ids=ids, attention_mask=mask, labels=labels)
-            out.loss.backward()
-            opt.step()
-            losses.append(out.loss.item())
-        assert torch.isfinite(torch.tensor(losses_f)).all()
-    torch.testing.assert_close(torch.tensor(losses_f), torch.tensor(losses_r), rtol=2e-5, atol=0)
+        ref.load_state_dict(fused.state_dict())
+        for model in (fused, ref):
+            model.zero_grad(set_to_none=True)
+        out_f = fused(input_ids=ids, attention_mask=mask, labels=labels)
+        out_f.loss.backward()
+        out_r = ref(input_ids=ids, attention_mask=mask, labels=labels)
+        out_r.loss.backward()
+        torch.testing.assert_close(out_f.loss, out_r.loss, rtol=2e-5, atol=0)
+        for (name, p_f), (_, p_r) in zip(fused.named_parameters(), ref.named_parameters()):
+            _assert_grads_close(p_f.grad, p_r.grad, f"step {step} {name}")
+        opt.step()
+        losses.append(out_f.loss.item())
     # it trained: the comparison is not between constants
-    assert sum(losses_r[-3:]) / 3 < losses_r[0] - 0.1, losses_r
-    # Adam divides by sqrt(v): a coordinate whose gradient is ~0 (~eps) can step either way on
-    # rounding noise, by up to lr per step (an H100 box's CPU run, seed 540020073: one of the
-    # 12048 embedding entries off by 0.014 after 10 steps); typical coordinates agree to ~1e-6
-    for (name, p_r), (_, p_f) in zip(ref.named_parameters(), fused.named_parameters()):
-        diff = (p_f - p_r).abs()
-        assert diff.max() <= 2 * 3e-3 * 10, (name, diff.max())
-        far = diff > 5e-4 + 1e-4 * p_r.abs()
-        assert far.sum() <= 1 + diff.numel() // 1000, (name, far.sum(), diff.max())
-        assert diff[~far].mean() < 1e-6 and diff.median() < 1e-6, name
+    assert sum(losses[-3:]) / 3 < losses[0] - 0.1, losses
 
 
 def _assert_grads_close(got, want, name):
