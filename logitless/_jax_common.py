@@ -56,6 +56,14 @@ def _is_traced(a) -> bool:
     return isinstance(a, jax.core.Tracer)
 
 
+def check_int32_ignore_index(ignore_index: int, targets: str, advice: str = "") -> None:
+    """JAX's targets are int32 (without x64): an ignore_index beyond it could never match one.
+    ``targets``: what the caller calls them; ``advice``: appended to the message."""
+    if not _INT32.min <= ignore_index <= _INT32.max:
+        raise ValueError(f"ignore_index must fit in int32 ({targets} are int32), got "
+                         f"{ignore_index}{advice}")
+
+
 def check_concrete_labels(labels, v: int, ignore_index: int) -> None:
     """``ValueError`` for a label outside ``[0, v)`` that is not ``ignore_index``, read on the
     host, if ``labels`` is concrete; traced labels cannot be read without a sync."""
@@ -91,8 +99,7 @@ def prepare(x, linear_weight, labels, linear_bias, weight, *, ignore_index: int,
                         "class-probability targets are not supported")
     if weight is not None and not jnp.issubdtype(jnp.dtype(weight.dtype), jnp.floating):
         raise TypeError(f"weight (class weights) must be a floating array, got {weight.dtype}")
-    if not _INT32.min <= ignore_index <= _INT32.max:
-        raise ValueError(f"ignore_index must fit in int32 (labels are int32), got {ignore_index}")
+    check_int32_ignore_index(ignore_index, "labels")
     problem = spec.check_shapes(x.shape, linear_weight.shape, labels.shape,
                                 None if linear_bias is None else linear_bias.shape,
                                 None if weight is None else weight.shape,

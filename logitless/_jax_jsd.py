@@ -30,7 +30,6 @@ from .specs.tiling import ChunkPlan
 __all__ = ["linear_jsd", "available_backends"]
 
 _BACKENDS = {"xla": "logitless.xla_jsd", "pallas": "logitless.pallas_kernels.linear_jsd"}
-_INT32 = np.iinfo(np.int32)
 KINDS = ("forward_kl", "reverse_kl", "jsd")
 
 
@@ -71,9 +70,7 @@ def prepare(xs, ws, xt, wt, y, opts: spec.LinearJSDOptions, weight_layout="vh") 
         ydt = jnp.dtype(y.dtype)
         if ydt == jnp.bool_ or not jnp.issubdtype(ydt, jnp.integer):
             raise TypeError(f"target must hold integer class indices, got dtype {ydt}")
-    if not _INT32.min <= opts.ignore_index <= _INT32.max:
-        raise ValueError(f"ignore_index must fit in int32 (targets are int32), got "
-                         f"{opts.ignore_index}")
+    common.check_int32_ignore_index(opts.ignore_index, "targets")
     if weight_layout not in ("vh", "hv"):
         raise ValueError(f"weight_layout must be 'vh' (V, H) or 'hv' (H, V), got {weight_layout!r}")
     problem = spec.check_shapes(xs.shape, ws.shape, xt.shape, wt.shape,

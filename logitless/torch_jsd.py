@@ -23,8 +23,8 @@ CHECKS_TARGETS = True
 # Live [chunk, V] float32 temporaries of one chunk (two logits blocks, the two distributions
 # and δ, log ratios and their far-apart forms, the gradient): the plan budgets this many per
 # token and vocab entry. Counted at its peak (live tensors under a dispatch mode, eighth
-# session): ~11.3 blocks; 8 had undercounted it. δ without two log-softmaxes took ~1 block off
-# that peak (process peak RSS, 0 < β < 1).
+# session): ~11.3 blocks; 8 had undercounted it. Nineteenth session, process peak RSS of one
+# chunk's terms at T != 1: ~8.4 blocks with the two logits blocks (0 < β < 1), ~6.3 (KLs).
 _TEMPORARIES = 12
 
 

@@ -45,6 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
+from .. import _jax_common as jax_common
 from .. import _torch_common as common
 from .dlpack import _export, _x64_enabled, to_jax, to_torch
 
@@ -285,13 +286,11 @@ def refuse_functorch(name: str, *tensors) -> None:
             "Use torch.autograd, backend='triton' or 'torch', or jax.vmap on the JAX side.")
 
 
-def refuse_wide_ignore_index(op: str, ignore_index: int) -> None:
-    """JAX's targets are int32: an ``ignore_index`` beyond int32 is refused up front (else the
-    error depended on the data: the targets holding it failed to cross the bridge)."""
-    if not -2 ** 31 <= ignore_index < 2 ** 31:
-        raise ValueError(f"{op}(backend='pallas'): ignore_index must fit in int32 (the JAX "
-                         f"port's targets are int32), got {ignore_index}; use backend='torch' "
-                         f"or 'triton'")
+def refuse_wide_ignore_index(ignore_index: int) -> None:
+    """The JAX port's int32 check, up front: after the targets cross, the error depended on
+    the data (targets holding such an index failed to cross the bridge)."""
+    jax_common.check_int32_ignore_index(ignore_index, "the JAX port's targets",
+                                        advice="; use backend='torch' or 'triton'")
 
 
 def refuse_interpret_x64(op: str, interpret, needs) -> None:

@@ -76,7 +76,7 @@ def _weight_and_layout(w: torch.Tensor):
 def bridged(p: common.Prepared, opts: spec.LinearCrossEntropyOptions, jax_backend: str, tuning):
     """The torch-backend contract over any JAX backend (``"pallas"``, ``"xla"``)."""
     refuse_functorch("linear_cross_entropy", p.x, p.w, p.y, p.bias, p.class_weight)
-    refuse_wide_ignore_index("linear_cross_entropy", opts.ignore_index)
+    refuse_wide_ignore_index(opts.ignore_index)
     common.check_targets(p.y, p.problem.v, opts.ignore_index)  # after: vmap can't batch it
     if p.x.dtype == torch.float64:
         raise TypeError("float64 inputs are not supported by the JAX backends (JAX runs "

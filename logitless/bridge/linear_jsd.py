@@ -59,7 +59,7 @@ def _in_layout(w: torch.Tensor, layout: str) -> torch.Tensor:
 def bridged(p: jsd_common.Prepared, opts: spec.LinearJSDOptions, jax_backend: str, tuning):
     """The torch-backend contract over any JAX backend ("pallas", "xla")."""
     refuse_functorch("linear_jsd", p.xs, p.ws, p.xt, p.wt, p.y)
-    refuse_wide_ignore_index("linear_jsd", opts.ignore_index)
+    refuse_wide_ignore_index(opts.ignore_index)
     if p.y is not None:  # after: vmap can't batch it
         common.check_targets(p.y, p.problem.v, opts.ignore_index)
     if torch.float64 in (p.xs.dtype, p.xt.dtype):
