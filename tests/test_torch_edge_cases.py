@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import logitless.torch as lt
-from harness import SEED, rel_err
+from harness import SEED, rel_err, ulp
 from logitless.triton_kernels import linear_cross_entropy as tl_lce
 
 CUDA = torch.cuda.is_available()
@@ -309,8 +309,14 @@ def test_triton_fp16_unscaled_sums_in_one_chunk_do_not_overflow(reduction, accum
                                                       backend="triton",
                                                       grad_accum_dtype=accum) / div, x, w)
     assert 65504 / n < ref[2].abs().max() < 1e4 and torch.isfinite(got[2]).all()
-    for g, r, nv in zip(got, ref, naive):  # the harness rule: 2x the naive fp16 error
-        _close([g], [r], tol=max(2 * _err(nv, r), 2e-4))
+    for g, r, nv in zip(got, ref, naive):
+        # The harness rule (2x the naive fp16 error, floor 2e-4) assumes many elements; dW's
+        # norm is four elements of ~1600 (ulp 1), so one correct rounding of each can reach
+        # 3.1e-4 (seed 790560651: 2.0e-4 against the naive's lucky 7.6e-5). So also allow what
+        # results each within one fp16 ulp of exact give (a faithful rounding of an fp32 sum).
+        r64 = r.double().cpu().numpy()
+        one_ulp = float(np.linalg.norm(ulp(r64, "float16")) / np.linalg.norm(r64))
+        _close([g], [r], tol=max(2 * _err(nv, r), 2e-4, one_ulp))
     # linear JSD's fused forward: the same rule (a hard-label term carries the large sum)
     xt, wt = x.clone(), (w.float() * 0.5).half()
     jsd = lambda be, **k: (lambda x, w: lt.linear_jsd(x, w, xt, wt, y, reduction=reduction,
