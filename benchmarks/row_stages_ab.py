@@ -5,11 +5,13 @@ interleaved (A B A B ...) in one process so that clock drift hits them alike (se
 timing could not see a 0.3 ms gain in an 80 ms call). Each step sets every constant any
 variant names (the module's own value where its variant names none) before it runs; the
 modules' values are restored at the end. A variant's ``"kwargs"`` entry adds keyword arguments
-to the call (e.g. ``{"kwargs": {"logits_gemm": "triton"}}``).
+to the call (e.g. ``{"kwargs": {"logits_gemm": "triton"}}``); ``"jsd_rows_file"`` runs the JSD
+with the row kernel of another file (e.g. the previous version of jsd_rows.py, saved with
+``git show <commit>:logitless/triton_kernels/jsd_rows.py``), a code A/B.
 
 Whole fwd+bwd calls (``backend="triton"``, bf16, default settings) at the TARGETS shapes:
 Llama CE (16384, 4096, 128256), Gemma CE (8192, 2304, 256000), low-memory CE at Llama and the
-JSD (8192, 4096, 128256, β = 0.5). JSON lines: per case and variant the median ms, and each
+JSD (8192, 4096, 128256, β = 0.5; and β = 0, the forward KL). JSON lines: per case and variant the median ms, and each
 variant's median paired ratio to the first with its 95% bootstrap interval.
 
     PYTHONPATH=. python3 benchmarks/row_stages_ab.py --reps 30 \
@@ -17,6 +19,7 @@ variant's median paired ratio to the first with its 95% bootstrap interval.
 """
 import argparse
 import functools
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -36,15 +39,34 @@ CASES = {
     "ce-gemma": ("ce", (8192, 2304, 256000), {}),
     "ce-llama-lowmem": ("ce", (16384, 4096, 128256), {"low_memory": True}),
     "jsd-llama": ("jsd", (8192, 4096, 128256), {}),
+    "jsd-llama-fkl": ("jsd", (8192, 4096, 128256), {"beta": 0.0}),  # one pass fewer
 }
 
 
 MODULES = (lce, ljsd)
+JSD_ROWS = ljsd.jsd_rows
+_FILES = {}
+
+
+def _row_kernels(path):
+    """The JSD row-kernel module of ``path`` (None: this tree's), loaded inside the package so
+    that its relative imports resolve."""
+    if path is None:
+        return JSD_ROWS
+    if path not in _FILES:
+        spec = importlib.util.spec_from_file_location(
+            f"logitless.triton_kernels._ab_rows_{len(_FILES)}", path)
+        _FILES[path] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(_FILES[path])
+    return _FILES[path]
 
 
 def _set(variant):
     for name, value in variant.items():
         if name == "kwargs":
+            continue
+        if name == "jsd_rows_file":
+            ljsd.jsd_rows = _row_kernels(value)
             continue
         owners = [m for m in MODULES if hasattr(m, name)]
         if not owners:
@@ -78,7 +100,7 @@ def _jsd_step(shape, kw):
 
     def step(variant):
         _set(variant)
-        lt.linear_jsd(xs, ws, xt, wt, beta=0.5, backend="triton", **kw,
+        lt.linear_jsd(xs, ws, xt, wt, backend="triton", **{"beta": 0.5, **kw},
                       **variant.get("kwargs", {})).backward()
         xs.grad = ws.grad = None
     return step
@@ -94,7 +116,7 @@ def main():
     a = ap.parse_args()
     given = json.loads(a.variants)
     original = {k: getattr(next((m for m in MODULES if hasattr(m, k)), None), k, None)
-                for v in given for k in v if k != "kwargs"}
+                for v in given for k in v if k != "kwargs"}  # jsd_rows_file: None, this tree
     variants = [{**original, **v} for v in given]
     print(json.dumps({"about": __doc__.split("\n\n")[0], "gpu": torch.cuda.get_device_name(),
                       "torch": torch.__version__, "triton": common.package_version("triton"),

@@ -118,19 +118,20 @@ def log1p(y):
     return jnp.where(small, p, jnp.log(1.0 + y))
 
 
-def scaled(zs, zt, inv_t):
-    """a = z_s/T, b = z_t/T and d = (z_t − z_s)/T from raw logits. d is the difference
-    scaled, not b − a: where a compiler fuses the multiply into the subtraction (an FMA: XLA
-    on a CPU, Triton on a GPU) b − a is z_t·(1/T) − round(z_s·(1/T)), the rounding residual of
-    z/T where the heads are equal, not 0 (a JSD of equal heads at T = 0.3 came out 1e-6)."""
-    return zs * inv_t, zt * inv_t, (zt - zs) * inv_t
+def scaled_gap(zs, zt, inv_t):
+    """d = (z_t − z_s)/T from raw logits: the difference scaled, not z_t/T − z_s/T: where a
+    compiler fuses the multiply into the subtraction (an FMA: XLA on a CPU, Triton on a GPU)
+    the latter is z_t·(1/T) − round(z_s·(1/T)), the rounding residual of z/T where the heads
+    are equal, not 0 (a JSD of equal heads at T = 0.3 came out 1e-6)."""
+    return (zt - zs) * inv_t
 
 
 def stats_init(rows: int):
-    """(m_a, s_a, m_b, s_b, u, md, w, m_z, s_z, z_y) before any column."""
+    """(M_s, s_a, M_t, s_b, u, md, w, w_far, m_z, s_z, z_y) before any column; M_s and M_t are
+    the heads' *raw* maxima (max z, not max z/T: see :func:`log_q`)."""
     zeros = jnp.zeros((rows,), jnp.float32)
     ninf = jnp.full((rows,), -jnp.inf, jnp.float32)
-    return ninf, zeros, ninf, zeros, zeros, ninf, zeros, ninf, zeros, zeros
+    return ninf, zeros, ninf, zeros, zeros, ninf, zeros, zeros, ninf, zeros, zeros
 
 
 def _online(m, s, x):
@@ -139,81 +140,123 @@ def _online(m, s, x):
     return m_new, s * jnp.exp(m - m_new) + jnp.sum(jnp.exp(x - m_new[:, None]), axis=1)
 
 
-def stats_update(carry, a, b, d, zs, cmask, is_target, *, kind, hard, t_one):
-    """Pass 1 over a column block: online normalizers of a and b, u = Σ e^(a−m_a)·expm1(b − a),
-    md = max(b − a), for the KL kinds w = Σ e^(b−m_b)·(b − a) (forward) or Σ e^(a−m_a)·(a − b)
-    (reverse), and for the hard-label term the target logit (and z_s's normalizer, T != 1)."""
-    m_a, s_a, m_b, s_b, u, md, w, m_z, s_z, z_y = carry
-    live = jnp.ones(a.shape, bool) if cmask is None else jnp.broadcast_to(cmask[None, :], a.shape)
+def max_shift(ms_old, ms_new, mt_old, mt_new, s_old, inv_t):
+    """How much the far-form KL terms ((z_t − M_t) − (z_s − M_s))/T of the columns summed so
+    far move when the raw maxima move from (M_s, M_t) old to new: they drop by this. 0 before
+    any live column (s_old = 0, where the maxima are −inf)."""
+    return jnp.where(s_old > 0, ((mt_new - mt_old) - (ms_new - ms_old)) * inv_t, 0.0)
+
+
+def stats_update(carry, zs, zt, d, cmask, is_target, *, inv_t, kind, hard, t_one):
+    """Pass 1 over a column block of raw logits (d = :func:`scaled_gap`): online normalizers
+    s_a = Σ e^((z_s − M_s)/T), s_b likewise, u = Σ e^((z_s−M_s)/T)·expm1(d), md = max d, and for
+    the KL kinds the row KL's sums in both forms (:func:`stats_finish` picks one): w =
+    Σ e^((z_t−M_t)/T)·d (forward) or −Σ e^((z_s−M_s)/T)·d (reverse), and w_far the same with d
+    replaced by ±((z_t − M_t) − (z_s − M_s))/T. For the hard-label term the target logit (and
+    z_s's normalizer, T != 1)."""
+    ms, s_a, mt, s_b, u, md, w, wf, m_z, s_z, z_y = carry
+    live = jnp.ones(zs.shape, bool) if cmask is None else jnp.broadcast_to(cmask[None, :],
+                                                                           zs.shape)
     d = jnp.where(live, d, 0.0)
-    ma_new = jnp.maximum(m_a, jnp.max(jnp.where(live, a, -jnp.inf), axis=1))
-    ra = jnp.exp(m_a - ma_new)
-    ea = jnp.where(live, jnp.exp(a - ma_new[:, None]), 0.0)
-    s_a = s_a * ra + jnp.sum(ea, axis=1)
+    ms_new = jnp.maximum(ms, jnp.max(jnp.where(live, zs, -jnp.inf), axis=1))
+    mt_new = jnp.maximum(mt, jnp.max(jnp.where(live, zt, -jnp.inf), axis=1))
+    es, et = zs - ms_new[:, None], zt - mt_new[:, None]
+    ra, rb = jnp.exp((ms - ms_new) * inv_t), jnp.exp((mt - mt_new) * inv_t)
+    ea = jnp.where(live, jnp.exp(es * inv_t), 0.0)
+    eb = jnp.where(live, jnp.exp(et * inv_t), 0.0)
     u = u * ra + jnp.sum(ea * expm1(jnp.minimum(d, FAR)), axis=1)
     md = jnp.maximum(md, jnp.max(jnp.where(live, d, -jnp.inf), axis=1))
-    mb_new = jnp.maximum(m_b, jnp.max(jnp.where(live, b, -jnp.inf), axis=1))
-    rb = jnp.exp(m_b - mb_new)
-    eb = jnp.where(live, jnp.exp(b - mb_new[:, None]), 0.0)
+    if kind != "jsd":
+        shift = max_shift(ms, ms_new, mt, mt_new, s_b if kind == "forward_kl" else s_a, inv_t)
+        far_d = jnp.where(live, (et - es) * inv_t, 0.0)
+        if kind == "forward_kl":
+            w = w * rb + jnp.sum(eb * d, axis=1)
+            wf = (wf - s_b * shift) * rb + jnp.sum(eb * far_d, axis=1)
+        else:
+            w = w * ra - jnp.sum(ea * d, axis=1)
+            wf = (wf + s_a * shift) * ra - jnp.sum(ea * far_d, axis=1)
+    s_a = s_a * ra + jnp.sum(ea, axis=1)
     s_b = s_b * rb + jnp.sum(eb, axis=1)
-    if kind == "forward_kl":
-        w = w * rb + jnp.sum(eb * d, axis=1)
-    elif kind == "reverse_kl":
-        w = w * ra - jnp.sum(ea * d, axis=1)
     if hard:
         if not t_one:
             m_z, s_z = _online(m_z, s_z, jnp.where(live, zs, -jnp.inf))
         z_y = z_y + jnp.sum(jnp.where(is_target, zs, 0.0), axis=1)
-    return ma_new, s_a, mb_new, s_b, u, md, w, m_z, s_z, z_y
+    return ms_new, s_a, mt_new, s_b, u, md, w, wf, m_z, s_z, z_y
 
 
-def stats_finish(carry, *, kind, hard, t_one):
-    """-> (m_a, log s_a, m_b, log s_b, c, L_z, z_y, kl): L_a = m_a + log s_a and L_b kept as
-    their two parts (see :func:`log_q`), c = L_b − L_a (accurate), kl the row's KL (nats) for
-    the KL kinds, else 0."""
-    m_a, s_a, m_b, s_b, u, md, w, m_z, s_z, z_y = carry
+def stats_finish(carry, *, inv_t, kind, hard, t_one):
+    """-> ((M_s, log s_a, M_t, log s_b, c, far), L_z, z_y, kl): the row values the later
+    passes take (:func:`row_offsets`), with c = L_b − L_a and far = 1.0 where the heads'
+    normalizers lie apart (0.0 where c is the accurate log1p form), L_z, z_y for the hard-label
+    term and kl the row's KL (nats) for the KL kinds, else 0."""
+    ms, s_a, mt, s_b, u, md, w, wf, m_z, s_z, z_y = carry
     ls_a, ls_b = jnp.log(s_a), jnp.log(s_b)
-    gap = (m_b - m_a) + (ls_b - ls_a)
-    c = jnp.where((md < FAR) & (jnp.abs(gap) < GAP), log1p(u / s_a), gap)
-    l_z = m_a + ls_a if (t_one or not hard) else m_z + jnp.log(s_z)
+    gap = (mt - ms) * inv_t + (ls_b - ls_a)
+    near = (md < FAR) & (jnp.abs(gap) < GAP)
+    c = jnp.where(near, log1p(u / s_a), gap)
+    l_z = ms * inv_t + ls_a if (t_one or not hard) else m_z + jnp.log(s_z)
     # normalized by the sums themselves: e^(m − L) would carry L's rounding, which the reverse
-    # KL's gradient −Q·(δ + KL) then fails to cancel where δ + KL is small (as jsd_k for JSD)
+    # KL's gradient −Q·(δ + KL) then fails to cancel where δ + KL is small (as jsd_k for JSD).
+    # Far apart, Σ P·d − c cancels two terms of O(c): there the sums relative to the maxima.
     if kind == "forward_kl":
-        kl = w / s_b - c                       # Σ P·(b − a) − (L_b − L_a)
+        kl = jnp.where(near, w / s_b - c, wf / s_b - (ls_b - ls_a))
     elif kind == "reverse_kl":
-        kl = w / s_a + c                       # Σ Q·(a − b) + (L_b − L_a)
+        kl = jnp.where(near, w / s_a + c, wf / s_a + (ls_b - ls_a))
     else:
-        kl = jnp.zeros_like(m_a)
-    return m_a, ls_a, m_b, ls_b, c, l_z, z_y, kl
+        kl = jnp.zeros_like(ms)
+    return (ms, ls_a, mt, ls_b, c, jnp.where(near, 0.0, 1.0)), l_z, z_y, kl
 
 
-def stats_merge(parts, *, kind, hard, t_one):
+def stats_merge(parts, *, inv_t, kind, hard, t_one):
     """Pass-1 carries of column segments (each field (segments, rows)) merged into one per row:
-    the normalizers' sums (and u, and w) rescaled to the common maxima."""
-    m_a, s_a, m_b, s_b, u, md, w, m_z, s_z, z_y = parts
-    ma, mb = jnp.max(m_a, axis=0), jnp.max(m_b, axis=0)
-    ra, rb = jnp.exp(m_a - ma), jnp.exp(m_b - mb)
-    w = jnp.sum(w * (rb if kind == "forward_kl" else ra), axis=0)
+    the normalizers' sums (and u, w, w_far) rescaled to the common maxima."""
+    ms_p, s_a, mt_p, s_b, u, md, w, wf, m_z, s_z, z_y = parts
+    ms, mt = jnp.max(ms_p, axis=0), jnp.max(mt_p, axis=0)
+    ra, rb = jnp.exp((ms_p - ms) * inv_t), jnp.exp((mt_p - mt) * inv_t)
+    if kind == "forward_kl":
+        w = jnp.sum(w * rb, axis=0)
+        wf = jnp.sum((wf - s_b * max_shift(ms_p, ms, mt_p, mt, s_b, inv_t)) * rb, axis=0)
+    elif kind == "reverse_kl":
+        w = jnp.sum(w * ra, axis=0)
+        wf = jnp.sum((wf + s_a * max_shift(ms_p, ms, mt_p, mt, s_a, inv_t)) * ra, axis=0)
+    else:
+        w, wf = w[0], wf[0]  # unused
     if hard and not t_one:
         mz = jnp.max(m_z, axis=0)
         s_z = jnp.sum(s_z * jnp.exp(m_z - mz), axis=0)
     else:  # unused
         mz, s_z = m_z[0], s_z[0]
-    return (ma, jnp.sum(s_a * ra, axis=0), mb, jnp.sum(s_b * rb, axis=0),
-            jnp.sum(u * ra, axis=0), jnp.max(md, axis=0), w, mz, s_z, jnp.sum(z_y, axis=0))
+    return (ms, jnp.sum(s_a * ra, axis=0), mt, jnp.sum(s_b * rb, axis=0),
+            jnp.sum(u * ra, axis=0), jnp.max(md, axis=0), w, wf, mz, s_z, jnp.sum(z_y, axis=0))
 
 
-def log_q(a, m_a, ls_a):
-    """log Q = (a − m_a) − log s_a, not a − L_a: L_a ≈ m_a is O(10) at a confident head, and
-    its rounding (ulp(m_a) ~1e-6) would be a factor on every Q, while a − m_a is exact at the
-    maximum and log s_a, the log of a sum >= 1, is small there (the split log_softmax makes)."""
-    return (a - m_a[:, None]) - ls_a[:, None]
+def row_offsets(ms, ls_a, mt, ls_b, c, far):
+    """(A, B, C) per row such that δ = log P − log Q = ((z_t − A) − (z_s − B))/T − C
+    (:func:`log_ratio`): (0, 0, c) where the heads are close (z_t − z_s is exact where they
+    agree, c the accurate gap), (M_t, M_s, log s_b − log s_a) where their normalizers lie far
+    apart, where (z_t − z_s)/T − c would cancel two terms of O(c) (a teacher a constant above
+    the student: 2-5× the naive error at an offset of 30)."""
+    far = far > 0
+    return (jnp.where(far, mt, 0.0), jnp.where(far, ms, 0.0),
+            jnp.where(far, ls_b - ls_a, c))
 
 
-def _jsd_terms(a, d, m_a, ls_a, c, beta):
-    """Q, log Q, δ = log P − log Q and Λ = log Q − log M negated, per element (0 < β < 1)."""
-    lq = log_q(a, m_a, ls_a)
-    delta = d - c[:, None]
+def log_ratio(zs, zt, offsets, inv_t):
+    """δ = log P − log Q per element (``offsets`` from :func:`row_offsets`)."""
+    a_off, b_off, c_off = offsets
+    return ((zt - a_off[:, None]) - (zs - b_off[:, None])) * inv_t - c_off[:, None]
+
+
+def log_q(z, m, ls, inv_t):
+    """log softmax(z/T) = (z − max z)/T − log s, from the raw maximum: not z/T − L, as L ≈ max
+    z/T is O(10) at a confident head (and O(|z|/T) at a low T), and its rounding would be a
+    factor on every Q, while z − max z is exact at the maximum and log s, the log of a sum
+    >= 1, is small there (the split log_softmax makes). Also log P, from the teacher's."""
+    return (z - m[:, None]) * inv_t - ls[:, None]
+
+
+def _jsd_terms(lq, delta, beta):
+    """Q and Λ = log M − log Q per element from log Q and δ = log P − log Q (0 < β < 1)."""
     q = jnp.exp(lq)
     form = spec.beta_form(beta)
     far = FAR if form == 1 else spec.far_delta(beta)
@@ -230,19 +273,23 @@ def _jsd_terms(a, d, m_a, ls_a, c, beta):
         # taken in float64 (in fp32, β·expm1(δ) would make it 1 − fp32(β))
         lam = jnp.where(delta < -1.0, jnp.logaddexp(math.log(beta) + delta, math.log1p(-beta)),
                         lam)
-    return q, lq, delta, lam
+    return q, lam
 
 
-def jsd_sums_update(carry, a, b, d, m_a, ls_a, m_b, ls_b, c, cmask, *, beta):
-    """Pass 2 (0 < β < 1) over a column block: −Σ Q·Λ and ΣQ (K = KL(Q‖M) is their ratio,
-    :func:`jsd_k`), and J = Σ β·P·log(P/M) − (1−β)·Q·Λ."""
+def jsd_sums_update(carry, zs, zt, rows, cmask, *, beta, inv_t):
+    """Pass 2 (0 < β < 1) over a column block of raw logits, ``rows`` the row values of
+    :func:`stats_finish`: −Σ Q·Λ and ΣQ (K = KL(Q‖M) is their ratio, :func:`jsd_k`), and
+    J = Σ β·P·log(P/M) − (1−β)·Q·Λ."""
     k, j, qs = carry
-    q, lq, delta, lam = _jsd_terms(a, d, m_a, ls_a, c, beta)
+    ms, ls_a, mt, ls_b, c, _ = rows
+    lq = log_q(zs, ms, ls_a, inv_t)
+    delta = log_ratio(zs, zt, row_offsets(*rows), inv_t)
+    q, lam = _jsd_terms(lq, delta, beta)
     # P as Q·e^δ where the heads are close (consistent with δ), else from the teacher's own
     # statistics: log Q + δ cancels two terms of O(|z|/T) or O(|c|) where δ or the
     # normalizer gap c is large (one exp either way)
     p = jnp.exp(jnp.where(jnp.maximum(jnp.abs(delta), jnp.abs(c)[:, None]) < 1.0, lq + delta,
-                          log_q(b, m_b, ls_b)))
+                          log_q(zt, mt, ls_b, inv_t)))
     qlam = q * lam
     live = True if cmask is None else cmask[None, :]
     k = k - jnp.sum(jnp.where(live, qlam, 0.0), axis=1)
@@ -271,26 +318,27 @@ def _log_p_over_m(delta, lam, beta):
     return -jnp.where(nd > FAR, far, log1p((1.0 - beta) * expm1(jnp.minimum(nd, FAR))))
 
 
-def grad_block(a, b, d, zs, is_target, m_a, ls_a, m_b, ls_b, c, l_z, kk, coef, hard_coef, *,
-               kind, beta, temperature, hard, t_one):
-    """Pass 3: the student logit gradient of a column block, coef·(1/T)·∂J/∂a +
-    hard_coef·(S − onehot), with coef = g·m per row (and hard_coef = coef·w_h); kk the row's
-    KL (reverse KL) or K (JSD); a, b, d as :func:`scaled` makes them."""
-    lq = log_q(a, m_a, ls_a)
-    delta = d - c[:, None]
+def grad_block(zs, zt, is_target, rows, l_z, kk, coef, hard_coef, *, kind, beta, inv_t, hard,
+               t_one):
+    """Pass 3: the student logit gradient of a column block of raw logits, coef·(1/T)·∂J/∂a +
+    hard_coef·(S − onehot), with coef = g·m per row (and hard_coef = coef·w_h); ``rows`` the
+    row values of :func:`stats_finish`, kk the row's KL (reverse KL) or K (JSD)."""
+    ms, ls_a, mt, ls_b, _, _ = rows
+    lq = log_q(zs, ms, ls_a, inv_t)
+    delta = log_ratio(zs, zt, row_offsets(*rows), inv_t)
     if kind == "forward_kl":
         q = jnp.exp(lq)
         # Q − P: as −Q·expm1(δ) where P ≈ Q; elsewhere P from the teacher's own statistics
-        # (e^(lq + δ) would add the rounding of b − a and of c)
+        # (e^(lq + δ) would add the rounding of δ)
         g = jnp.where(jnp.abs(delta) < SMALL, -q * expm1(delta),
-                      q - jnp.exp(log_q(b, m_b, ls_b)))
+                      q - jnp.exp(log_q(zt, mt, ls_b, inv_t)))
     elif kind == "reverse_kl":
         q = jnp.exp(lq)
         g = -q * (delta + kk[:, None])
     else:
-        q, _, _, lam = _jsd_terms(a, d, m_a, ls_a, c, beta)
+        q, lam = _jsd_terms(lq, delta, beta)
         g = -(1.0 - beta) * q * (lam + kk[:, None])
-    dz = g * (coef / temperature)[:, None]
+    dz = g * (coef * inv_t)[:, None]
     if hard:
         sv = q if t_one else jnp.exp(zs - l_z[:, None])
         dz = dz + hard_coef[:, None] * (sv - jnp.where(is_target, 1.0, 0.0))

@@ -33,27 +33,26 @@ class XlaHead(jc.Head):
 
     def _rows(self, zs, zt, y, coef, grad_dtype):
         zs, zt = zs.astype(jnp.float32), zt.astype(jnp.float32)
-        a, b, d = jc.scaled(zs, zt, 1.0 / self.temperature)
+        inv_t = 1.0 / self.temperature
         hard = self.hard_w > 0
         is_target = (lax.broadcasted_iota(jnp.int32, zs.shape, 1) == y[:, None]
                      if y is not None else jnp.zeros(zs.shape, bool))
-        kw = dict(kind=self.kind, hard=hard, t_one=self.t_one)
-        stats = jc.stats_update(jc.stats_init(zs.shape[0]), a, b, d, zs, None, is_target,
-                                **kw)
-        m_a, ls_a, m_b, ls_b, c, l_z, z_y, kl = jc.stats_finish(stats, **kw)
+        kw = dict(inv_t=inv_t, kind=self.kind, hard=hard, t_one=self.t_one)
+        stats = jc.stats_update(jc.stats_init(zs.shape[0]), zs, zt, jc.scaled_gap(zs, zt, inv_t),
+                                None, is_target, **kw)
+        rows, l_z, z_y, kl = jc.stats_finish(stats, **kw)
         if self.kind == "jsd":
-            zero = jnp.zeros_like(m_a)
-            k, jj, qs = jc.jsd_sums_update((zero,) * 3, a, b, d, m_a, ls_a, m_b, ls_b, c,
-                                           None, beta=self.beta)
+            zero = jnp.zeros_like(l_z)
+            k, jj, qs = jc.jsd_sums_update((zero,) * 3, zs, zt, rows, None, beta=self.beta,
+                                           inv_t=inv_t)
             kk = jc.jsd_k(k, qs)
         else:
             kk = jj = kl
         loss = jc.row_loss(jj, l_z, z_y, self.hard_w, hard)
         if grad_dtype is None:
             return loss
-        dz = jc.grad_block(a, b, d, zs, is_target, m_a, ls_a, m_b, ls_b, c, l_z, kk, coef,
-                           coef * self.hard_w,
-                           beta=self.beta, temperature=self.temperature, **kw)
+        dz = jc.grad_block(zs, zt, is_target, rows, l_z, kk, coef, coef * self.hard_w,
+                           beta=self.beta, **kw)
         return loss, dz.astype(grad_dtype)
 
     def loss(self, zs, zt, y):

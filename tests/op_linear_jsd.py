@@ -39,6 +39,8 @@ class Case:
     correlated: bool = True               # teacher logits close to the student's (distillation)
     chunk_size: Optional[int] = None      # small chunks exercise the multi-chunk paths
     logit_std: float = 3.0                # ~10: confident heads, where K's rounding showed
+    teacher_offset: float = 0.0           # added to every teacher logit (another model's scale)
+    spread: float = 1.0                   # scales the correlated teacher's own part (std ~1)
 
     @property
     def id(self) -> str:
@@ -60,6 +62,10 @@ class Case:
             parts.append(f"chunk{self.chunk_size}")
         if self.logit_std != 3.0:
             parts.append(f"std{self.logit_std}")
+        if self.teacher_offset:
+            parts.append(f"off{self.teacher_offset:g}")
+        if self.spread != 1.0:
+            parts.append(f"spread{self.spread:g}")
         return "-".join(parts)
 
     @property
@@ -95,8 +101,11 @@ def make_inputs(case: Case, salt: int = 0) -> Inputs:
         # an independent part of std ~1 (x_t carries a copy of x_s through its first columns)
         k = min(hs, ht)
         xt[:, :k] = xs[:, :k]
-        wt[:, :k] = ws[:, :k] * np.sqrt(hs / k) * 0.95
-        wt[:, k:] *= 0.35
+        wt[:, :k] = ws[:, :k] * np.sqrt(hs / k) * (1.0 - 0.05 * case.spread)
+        wt[:, k:] *= 0.35 * case.spread
+    if case.teacher_offset:  # through the teacher's last input column, a column of ones
+        xt[:, -1] = 1.0
+        wt[:, -1] = case.teacher_offset
     y = None
     if case.targets:
         y = rng.integers(0, v, n)
@@ -154,6 +163,14 @@ def cases_linear_jsd():
         Case(**base, beta=0.1, correlated=False, logit_std=20.0, chunk_size=16),
         Case(**base, reduction="sum", beta=1.0, correlated=False, logit_std=10.0,
              temperature=0.5),  # reverse KL: its KL term had carried L_a's rounding too
+        # a teacher whose logits sit a constant above the student's (softmax is blind to it):
+        # where L_b − L_a is large, δ = (z_t − z_s)/T − c cancels two terms of O(offset/T)
+        # (fp32 losses and gradients had been 5-60x the naive path's error)
+        Case(**base, reduction="none", beta=1.0, teacher_offset=30.0, spread=0.05),
+        Case(**base, reduction="sum", beta=0.0, temperature=0.7, teacher_offset=30.0,
+             spread=0.05),
+        Case(**base, beta=0.5, temperature=0.7, teacher_offset=-30.0, spread=0.05,
+             chunk_size=16),
         # every token ignored: loss 0, zero grads, no NaN
         Case(**base, reduction="mean", ignore="all", hard_loss_weight=0.5),
         Case(**base, dtype="bfloat16", reduction="none", ignore="all", beta=1.0),

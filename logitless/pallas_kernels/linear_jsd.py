@@ -64,12 +64,12 @@ LOGITS_SHARE = 1
 # (``jc.stats_merge``); pass 2 (0 < β < 1) writes each segment's K, J and ΣQ sums; pass 3 writes
 # dz. Every segment starts on a live column (there are ⌈V / segment⌉ of them), so its running
 # maxima are finite after its first block and a masked block after it adds nothing.
-_ROWVALS = 8  # m_a, log s_a, m_b, log s_b, c, l_z, kk, coef per row for pass 3
+_ROWS = 6  # the row values of ``jc.stats_finish`` (M_s, log s_a, M_t, log s_b, c, far)
 
 
 def _segment(zs_ref, zt_ref, y_ref, *, v, block_rows, block_v, seg_blocks, inv_t):
     """(rows, rmask, block) of this program: block(t) loads the segment's t-th column block
-    (a, b, d of ``_jax_jsd.scaled``, the raw student logits) over the buffers' whole width
+    (the raw logits z_s, z_t as float32 and d of ``_jax_jsd.scaled_gap``) over the buffers' whole width
     (``lmask``: the padded vocabulary of ``_jax_common.VocabWeight`` too, so that the loads
     vectorize; a mask bound such as 50257 would keep them scalar); ``cmask`` keeps the columns
     past ``v`` out of every sum."""
@@ -87,10 +87,10 @@ def _segment(zs_ref, zt_ref, y_ref, *, v, block_rows, block_v, seg_blocks, inv_t
         lmask = rmask[:, None] & (cols < zs_ref.shape[1])[None, :]
         zs = plgpu.load(zs_ref.at[rows, span], mask=lmask, other=0.0).astype(jnp.float32)
         zt = plgpu.load(zt_ref.at[rows, span], mask=lmask, other=0.0).astype(jnp.float32)
-        a, b, d = jc.scaled(zs, zt, inv_t)
+        d = jc.scaled_gap(zs, zt, inv_t)
         is_target = (cols[None, :] == y[:, None]) if y is not None else \
             jnp.zeros((block_rows, block_v), bool)
-        return a, b, d, zs, cmask, is_target, span, lmask
+        return zs, zt, d, cmask, is_target, span, lmask
 
     return rows, rmask, block
 
@@ -112,8 +112,8 @@ def _stats_kernel(zs_ref, zt_ref, *refs, has_y, seg_blocks, kw, **tile):
     rows, rmask, block = _segment(zs_ref, zt_ref, y_ref, seg_blocks=seg_blocks, **tile)
 
     def body(t, carry):
-        a, b, d, zs, cmask, is_target, _, _ = block(t)
-        return jc.stats_update(carry, a, b, d, zs, cmask, is_target, **kw)
+        zs, zt, d, cmask, is_target, _, _ = block(t)
+        return jc.stats_update(carry, zs, zt, d, cmask, is_target, inv_t=tile["inv_t"], **kw)
 
     stats = lax.fori_loop(launch.I0, np.int32(seg_blocks), body,
                           jc.stats_init(tile["block_rows"]))
@@ -122,29 +122,29 @@ def _stats_kernel(zs_ref, zt_ref, *refs, has_y, seg_blocks, kw, **tile):
 
 def _sums_kernel(zs_ref, zt_ref, row_ref, out_ref, *, seg_blocks, beta, **tile):
     rows, rmask, block = _segment(zs_ref, zt_ref, None, seg_blocks=seg_blocks, **tile)
-    m_a, ls_a, m_b, ls_b, c = (_load_row_values(row_ref, k, rows, rmask) for k in range(5))
+    row_vals = tuple(_load_row_values(row_ref, k, rows, rmask) for k in range(_ROWS))
 
     def body(t, carry):
-        a, b, d, _, cmask, _, _, _ = block(t)
-        return jc.jsd_sums_update(carry, a, b, d, m_a, ls_a, m_b, ls_b, c, cmask, beta=beta)
+        zs, zt, _, cmask, _, _, _ = block(t)
+        return jc.jsd_sums_update(carry, zs, zt, row_vals, cmask, beta=beta,
+                                  inv_t=tile["inv_t"])
 
     zero = jnp.zeros((tile["block_rows"],), jnp.float32)
     _store_parts(out_ref, lax.fori_loop(launch.I0, np.int32(seg_blocks), body, (zero,) * 3),
                  rows, rmask)
 
 
-def _grad_kernel(zs_ref, zt_ref, *refs, has_y, seg_blocks, beta, temperature, hard_w, kw,
-                 **tile):
+def _grad_kernel(zs_ref, zt_ref, *refs, has_y, seg_blocks, beta, hard_w, kw, **tile):
     y_ref = refs[0] if has_y else None
     row_ref, dz_ref = refs[-2], refs[-1]
     rows, rmask, block = _segment(zs_ref, zt_ref, y_ref, seg_blocks=seg_blocks, **tile)
-    m_a, ls_a, m_b, ls_b, c, l_z, kk, coef = (_load_row_values(row_ref, k, rows, rmask)
-                                               for k in range(_ROWVALS))
+    vals = [_load_row_values(row_ref, k, rows, rmask) for k in range(_ROWS + 3)]
+    row_vals, (l_z, kk, coef) = tuple(vals[:_ROWS]), vals[_ROWS:]
 
     def body(t, carry):
-        a, b, d, zs, cmask, is_target, span, lmask = block(t)
-        dz = jc.grad_block(a, b, d, zs, is_target, m_a, ls_a, m_b, ls_b, c, l_z, kk, coef,
-                           coef * hard_w, beta=beta, temperature=temperature, **kw)
+        zs, zt, _, cmask, is_target, span, lmask = block(t)
+        dz = jc.grad_block(zs, zt, is_target, row_vals, l_z, kk, coef, coef * hard_w,
+                           beta=beta, inv_t=tile["inv_t"], **kw)
         if zs_ref.shape[1] > tile["v"]:  # the padded classes' gradient is 0 (the GEMMs read them)
             dz = jnp.where(cmask[None, :], dz, 0.0)
         plgpu.store(dz_ref.at[rows, span], dz.astype(dz_ref.dtype), mask=lmask)
@@ -198,11 +198,11 @@ class PallasHead(jc.Head):
         stats = run(functools.partial(_stats_kernel, has_y=y is not None, kw=kw, **tile),
                     [zs, zt] + ys, parts(n_stats), "logitless_linear_jsd_stats")
         stats = jc.stats_merge(tuple(stats.reshape(n_seg, n_stats, n_rows).transpose(1, 0, 2)),
-                               **kw)
-        m_a, ls_a, m_b, ls_b, c, l_z, z_y, kl = jc.stats_finish(stats, **kw)
+                               inv_t=tile["inv_t"], **kw)
+        row_vals, l_z, z_y, kl = jc.stats_finish(stats, inv_t=tile["inv_t"], **kw)
         if self.kind == "jsd":
             sums = run(functools.partial(_sums_kernel, beta=self.beta, **tile),
-                       [zs, zt, jnp.stack([m_a, ls_a, m_b, ls_b, c])], parts(3),
+                       [zs, zt, jnp.stack(row_vals)], parts(3),
                        "logitless_linear_jsd_sums")
             k, jj, qs = jnp.sum(sums.reshape(n_seg, 3, n_rows), axis=0)
             kk = jc.jsd_k(k, qs)
@@ -213,9 +213,8 @@ class PallasHead(jc.Head):
             return loss
         in_place = jnp.dtype(grad_dtype) == zs.dtype  # dz overwrites zs
         dz = run(functools.partial(_grad_kernel, has_y=y is not None, beta=self.beta,
-                                   temperature=self.temperature, hard_w=self.hard_w, kw=kw,
-                                   **tile),
-                 [zs, zt] + ys + [jnp.stack([m_a, ls_a, m_b, ls_b, c, l_z, kk, coef])],
+                                   hard_w=self.hard_w, kw=kw, **tile),
+                 [zs, zt] + ys + [jnp.stack(row_vals + (l_z, kk, coef))],
                  jax.ShapeDtypeStruct(zs.shape, grad_dtype), "logitless_linear_jsd_grad",
                  aliases={0: 0} if in_place else None,
                  grid=(grid[0], ceil_div(width, seg_blocks * block_v)))

@@ -5,25 +5,29 @@ The GEMMs around it run through cuBLAS; this kernel is everything between them. 
 :mod:`logitless.specs.linear_jsd` and, optionally, writes the student logit gradient dz into a
 third buffer. With a = z_s/T, b = z_t/T, L_a / L_b their log-sum-exps, Q = e^(a − L_a):
 
-1. stats: online max / Σexp of a and of b, the target logit (and the raw logits' normalizer for
-   the hard-label term at T != 1), and the teacher-student normalizer gap c = L_b − L_a
-   computed *accurately*: c = log1p(E_Q[expm1(b − a)]) (from the online Σ e^(a−m)·expm1(b−a)),
-   not as a difference of two O(10) log-sum-exps, whose rounding (~1e-6) would swamp a KL or
-   JSD of nearly equal distributions (it is second order in their difference). Far-apart
-   heads (some b − a > 30, or |L_b − L_a| ≥ 1, where the log1p form itself cancels) take
-   c = L_b − L_a, accurate enough there. For β ∈ {0, 1} the
-   online Σ P·(b − a) (or Σ Q·(a − b)) then gives the KL itself: no second pass;
-2. (0 < β < 1 only) with δ = b − a − c = log P − log Q, per element
-   log Q − log M = −Λ, Λ = log1p(β·expm1(δ)) (accurate for small δ), and the sums
-   K = KL(Q‖M) = −Σ Q·Λ (taken as −Σ Q·Λ / Σ Q, so that the rounding of L_a that every Q
-   carries cancels: the gradient below then sums to 0 over the row as it must) and
-   J = Σ β·P·(δ − Λ) − (1−β)·Q·Λ;
+1. stats: online Σexp of a and of b relative to the heads' *raw* maxima M_s = max z_s, M_t
+   (log Q = (z_s − M_s)/T − log s_a: z − M is exact near the maximum, z/T − max z/T carries
+   ulp(z/T), 1e-3 at T = 1e-3), the target logit (and the raw logits' normalizer for the
+   hard-label term at T != 1), and the teacher-student normalizer gap c = L_b − L_a
+   computed *accurately* while the heads are close: c = log1p(E_Q[expm1(d)]) with
+   d = (z_t − z_s)/T, not as a difference of two O(10) log-sum-exps, whose rounding (~1e-6)
+   would swamp a KL or JSD of nearly equal distributions (it is second order in their
+   difference). Far-apart heads (some d > 30, or |L_b − L_a| ≥ 1, where the log1p form
+   itself cancels) take c = (M_t − M_s)/T + log s_b − log s_a. For β ∈ {0, 1} the online
+   Σ P·δ (or −Σ Q·δ) then gives the KL itself: no second pass;
+2. (0 < β < 1 only) with δ = log P − log Q, per element log Q − log M = −Λ,
+   Λ = log1p(β·expm1(δ)) (accurate for small δ), and the sums K = KL(Q‖M) = −Σ Q·Λ (taken
+   as −Σ Q·Λ / Σ Q, so that the rounding of L_a that every Q carries cancels: the gradient
+   below then sums to 0 over the row as it must) and J = Σ β·P·(δ − Λ) − (1−β)·Q·Λ;
 3. the gradient, g·m·((1/T)·∂J/∂a + w_h·(S − onehot)), in dz's dtype:
    ∂J/∂a = −Q·expm1(δ) (forward KL), −Q·(δ + J) (reverse KL), −(1−β)·Q·(Λ + K) (JSD).
 
-Wherever b − a appears it is computed as (z_t − z_s)/T (``_load_block``: exactly 0 where the
-heads agree, which b − a under a fused multiply-add is not); pass 2 takes P from the
-teacher's own statistics where δ or c is large (log Q + δ would cancel there).
+δ is d − c where the heads are close (d is exactly 0 where they agree, which z_t/T − z_s/T
+under a fused multiply-add is not) and ((z_t − M_t) − (z_s − M_s))/T − (log s_b − log s_a)
+where their normalizers lie far apart (a teacher a constant above the student: d − c would
+cancel two terms of O(c)); the KL kinds' pass-1 sums are kept in both forms for that choice.
+Pass 2 takes P from the teacher's own statistics where δ or c is large (log Q + δ would
+cancel there).
 
 Rows are split into ``SEGS`` segments of ``SEG`` columns, one program per (row, segment), so
 that a program's segment (and its re-reads in passes 2 and 3) stays in its SM's L1/L2. A row's
@@ -50,9 +54,9 @@ from ..specs import linear_jsd as spec
 from .narrow_cast import round_bf16_bits
 
 # Partial sums per (row, segment), fp32: pass-1 stats then the three pass-2 sums.
-NUM_FIELDS = 13
+NUM_FIELDS = 14
 _NF = tl.constexpr(NUM_FIELDS)
-(F_MA, F_SA, F_MB, F_SB, F_U, F_MD, F_W, F_MZ, F_SZ, F_ZY, F_K,
+(F_MS, F_SA, F_MT, F_SB, F_U, F_MD, F_W, F_WF, F_MZ, F_SZ, F_ZY, F_K,
  F_J, F_QS) = (tl.constexpr(i) for i in range(NUM_FIELDS))
 KIND_FORWARD_KL, KIND_REVERSE_KL, KIND_JSD = 0, 1, 2
 # The thresholds of the accurate forms, shared with the JAX kernels (see the spec): FAR (b − a
@@ -67,15 +71,15 @@ GAP = tl.constexpr(spec.GAP)
 
 @triton.jit
 def _load_block(s_row, t_row, cols, lmask, inv_t):
-    """a = z_s/T, b = z_t/T, d = (z_t − z_s)/T (fp32) and the raw student logits z_s, loaded
-    where ``lmask``: it may reach into the rows' padding (see ``common.load_cols``), junk the
-    callers mask. d is the difference scaled, not b − a: with the multiply fused into the
-    subtraction (an FMA, as the GPU compiles it) b − a is z_t·(1/T) − round(z_s·(1/T)), the
-    rounding residual of z/T where the heads are equal, not 0 (a JSD of equal heads at
-    T = 0.3 had come out 1e-6, with gradients to match)."""
+    """The raw logits z_s, z_t (fp32) and d = (z_t − z_s)/T, loaded where ``lmask``: it may
+    reach into the rows' padding (see ``common.load_cols``), junk the callers mask. d is the
+    difference scaled, not z_t/T − z_s/T: with the multiply fused into the subtraction (an
+    FMA, as the GPU compiles it) that is z_t·(1/T) − round(z_s·(1/T)), the rounding residual
+    of z/T where the heads are equal, not 0 (a JSD of equal heads at T = 0.3 had come out
+    1e-6, with gradients to match)."""
     zs = tl.load(s_row + cols, mask=lmask, other=0.0).to(tl.float32)
     zt = tl.load(t_row + cols, mask=lmask, other=0.0).to(tl.float32)
-    return zs * inv_t, zt * inv_t, (zt - zs) * inv_t, zs
+    return zs, zt, (zt - zs) * inv_t
 
 
 @triton.jit
@@ -107,66 +111,116 @@ def _online(m, s, x):
 
 
 @triton.jit
+def _max_shift(ms_old, ms_new, mt_old, mt_new, s_old, inv_t):
+    """How much the far-form KL terms ((z_t − M_t) − (z_s − M_s))/T of the columns summed so
+    far drop when the raw maxima move from old to new; 0 before any live column (s_old = 0,
+    maxima −inf). See ``_jax_jsd.max_shift``."""
+    return tl.where(s_old > 0, ((mt_new - mt_old) - (ms_new - ms_old)) * inv_t, 0.0)
+
+
+@triton.jit
 def _seg_stats(s_row, t_row, col0, col1, col1_load, y_local, inv_t, KIND: tl.constexpr,
                HARD: tl.constexpr, T_ONE: tl.constexpr, BLOCK: tl.constexpr,
                STAGES: tl.constexpr):
-    """Pass 1 over columns [col0, col1): (m_a, s_a, m_b, s_b, u, md, w, m_z, s_z, z_y) with
-    u = Σ e^(a−m_a)·expm1(b − a), md = max(b − a), w = Σ e^(b−m_b)·(b − a) (forward KL) or
-    Σ e^(a−m_a)·(a − b) (reverse KL), z_y the target's raw logit (0 when it is elsewhere)."""
+    """Pass 1 over columns [col0, col1): (M_s, s_a, M_t, s_b, u, md, w, w_far, m_z, s_z, z_y)
+    with M_s, M_t the heads' raw maxima, s_a = Σ e^((z_s − M_s)/T) (s_b likewise),
+    u = Σ e^((z_s−M_s)/T)·expm1(d), md = max d, for the KL kinds the row KL's sums in both
+    forms (``_finish_stats`` picks one): w = Σ e^((z_t−M_t)/T)·d (forward KL) or
+    −Σ e^((z_s−M_s)/T)·d (reverse KL), w_far the same with ±((z_t − M_t) − (z_s − M_s))/T for
+    d; z_y the target's raw logit (0 when it is elsewhere)."""
     offs = tl.arange(0, BLOCK)
     zero = tl.sum(tl.zeros([BLOCK], dtype=tl.float32), 0)
-    m_a = zero - float("inf")
+    ms = zero - float("inf")
     s_a = zero
-    m_b = zero - float("inf")
+    mt = zero - float("inf")
     s_b = zero
     u = zero
     md = zero - float("inf")
     w = zero
+    wf = zero
     m_z = zero - float("inf")
     s_z = zero
     z_y = zero
     for start in tl.range(col0, col1, BLOCK, num_stages=STAGES):
         cols = start + offs
         cmask = cols < col1
-        a, b, d, zs = _load_block(s_row, t_row, cols, cols < col1_load, inv_t)
+        zs, zt, d = _load_block(s_row, t_row, cols, cols < col1_load, inv_t)
         d = tl.where(cmask, d, 0.0)
-        ma_new = tl.maximum(m_a, tl.max(tl.where(cmask, a, -float("inf")), 0))
-        ra = tl.exp(m_a - ma_new)
-        ea = tl.where(cmask, tl.exp(a - ma_new), 0.0)
-        s_a = s_a * ra + tl.sum(ea, 0)
+        ms_new = tl.maximum(ms, tl.max(tl.where(cmask, zs, -float("inf")), 0))
+        mt_new = tl.maximum(mt, tl.max(tl.where(cmask, zt, -float("inf")), 0))
+        es = zs - ms_new
+        et = zt - mt_new
+        ra = tl.exp((ms - ms_new) * inv_t)
+        rb = tl.exp((mt - mt_new) * inv_t)
+        ea = tl.where(cmask, tl.exp(es * inv_t), 0.0)
+        eb = tl.where(cmask, tl.exp(et * inv_t), 0.0)
         u = u * ra + tl.sum(ea * _expm1(tl.minimum(d, FAR)), 0)
         md = tl.maximum(md, tl.max(tl.where(cmask, d, -float("inf")), 0))
-        mb_new = tl.maximum(m_b, tl.max(tl.where(cmask, b, -float("inf")), 0))
-        rb = tl.exp(m_b - mb_new)
-        eb = tl.where(cmask, tl.exp(b - mb_new), 0.0)
-        s_b = s_b * rb + tl.sum(eb, 0)
-        if KIND == 0:   # forward KL: Σ P·(b − a), weights of the teacher
+        if KIND == 0:   # forward KL: Σ P·δ, weights of the teacher
+            shift = _max_shift(ms, ms_new, mt, mt_new, s_b, inv_t)
             w = w * rb + tl.sum(eb * d, 0)
-        elif KIND == 1:  # reverse KL: Σ Q·(a − b), weights of the student
+            wf = (wf - s_b * shift) * rb + tl.sum(tl.where(cmask, eb * ((et - es) * inv_t), 0.0),
+                                                  0)
+        elif KIND == 1:  # reverse KL: −Σ Q·δ, weights of the student
+            shift = _max_shift(ms, ms_new, mt, mt_new, s_a, inv_t)
             w = w * ra - tl.sum(ea * d, 0)
-        m_a = ma_new
-        m_b = mb_new
+            wf = (wf + s_a * shift) * ra - tl.sum(tl.where(cmask, ea * ((et - es) * inv_t), 0.0),
+                                                  0)
+        s_a = s_a * ra + tl.sum(ea, 0)
+        s_b = s_b * rb + tl.sum(eb, 0)
+        ms = ms_new
+        mt = mt_new
         if HARD:
             if not T_ONE:
                 m_z, s_z = _online(m_z, s_z, tl.where(cmask, zs, -float("inf")))
             z_y += tl.sum(tl.where(cols == y_local, zs, 0.0), 0)
-    return m_a, s_a, m_b, s_b, u, md, w, m_z, s_z, z_y
+    return ms, s_a, mt, s_b, u, md, w, wf, m_z, s_z, z_y
 
 
 @triton.jit
-def _row_gap(m_a, ls_a, m_b, ls_b, u_over_s, md):
-    """c = L_b − L_a: log1p(E_Q[expm1(b − a)]) while the heads are close, else the difference
-    (of the maxima and of the log-sums apart: m_b − m_a is exact where it is small)."""
-    gap = (m_b - m_a) + (ls_b - ls_a)
-    return tl.where((md < FAR) & (tl.abs(gap) < GAP), _log1p(u_over_s), gap)
+def _finish_stats(ms, s_a, mt, s_b, u, md, w, wf, inv_t, KIND: tl.constexpr):
+    """A row's (log s_a, log s_b, c, near, w·) from its merged pass-1 sums: c = L_b − L_a as
+    log1p(E_Q[expm1(d)]) while the heads are close (``near``), else the difference (of the
+    raw maxima and of the log-sums apart); w· the row's Σ P·d (forward KL) or −Σ Q·d (reverse
+    KL) where near, else the far form's (see ``_row_offsets``), 0 for JSD. Normalized by the
+    sums themselves: e^(m − L) would carry L's rounding, which the reverse KL's gradient
+    −Q·(δ + KL) then fails to cancel."""
+    ls_a = tl.log(s_a)
+    ls_b = tl.log(s_b)
+    gap = (mt - ms) * inv_t + (ls_b - ls_a)
+    near = (md < FAR) & (tl.abs(gap) < GAP)
+    c = tl.where(near, _log1p(u / s_a), gap)
+    w_row = ms * 0.0
+    if KIND == 0:
+        w_row = tl.where(near, w, wf) / s_b
+    elif KIND == 1:
+        w_row = tl.where(near, w, wf) / s_a
+    return ls_a, ls_b, c, near, w_row
 
 
 @triton.jit
-def _log_q(a, m_a, ls_a):
-    """log Q = (a − m_a) − log s_a, not a − L_a: at a confident head L_a ≈ m_a is O(10) and its
-    rounding (ulp ~1e-6) would be a factor on every Q, while a − m_a is exact at the maximum
-    and log s_a, the log of a sum >= 1, is small there (the split log_softmax makes)."""
-    return (a - m_a) - ls_a
+def _row_offsets(ms, ls_a, mt, ls_b, c, near):
+    """(A, B, C) with δ = log P − log Q = ((z_t − A) − (z_s − B))/T − C: (0, 0, c) where the
+    heads are close (z_t − z_s is exact where they agree, c the accurate gap), (M_t, M_s,
+    log s_b − log s_a) where their normalizers lie far apart, where (z_t − z_s)/T − c would
+    cancel two terms of O(c) (a teacher a constant above the student). See
+    ``_jax_jsd.row_offsets``."""
+    return tl.where(near, 0.0, mt), tl.where(near, 0.0, ms), tl.where(near, c, ls_b - ls_a)
+
+
+@triton.jit
+def _log_ratio(zs, zt, oa, ob, oc, inv_t):
+    """δ = log P − log Q per element (offsets from ``_row_offsets``)."""
+    return ((zt - oa) - (zs - ob)) * inv_t - oc
+
+
+@triton.jit
+def _log_q(z, m, ls, inv_t):
+    """log softmax(z/T) = (z − max z)/T − log s, from the raw maximum: not z/T − L, as L ≈
+    max z/T is O(10) at a confident head (O(|z|/T) at a low T), and its rounding would be a
+    factor on every Q, while z − max z is exact at the maximum and log s, the log of a sum
+    >= 1, is small there (the split log_softmax makes). Also log P, from the teacher's."""
+    return (z - m) * inv_t - ls
 
 
 @triton.jit
@@ -176,34 +230,35 @@ def _load_field(part, field, segs_idx, smask, other):
 
 
 @triton.jit
-def _combine_stats(part, segs_idx, smask, KIND: tl.constexpr, HARD: tl.constexpr,
+def _combine_stats(part, segs_idx, smask, inv_t, KIND: tl.constexpr, HARD: tl.constexpr,
                    T_ONE: tl.constexpr):
-    """A row's (m_a, log s_a, m_b, log s_b, c, w·, L_z, z_y) from its segments' pass-1
-    partials (L_a = m_a + log s_a and L_b kept apart: see ``_log_q``); w· is the row's
-    Σ P·(b − a) (forward KL) or Σ Q·(a − b) (reverse KL), 0 otherwise."""
-    m_a = _load_field(part, F_MA, segs_idx, smask, -float("inf"))
+    """A row's (M_s, log s_a, M_t, log s_b, c, near, w·, L_z, z_y) from its segments' pass-1
+    partials (see ``_finish_stats``)."""
+    ms_p = _load_field(part, F_MS, segs_idx, smask, -float("inf"))
     s_a = _load_field(part, F_SA, segs_idx, smask, 0.0)
-    m_b = _load_field(part, F_MB, segs_idx, smask, -float("inf"))
+    mt_p = _load_field(part, F_MT, segs_idx, smask, -float("inf"))
     s_b = _load_field(part, F_SB, segs_idx, smask, 0.0)
     u = _load_field(part, F_U, segs_idx, smask, 0.0)
-    ma = tl.max(m_a, 0)
-    mb = tl.max(m_b, 0)
-    ka = tl.exp(m_a - ma)
-    kb = tl.exp(m_b - mb)
-    sa = tl.sum(s_a * ka, 0)
-    sb = tl.sum(s_b * kb, 0)
-    lsa = tl.log(sa)
-    lsb = tl.log(sb)
+    ms = tl.max(ms_p, 0)
+    mt = tl.max(mt_p, 0)
+    ka = tl.exp((ms_p - ms) * inv_t)
+    kb = tl.exp((mt_p - mt) * inv_t)
     md = tl.max(_load_field(part, F_MD, segs_idx, smask, -float("inf")), 0)
-    c = _row_gap(ma, lsa, mb, lsb, tl.sum(u * ka, 0) / sa, md)
-    w_row = ma * 0.0
-    # normalized by the sums themselves, not by e^(m − L): see the single-segment case
+    w = ms * 0.0
+    wf = w
     if KIND == 0:
-        w_row = tl.sum(_load_field(part, F_W, segs_idx, smask, 0.0) * kb, 0) / sb
+        w = tl.sum(_load_field(part, F_W, segs_idx, smask, 0.0) * kb, 0)
+        wf = tl.sum((_load_field(part, F_WF, segs_idx, smask, 0.0) -
+                     s_b * _max_shift(ms_p, ms, mt_p, mt, s_b, inv_t)) * kb, 0)
     elif KIND == 1:
-        w_row = tl.sum(_load_field(part, F_W, segs_idx, smask, 0.0) * ka, 0) / sa
-    l_z = ma + lsa
-    z_y = ma * 0.0
+        w = tl.sum(_load_field(part, F_W, segs_idx, smask, 0.0) * ka, 0)
+        wf = tl.sum((_load_field(part, F_WF, segs_idx, smask, 0.0) +
+                     s_a * _max_shift(ms_p, ms, mt_p, mt, s_a, inv_t)) * ka, 0)
+    ls_a, ls_b, c, near, w_row = _finish_stats(ms, tl.sum(s_a * ka, 0), mt,
+                                               tl.sum(s_b * kb, 0), tl.sum(u * ka, 0), md,
+                                               w, wf, inv_t, KIND)
+    l_z = ms * inv_t + ls_a
+    z_y = ms * 0.0
     if HARD:
         z_y = tl.sum(_load_field(part, F_ZY, segs_idx, smask, 0.0), 0)
         if not T_ONE:
@@ -211,7 +266,7 @@ def _combine_stats(part, segs_idx, smask, KIND: tl.constexpr, HARD: tl.constexpr
             mz = tl.max(m_z, 0)
             l_z = mz + tl.log(tl.sum(_load_field(part, F_SZ, segs_idx, smask, 0.0) *
                                      tl.exp(m_z - mz), 0))
-    return ma, lsa, mb, lsb, c, w_row, l_z, z_y
+    return ms, ls_a, mt, ls_b, c, near, w_row, l_z, z_y
 
 
 @triton.jit
@@ -225,11 +280,9 @@ def _far(beta, omb, FORM: tl.constexpr):
 
 
 @triton.jit
-def _jsd_terms(a, d, m_a, ls_a, c, beta, omb, FORM: tl.constexpr):
-    """Per element (0 < β < 1): Q, log Q, δ = log P − log Q and Λ = log Q − log M negated.
+def _jsd_terms(lq, delta, beta, omb, FORM: tl.constexpr):
+    """Per element (0 < β < 1): Q and Λ = log M − log Q from log Q and δ = log P − log Q.
     ``FORM``: spec.beta_form(β), a compile-time switch."""
-    lq = _log_q(a, m_a, ls_a)
-    delta = d - c
     q = tl.exp(lq)
     far = _far(beta, omb, FORM)
     lb = tl.log(beta)
@@ -249,7 +302,7 @@ def _jsd_terms(a, d, m_a, ls_a, c, beta, omb, FORM: tl.constexpr):
         v = tl.log(omb)
         hi = tl.maximum(u, v)
         lam = tl.where(delta < -1.0, hi + _log1p(tl.exp(tl.minimum(u, v) - hi)), lam)
-    return q, lq, delta, lam
+    return q, lam
 
 
 @triton.jit
@@ -271,8 +324,8 @@ def _log_p_over_m(delta, lam, beta, omb, FORM: tl.constexpr):
 
 
 @triton.jit
-def _seg_jsd_sums(s_row, t_row, col0, col1, col1_load, inv_t, m_a, ls_a, m_b, ls_b, c, beta,
-                  omb, FORM: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr):
+def _seg_jsd_sums(s_row, t_row, col0, col1, col1_load, inv_t, ms, ls_a, mt, ls_b, c, oa, ob, oc,
+                  beta, omb, FORM: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr):
     """Pass 2 (0 < β < 1) over [col0, col1): −Σ Q·Λ and Σ Q (K is their ratio: Q carries the
     rounding of L_a as a factor common to the row, which K must not; see
     ``_jax_jsd.jsd_k``) and Σ β·P·log(P/M) − (1−β)·Q·Λ (→ J); ``omb`` = 1 − β, computed on
@@ -284,13 +337,15 @@ def _seg_jsd_sums(s_row, t_row, col0, col1, col1_load, inv_t, m_a, ls_a, m_b, ls
     for start in tl.range(col0, col1, BLOCK, num_stages=STAGES):
         cols = start + offs
         cmask = cols < col1
-        a, b, d, zs = _load_block(s_row, t_row, cols, cols < col1_load, inv_t)
-        q, lq, delta, lam = _jsd_terms(a, d, m_a, ls_a, c, beta, omb, FORM)
+        zs, zt, _ = _load_block(s_row, t_row, cols, cols < col1_load, inv_t)
+        lq = _log_q(zs, ms, ls_a, inv_t)
+        delta = _log_ratio(zs, zt, oa, ob, oc, inv_t)
+        q, lam = _jsd_terms(lq, delta, beta, omb, FORM)
         # P as Q·e^δ where the heads are close (consistent with δ), else from the teacher's
         # own statistics: log Q + δ cancels two terms of O(|z|/T) or O(|c|) where δ or the
         # normalizer gap c is large (one exp either way)
         p = tl.exp(tl.where(tl.maximum(tl.abs(delta), tl.abs(c)) < 1.0, lq + delta,
-                            _log_q(b, m_b, ls_b)))
+                            _log_q(zt, mt, ls_b, inv_t)))
         qlam = q * lam
         k -= tl.sum(tl.where(cmask, qlam, 0.0), 0)
         qs += tl.sum(tl.where(cmask, q, 0.0), 0)
@@ -300,8 +355,8 @@ def _seg_jsd_sums(s_row, t_row, col0, col1, col1_load, inv_t, m_a, ls_a, m_b, ls
 
 
 @triton.jit
-def _seg_grad(s_row, t_row, dz_row, col0, col1_load, y_local, inv_t, m_a, ls_a, m_b, ls_b, c,
-              l_z, kk, beta, omb, coef, hard_coef, poison, KIND: tl.constexpr,
+def _seg_grad(s_row, t_row, dz_row, col0, col1_load, y_local, inv_t, ms, ls_a, mt, ls_b, oa,
+              ob, oc, l_z, kk, beta, omb, coef, hard_coef, poison, KIND: tl.constexpr,
               HARD: tl.constexpr, T_ONE: tl.constexpr, ROUND_BF16: tl.constexpr, FORM: tl.constexpr,
               BLOCK: tl.constexpr, STAGES: tl.constexpr):
     """Pass 3 over [col0, col1_load): dz = coef·∂J/∂a + hard_coef·(S − [v = y]) (+ poison),
@@ -310,20 +365,20 @@ def _seg_grad(s_row, t_row, dz_row, col0, col1_load, y_local, inv_t, m_a, ls_a, 
     for start in tl.range(col0, col1_load, BLOCK, num_stages=STAGES):
         cols = start + offs
         lmask = cols < col1_load  # the padding too: junk there, read by no GEMM
-        a, b, d, zs = _load_block(s_row, t_row, cols, lmask, inv_t)
+        zs, zt, _ = _load_block(s_row, t_row, cols, lmask, inv_t)
+        lq = _log_q(zs, ms, ls_a, inv_t)
+        delta = _log_ratio(zs, zt, oa, ob, oc, inv_t)
         if KIND == 0:
-            lq = _log_q(a, m_a, ls_a)
-            delta = d - c
             q = tl.exp(lq)
             # Q − P: as −Q·expm1(δ) where P ≈ Q (no cancellation); elsewhere P from the
-            # teacher's own statistics (e^(lq + δ) would add the rounding of b − a and of c)
+            # teacher's own statistics (e^(lq + δ) would add the rounding of δ)
             g = tl.where(tl.abs(delta) < SMALL, -q * _expm1(delta),
-                         q - tl.exp(_log_q(b, m_b, ls_b)))
+                         q - tl.exp(_log_q(zt, mt, ls_b, inv_t)))
         elif KIND == 1:
-            q = tl.exp(_log_q(a, m_a, ls_a))
-            g = -q * ((d - c) + kk)
+            q = tl.exp(lq)
+            g = -q * (delta + kk)
         else:
-            q, lq, delta, lam = _jsd_terms(a, d, m_a, ls_a, c, beta, omb, FORM)
+            q, lam = _jsd_terms(lq, delta, beta, omb, FORM)
             g = -omb * q * (lam + kk)
         dz = coef * g
         if HARD:
@@ -405,18 +460,19 @@ def _row_segment(row, seg, s_ptr, s_stride, t_ptr, t_stride, dz_ptr, dz_stride, 
         ok = zero == 0.0
         # ---------------------------------------------------------------- pass 1
         if PHASE <= 1:
-            m_a, s_a, m_b, s_b, u, md, w, m_z, s_z, z_y = _seg_stats(
+            ms, s_a, mt, s_b, u, md, w, wf, m_z, s_z, z_y = _seg_stats(
                 s_row, t_row, col0, col1, col1_load, y_local, inv_t, KIND, HARD, T_ONE, BLOCK,
                 STAGES)
             if SEGS > 1:
                 p = part + seg * _NF
-                tl.store(p + F_MA, m_a)
+                tl.store(p + F_MS, ms)
                 tl.store(p + F_SA, s_a)
-                tl.store(p + F_MB, m_b)
+                tl.store(p + F_MT, mt)
                 tl.store(p + F_SB, s_b)
                 tl.store(p + F_U, u)
                 tl.store(p + F_MD, md)
                 tl.store(p + F_W, w)
+                tl.store(p + F_WF, wf)
                 tl.store(p + F_MZ, m_z)
                 tl.store(p + F_SZ, s_z)
                 tl.store(p + F_ZY, z_y)
@@ -424,33 +480,25 @@ def _row_segment(row, seg, s_ptr, s_stride, t_ptr, t_stride, dz_ptr, dz_stride, 
             ok = ok & _wait_row(sync_ptr + 2 + row64, sync_ptr + 1, SEGS, MAX_SPIN)
         if PHASE != 1:
             if SEGS > 1:
-                m_a, ls_a, m_b, ls_b, c, w_row, l_z, z_y_row = _combine_stats(
-                    part, segs_idx, smask, KIND, HARD, T_ONE)
+                ms, ls_a, mt, ls_b, c, near, w_row, l_z, z_y_row = _combine_stats(
+                    part, segs_idx, smask, inv_t, KIND, HARD, T_ONE)
             else:
-                ls_a = tl.log(s_a)
-                ls_b = tl.log(s_b)
-                c = _row_gap(m_a, ls_a, m_b, ls_b, u / s_a, md)
-                # Σ e^(a−m)·(a − b) / Σ e^(a−m) exactly: e^(m − L) would carry L's rounding,
-                # which the reverse KL's gradient −Q·(δ + KL) then fails to cancel
-                if KIND == 0:
-                    w_row = w / s_b
-                elif KIND == 1:
-                    w_row = w / s_a
-                else:
-                    w_row = zero
+                ls_a, ls_b, c, near, w_row = _finish_stats(ms, s_a, mt, s_b, u, md, w, wf,
+                                                           inv_t, KIND)
                 z_y_row = z_y
-                l_z = m_a + ls_a
+                l_z = ms * inv_t + ls_a
                 if HARD:
                     if not T_ONE:
                         l_z = m_z + tl.log(s_z)
+            oa, ob, oc = _row_offsets(ms, ls_a, mt, ls_b, c, near)
             # ------------------------------------------------------------ pass 2
             kk = zero
             jj = zero
             if KIND == 2:
                 if PHASE != 3:
                     k_seg, j_seg, q_seg = _seg_jsd_sums(s_row, t_row, col0, col1, col1_load,
-                                                        inv_t, m_a, ls_a, m_b, ls_b, c, beta,
-                                                        omb, FORM, BLOCK, STAGES)
+                                                        inv_t, ms, ls_a, mt, ls_b, c, oa, ob,
+                                                        oc, beta, omb, FORM, BLOCK, STAGES)
                     if SEGS > 1:
                         tl.store(part + seg * _NF + F_K, k_seg)
                         tl.store(part + seg * _NF + F_J, j_seg)
@@ -467,9 +515,9 @@ def _row_segment(row, seg, s_ptr, s_stride, t_ptr, t_stride, dz_ptr, dz_stride, 
                             tl.sum(_load_field(part, F_QS, segs_idx, smask, 0.0), 0)
                         jj = tl.sum(_load_field(part, F_J, segs_idx, smask, 0.0), 0)
             elif KIND == 0:
-                jj = w_row - c               # KL(P‖Q) = Σ P·(b − a) − (L_b − L_a)
+                jj = w_row - oc              # KL(P‖Q) = Σ P·δ (see _finish_stats)
             else:
-                jj = w_row + c               # KL(Q‖P) = Σ Q·(a − b) + (L_b − L_a)
+                jj = w_row + oc              # KL(Q‖P) = −Σ Q·δ
                 kk = jj
             # ------------------------------------------------------------ pass 3
             if PHASE != 2:
@@ -482,9 +530,9 @@ def _row_segment(row, seg, s_ptr, s_stride, t_ptr, t_stride, dz_ptr, dz_stride, 
                         tl.store(loss_ptr + row64, loss + nan)
                 if WRITE_GRAD:
                     g = tl.load(g_ptr + row64 * g_stride).to(tl.float32)
-                    _seg_grad(s_row, t_row, dz_row, col0, col1_load, y_local, inv_t, m_a, ls_a,
-                              m_b, ls_b, c, l_z, kk, beta, omb, g * inv_t, g * hard_w, nan, KIND,
-                              HARD, T_ONE, ROUND_BF16, FORM, BLOCK, STAGES)
+                    _seg_grad(s_row, t_row, dz_row, col0, col1_load, y_local, inv_t, ms, ls_a,
+                              mt, ls_b, oa, ob, oc, l_z, kk, beta, omb, g * inv_t, g * hard_w,
+                              nan, KIND, HARD, T_ONE, ROUND_BF16, FORM, BLOCK, STAGES)
     else:
         if PHASE == 0 or PHASE == 3:
             if WRITE_LOSS:
