@@ -832,7 +832,9 @@ def test_gpu_kernels_compile_for_sm90():
     """The Triton interpreter never compiles, and never runs the fused kernel's waiting
     paths: compile every variant for an H100 (no GPU needed), in a clean process (no
     TRITON_INTERPRET), and check that nothing spills in the column loops: at most a few
-    per-row scalars (kept across the persistent row loop) may live in local memory."""
+    per-row scalars (kept across the persistent row loop, once per row) may live in local
+    memory. (The fused kernel at FORM 1 spills 8-9 of them since the far form's row values;
+    no local memory op lies in a column loop.)"""
     import os
     import re
     import subprocess
@@ -847,8 +849,29 @@ def test_gpu_kernels_compile_for_sm90():
     assert len(lines) >= 6, r.stdout
     for ln in lines:
         spill = int(re.search(r"(\d+) bytes spill stores", ln).group(1))
-        local_ops = int(re.search(r"(\d+) local ops", ln).group(1))
-        assert spill <= 32 and local_ops <= 12, ln
+        local_ops, in_loops = map(int, re.search(r"(\d+) local ops, (\d+) in innermost loops",
+                                                 ln).groups())
+        assert in_loops == 0 and spill <= 64 and local_ops <= 32, ln
+
+
+def test_local_ops_finds_spills_in_column_loops():
+    """The compile report's loop analysis on SASS of the same shape: a persistent row loop
+    holding a column loop; a spill in the column loop counts, one in the row loop does not."""
+    pytest.importorskip("triton")
+    from logitless.triton_kernels.jsd_rows import _local_ops
+    sass = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   STL [R1+0x8], R0 ;
+        /*0020*/                   FADD R2, R2, R3 ;
+        /*0030*/                   LDL R4, [R1+0x8] ;
+        /*0040*/                   FMUL R5, R5, R6 ;
+        /*0050*/              @P0 BRA 0x40 ;
+        /*0060*/                   STL [R1+0xc], R5 ;
+        /*0070*/              @P1 BRA 0x20 ;
+        /*0080*/                   EXIT ;
+    """
+    assert _local_ops(sass) == (3, 0)
+    assert _local_ops(sass.replace("FMUL R5, R5, R6", "LDL R5, [R1+0xc]")) == (4, 1)
 
 
 # ============================================================================== GPU only

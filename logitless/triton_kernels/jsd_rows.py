@@ -610,6 +610,27 @@ def _cuda_tool(name: str, arch: int) -> str:
     raise RuntimeError(f"{name} not found (Triton's own, its bundle, PATH, /usr/local/cuda/bin)")
 
 
+def _local_ops(sass: str):
+    """(local-memory loads/stores, those inside an innermost loop) of a kernel's SASS. Loops
+    are the ranges [target, branch] of backward branches; innermost ones contain no other
+    (the column loops: the persistent row loop and the passes' sequence hold them)."""
+    import re
+    code = []
+    for line in sass.splitlines():
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
+        if m:
+            code.append((int(m.group(1), 16), m.group(2)))
+    loops = []
+    for addr, text in code:
+        m = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < addr:
+            loops.append((int(m.group(1), 16), addr))
+    inner = [(a, b) for a, b in loops
+             if not any((a, b) != (c, d) and a <= c and d <= b for c, d in loops)]
+    local = [addr for addr, text in code if re.search(r"\b(STL|LDL)\b", text)]
+    return len(local), sum(any(a <= x <= b for a, b in inner) for x in local)
+
+
 def compile_report(arch: int = 90, variants=None) -> str:
     """Compile the kernel for a CUDA ``arch`` without a GPU (CI runs interpreted and never
     compiles) and report ptxas' registers and spills per variant, one ``variant ...`` line
@@ -663,11 +684,11 @@ def compile_report(arch: int = 90, variants=None) -> str:
                 raise RuntimeError(f"{ptxas} failed:\n{r.stderr[-2000:]}")
             info = "; ".join(ln.split("info    : ")[-1].strip() for ln in r.stderr.splitlines()
                              if "registers" in ln or "spill" in ln)
-            # A few per-row scalars spilled outside the column loops cost nothing; a spill
-            # inside an (unrolled) column loop shows as many local loads/stores.
+            # A few per-row scalars spilled outside the column loops cost nothing (once per
+            # row); a spill inside a column loop costs per block.
             sass = subprocess.run([_cuda_tool("cuobjdump", arch), "-sass", cubin],
                                   capture_output=True, text=True, check=True).stdout
-            n_local = sum(("STL " in ln) or ("LDL " in ln) for ln in sass.splitlines())
-            info += f"; {n_local} local ops"
+            n_local, n_inner = _local_ops(sass)
+            info += f"; {n_local} local ops, {n_inner} in innermost loops"
         lines.append(f"variant {v} num_warps={num_warps}: {info}")
     return "\n".join(lines)
