@@ -29,6 +29,7 @@ import numpy as np
 from jax import lax
 
 from . import _jax_common as common
+from ._keywords import check_tuning
 from .pallas_kernels import swiglu as _pallas
 from .specs import tiled_mlp as spec
 
@@ -282,14 +283,18 @@ def _compute_dtype(dtype):
     return jnp.promote_types(dtype, jnp.float32)
 
 
-@jax.custom_vjp
-def _swiglu_xla(gate, up):
+def _swiglu_xla_value(gate, up):
     c = _compute_dtype(gate.dtype)
     return _pallas.swiglu_math(gate.astype(c), up.astype(c)).astype(gate.dtype)
 
 
+# The rules call the plain math, not the custom_vjp function: under forward-mode over reverse
+# (jax.hessian, jvp of grad) the fwd rule runs inside the outer JVP, which a custom_vjp refuses.
+_swiglu_xla = jax.custom_vjp(_swiglu_xla_value)
+
+
 def _swiglu_xla_fwd(gate, up):
-    return _swiglu_xla(gate, up), (gate, up)
+    return _swiglu_xla_value(gate, up), (gate, up)
 
 
 def _swiglu_xla_bwd(res, dh):
@@ -334,6 +339,8 @@ def swiglu(gate, up, *, backend: Optional[str] = None, **tuning):
     ``num_warps``, ``interpret``) or ``"xla"`` (the same math in jnp, fused by XLA).
     """
     if _resolve_backend(backend) == "pallas":
+        check_tuning("swiglu", tuning, ("gate", "up", "backend"), "backend='pallas'",
+                     _pallas.TUNING)
         # elementwise: under an Explicit sharding the kernel runs on auto axes, the result
         # sharded like gate
         return common.on_auto_axes(lambda g, u: _pallas.swiglu(g, u, **tuning), (gate, up),

@@ -270,6 +270,27 @@ def test_jax_bad_arguments():
         lj.swiglu(jnp.ones((3, 4)), jnp.ones((3, 4)), backend="pallas", block_cols=48)
     with pytest.raises(ValueError, match="backend must be"):
         lj.swiglu(jnp.ones((3, 4)), jnp.ones((3, 4)), backend="triton")
+    with pytest.raises(TypeError, match=r"backend='pallas'.*did you mean 'block_rows'"):
+        lj.swiglu(jnp.ones((3, 4)), jnp.ones((3, 4)), backend="pallas", block_row=4)
+
+
+def test_jax_xla_second_order_matches_float64():
+    """backend="xla" has every second-order derivative, forward-over-reverse included
+    (jax.hessian, the jvp of a gradient: its custom_vjp's rules had called the custom_vjp
+    function itself, which the outer JVP refused), equal to float64 autodiff of the formula."""
+    g, u, _ = _inputs((3, 5), "float32", salt=11)
+    f = lambda fn: (lambda a, b: jnp.sum(fn(a, b) ** 2 * b))
+    plain = f(lambda a, b: jax.nn.silu(a) * b)
+    ours = f(lambda a, b: lj.swiglu(a, b, backend="xla"))
+    with jax.enable_x64(True):
+        want = jax.hessian(plain, argnums=(0, 1))(jnp.asarray(g, jnp.float64),
+                                                  jnp.asarray(u, jnp.float64))
+    got = jax.hessian(ours, argnums=(0, 1))(jnp.asarray(g), jnp.asarray(u))
+    for gr, wr in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert rel_err(np.asarray(gr, np.float64), np.asarray(wr)) < 1e-5
+    hvp = jax.jvp(jax.grad(ours), (jnp.asarray(g), jnp.asarray(u)),
+                  (jnp.ones_like(g), jnp.zeros_like(u)))[1]
+    assert rel_err(np.asarray(hvp, np.float64), np.asarray(want[0][0]).sum(axis=(2, 3))) < 1e-5
 
 
 def test_pallas_lowers_to_triton_at_the_target_shape():

@@ -145,6 +145,9 @@ def check_pair(gate, up):
         raise ValueError("gate and up must have at least one dimension")
 
 
+TUNING = ("block_rows", "block_cols", "num_warps", "interpret")
+
+
 def _config(gate, up, block_rows=None, block_cols=None, num_warps=None, interpret=None) -> Config:
     check_pair(gate, up)
     if jnp.dtype(gate.dtype) not in FLOAT_DTYPES:
