@@ -396,6 +396,21 @@ def test_pallas_second_order_derivatives_raise_a_clear_error():
         jax.grad(lambda g: jnp.sum(jax.grad(act)(g) ** 2))(x)
 
 
+def test_teacher_and_class_weights_are_constants_at_every_order():
+    """The teacher (linear_jsd) and the class weights (linear_cross_entropy) get no gradient,
+    and their cross second derivatives with the differentiated inputs are 0 too, as for
+    ``stop_gradient``: the custom_vjp's residuals had carried them (d/dteacher of dL/dstudent
+    was 2.4e-2 while d/dstudent of dL/dteacher was 0: an asymmetric Hessian)."""
+    x, w, y, _ = _problem(n=5, h=4, v=7, bias=False, salt=6)
+    xt = x[::-1] * 0.7
+    jsd = lambda xs, xt: lj.linear_jsd(xs, w, xt, w[::-1], y, backend="xla")
+    assert not jnp.any(jax.jacrev(jax.grad(jsd, argnums=0), argnums=1)(x, xt))
+    cw = jnp.linspace(0.5, 1.5, 7)
+    ce = lambda x, cw: lj.linear_cross_entropy(x, w, y, weight=cw, backend="xla")
+    assert not jnp.any(jax.jacrev(jax.grad(ce, argnums=0), argnums=1)(x, cw))
+    assert jnp.any(jax.jacrev(jax.grad(ce, argnums=0), argnums=0)(x, cw))  # the test can see
+
+
 # ------------------------------------------------------------------------ bad arguments
 def _args():
     x, w, y, b = _problem(n=5, h=4, v=7, bias=True, salt=6)
