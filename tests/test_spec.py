@@ -416,6 +416,8 @@ def test_options_accept_edges_and_normalize():
     for cap in (spec.FLOAT32_TINY, spec.FLOAT32_MAX):
         assert spec.LinearCrossEntropyOptions(softcap=cap).softcap == cap
     assert o.ignore_index == 7 and type(o.ignore_index) is int
+    # a NumPy bool (e.g. from a config array) as NumPy numbers are: normalized to bool
+    assert spec.LinearCrossEntropyOptions(return_lse=np.True_).return_lse is True
     assert spec.LinearCrossEntropyOptions(label_smoothing=0.0).uses_smoothing is False
     assert o.uses_smoothing is True
     for red in REDUCTIONS:

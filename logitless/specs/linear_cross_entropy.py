@@ -82,8 +82,9 @@ class LinearCrossEntropyOptions:
                                                            hi=hi, lo_open=lo_open))
         if self.softcap is not None:
             check_float32_normal("softcap", self.softcap)
-        if not isinstance(self.return_lse, bool):
+        if not isinstance(self.return_lse, (bool, np.bool_)):  # NumPy's too, as its numbers
             raise TypeError(f"return_lse must be a bool, got {self.return_lse!r}")
+        object.__setattr__(self, "return_lse", bool(self.return_lse))
 
     @property
     def uses_smoothing(self) -> bool:
