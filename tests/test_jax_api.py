@@ -411,6 +411,17 @@ def test_teacher_and_class_weights_are_constants_at_every_order():
     assert jnp.any(jax.jacrev(jax.grad(ce, argnums=0), argnums=0)(x, cw))  # the test can see
 
 
+def test_traced_tuning_keywords_say_how_to_pass_them():
+    """A chunk or block size that is a traced value (or a 0-d array) is refused with the hint
+    the options give (close over it / mark it static), not a bare "must be a positive int"."""
+    x, w, y, _ = _problem(n=5, h=4, v=7, bias=False, salt=7)
+    for kw in ("chunk_size", "memory_budget"):
+        with pytest.raises(TypeError, match=f"{kw} must be an int.*mark it static"):
+            jax.jit(lambda c: lj.linear_cross_entropy(x, w, y, backend="xla", **{kw: c}))(64)
+    with pytest.raises(TypeError, match="block_v must be an int.*mark it static"):
+        lj.linear_cross_entropy(x, w, y, backend="pallas", block_v=jnp.array(128))
+
+
 # ------------------------------------------------------------------------ bad arguments
 def _args():
     x, w, y, b = _problem(n=5, h=4, v=7, bias=True, salt=6)

@@ -43,6 +43,10 @@ def plan_token_chunks(n: int, v: int, *, bytes_per_element: int,
         if not isinstance(val, int) or val < (0 if name == "n" else 1):
             raise ValueError(f"{name} must be a positive int, got {val!r}")
     # the user's values: any integer type (a NumPy int too, as a Python int), never a bool
+    for name, val in (("chunk_size", chunk_size), ("memory_budget", budget_bytes)):
+        if getattr(val, "shape", None) == () and not _is_integer(val):  # 0-d array, traced
+            from .linear_cross_entropy import not_static
+            raise not_static(name, val, "an int")
     if chunk_size is not None:
         if not _is_integer(chunk_size) or chunk_size < 1:
             raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
