@@ -11,8 +11,9 @@ with the row kernel of another file (e.g. the previous version of jsd_rows.py, s
 
 Whole fwd+bwd calls (``backend="triton"``, bf16, default settings) at the TARGETS shapes:
 Llama CE (16384, 4096, 128256), Gemma CE (8192, 2304, 256000), low-memory CE at Llama and the
-JSD (8192, 4096, 128256, β = 0.5; and β = 0, the forward KL). JSON lines: per case and variant the median ms, and each
-variant's median paired ratio to the first with its 95% bootstrap interval.
+JSD (8192, 4096, 128256, β = 0.5; and β = 0, the forward KL). JSON lines: per case and variant
+the median ms, and each variant's median paired ratio to the first with its 95% bootstrap
+interval.
 
     PYTHONPATH=. python3 benchmarks/row_stages_ab.py --reps 30 \
         --variants '[{"ROW_STAGES": 1}, {"ROW_STAGES": 3}]'

@@ -160,15 +160,16 @@ def stats_update(carry, zs, zt, d, cmask, is_target, *, inv_t, kind, hard, t_one
     d = jnp.where(live, d, 0.0)
     ms_new = jnp.maximum(ms, jnp.max(jnp.where(live, zs, -jnp.inf), axis=1))
     mt_new = jnp.maximum(mt, jnp.max(jnp.where(live, zt, -jnp.inf), axis=1))
-    es, et = zs - ms_new[:, None], zt - mt_new[:, None]
+    # exponents relative to the raw maxima: (z − M)/T
+    xa, xb = (zs - ms_new[:, None]) * inv_t, (zt - mt_new[:, None]) * inv_t
     ra, rb = jnp.exp((ms - ms_new) * inv_t), jnp.exp((mt - mt_new) * inv_t)
-    ea = jnp.where(live, jnp.exp(es * inv_t), 0.0)
-    eb = jnp.where(live, jnp.exp(et * inv_t), 0.0)
+    ea = jnp.where(live, jnp.exp(xa), 0.0)
+    eb = jnp.where(live, jnp.exp(xb), 0.0)
     u = u * ra + jnp.sum(ea * expm1(jnp.minimum(d, FAR)), axis=1)
     md = jnp.maximum(md, jnp.max(jnp.where(live, d, -jnp.inf), axis=1))
     if kind != "jsd":
         shift = max_shift(ms, ms_new, mt, mt_new, s_b if kind == "forward_kl" else s_a, inv_t)
-        far_d = jnp.where(live, (et - es) * inv_t, 0.0)
+        far_d = xb - xa  # finite on masked lanes (padded logits x·0, masked loads 0): ea = eb = 0
         if kind == "forward_kl":
             w = w * rb + jnp.sum(eb * d, axis=1)
             wf = (wf - s_b * shift) * rb + jnp.sum(eb * far_d, axis=1)
@@ -641,6 +642,9 @@ def run(xs, ws, xt, wt, target, opts: spec.LinearJSDOptions, weight_layout, back
     check_tuning("linear_jsd", tuning, _PARAMETERS, f"backend={name!r}", impl.TUNING)
 
     def body(xs, ws, xt, wt, target):
+        # the teacher is a constant at every order (its first-order gradient is 0 by the
+        # custom_vjp, and without this its cross second derivatives with the student were not)
+        xt, wt = lax.stop_gradient(xt), lax.stop_gradient(wt)
         p = dataclasses.replace(prepare(xs, ws, xt, wt, target, opts, weight_layout),
                                 needs=tuple(needs))
         loss = impl.linear_jsd(p, opts, **tuning)

@@ -69,8 +69,8 @@ _ROWS = 6  # the row values of ``jc.stats_finish`` (M_s, log s_a, M_t, log s_b, 
 
 def _segment(zs_ref, zt_ref, y_ref, *, v, block_rows, block_v, seg_blocks, inv_t):
     """(rows, rmask, block) of this program: block(t) loads the segment's t-th column block
-    (the raw logits z_s, z_t as float32 and d of ``_jax_jsd.scaled_gap``) over the buffers' whole width
-    (``lmask``: the padded vocabulary of ``_jax_common.VocabWeight`` too, so that the loads
+    (the raw logits z_s, z_t as float32 and d of ``_jax_jsd.scaled_gap``) over the buffers'
+    whole width (``lmask``: the padded vocabulary of ``_jax_common.VocabWeight`` too, so that the loads
     vectorize; a mask bound such as 50257 would keep them scalar); ``cmask`` keeps the columns
     past ``v`` out of every sum."""
     n_rows = zs_ref.shape[0]

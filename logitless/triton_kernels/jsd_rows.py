@@ -148,24 +148,22 @@ def _seg_stats(s_row, t_row, col0, col1, col1_load, y_local, inv_t, KIND: tl.con
         d = tl.where(cmask, d, 0.0)
         ms_new = tl.maximum(ms, tl.max(tl.where(cmask, zs, -float("inf")), 0))
         mt_new = tl.maximum(mt, tl.max(tl.where(cmask, zt, -float("inf")), 0))
-        es = zs - ms_new
-        et = zt - mt_new
+        xa = (zs - ms_new) * inv_t  # exponents relative to the raw maxima
+        xb = (zt - mt_new) * inv_t
         ra = tl.exp((ms - ms_new) * inv_t)
         rb = tl.exp((mt - mt_new) * inv_t)
-        ea = tl.where(cmask, tl.exp(es * inv_t), 0.0)
-        eb = tl.where(cmask, tl.exp(et * inv_t), 0.0)
+        ea = tl.where(cmask, tl.exp(xa), 0.0)
+        eb = tl.where(cmask, tl.exp(xb), 0.0)
         u = u * ra + tl.sum(ea * _expm1(tl.minimum(d, FAR)), 0)
         md = tl.maximum(md, tl.max(tl.where(cmask, d, -float("inf")), 0))
         if KIND == 0:   # forward KL: Σ P·δ, weights of the teacher
             shift = _max_shift(ms, ms_new, mt, mt_new, s_b, inv_t)
             w = w * rb + tl.sum(eb * d, 0)
-            wf = (wf - s_b * shift) * rb + tl.sum(tl.where(cmask, eb * ((et - es) * inv_t), 0.0),
-                                                  0)
+            wf = (wf - s_b * shift) * rb + tl.sum(tl.where(cmask, eb * (xb - xa), 0.0), 0)
         elif KIND == 1:  # reverse KL: −Σ Q·δ, weights of the student
             shift = _max_shift(ms, ms_new, mt, mt_new, s_a, inv_t)
             w = w * ra - tl.sum(ea * d, 0)
-            wf = (wf + s_a * shift) * ra - tl.sum(tl.where(cmask, ea * ((et - es) * inv_t), 0.0),
-                                                  0)
+            wf = (wf + s_a * shift) * ra - tl.sum(tl.where(cmask, ea * (xb - xa), 0.0), 0)
         s_a = s_a * ra + tl.sum(ea, 0)
         s_b = s_b * rb + tl.sum(eb, 0)
         ms = ms_new
