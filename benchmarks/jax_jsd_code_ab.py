@@ -7,8 +7,8 @@ The old version is two files (``git show <commit>:logitless/_jax_jsd.py`` and
 the front door as backend ``"pallas-old"``; its chunk driver takes the front door's prepared
 arguments, so the two versions must agree on those. Case: N=8192, H=4096, V=128256, bf16,
 fwd+bwd, floor: its four GEMMs through XLA. JSON lines: per variant the median ms, its ratio to
-the floor calls timed with it, its paired ratio to the old one with a 95% bootstrap interval,
-and the loss.
+the floor calls timed with it, its paired ratio to the one run first (``--first``: old by
+default) with a 95% bootstrap interval, and the loss.
 
     PYTHONPATH=. python3 benchmarks/jax_jsd_code_ab.py --old-jax-jsd OLD1.py \
         --old-pallas OLD2.py --reps 20 [--beta 0.5] [--small]
@@ -57,6 +57,8 @@ def main():
     ap.add_argument("--beta", type=float, default=0.5)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--warmup-s", type=float, default=3.0)
+    ap.add_argument("--first", choices=("old", "new"), default="old",
+                    help="which version runs first in each round (position bias check)")
     ap.add_argument("--small", action="store_true", help="tiny shapes (a CPU dry run)")
     a = ap.parse_args()
     _join_old(a.old_jax_jsd, a.old_pallas)
@@ -70,7 +72,7 @@ def main():
     y = jax.random.randint(keys[4], (n,), 0, v)
     g = jnp.full((n, v), 1e-3, jnp.bfloat16)
     gemms = jax.jit(lambda xs, ws, xt, wt, g: (xs @ ws.T, xt @ wt.T, g @ ws, g.T @ xs))
-    names = ["pallas-old", "pallas"]
+    names = ["pallas-old", "pallas"] if a.first == "old" else ["pallas", "pallas-old"]
     steps, losses = [], []
     for name in names:
         loss = lambda xs, ws, xt, wt, y, name=name: lj.linear_jsd(xs, ws, xt, wt, y, beta=a.beta,

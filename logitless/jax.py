@@ -144,8 +144,6 @@ def _run(x, linear_weight, labels, linear_bias, weight, opts, weight_layout, bac
     check_tuning("linear_cross_entropy", tuning, _PARAMETERS, f"backend={name!r}", impl.TUNING)
 
     def body(x, linear_weight, labels, linear_bias, weight):
-        if weight is not None:  # a constant at every order, not only in its first-order gradient
-            weight = lax.stop_gradient(weight)
         prepared = common.prepare(x, linear_weight, labels, linear_bias, weight,
                                   ignore_index=opts.ignore_index, weight_layout=weight_layout)
         prepared = dataclasses.replace(prepared, needs=tuple(needs))
