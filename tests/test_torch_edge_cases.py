@@ -328,6 +328,33 @@ def test_triton_fp16_unscaled_sums_in_one_chunk_do_not_overflow(reduction, accum
     _close(got[2:], want[2:], tol=1e-2)  # dW, an fp16 gradient of ~1e3 from a 1e5 sum
 
 
+@pytest.mark.parametrize("backend, kw", [("triton", {}), ("triton", dict(low_memory=True)),
+                                        ("torch", {})])
+def test_fp16_mean_keeps_a_light_tokens_gradient_under_loss_scaling(backend, kw):
+    """fp16 "mean": 1/Σω must not be folded into the fp16 dz when Σω is large (63 tokens of
+    class weight 2000, Σω = 126001): a light token's p/Σω would be subnormal there, before the
+    loss scale (65536) arrives; it is applied to fp32 sums instead (the spec's
+    folds_mean_divisor). The light token's dX row against float64 at 2x the naive fp16 path's
+    error or one fp16 ulp per element (2^-10 relative; folding gives ~40x naive)."""
+    rng = np.random.default_rng([SEED, 4242])
+    n, h, v = 64, 16, 61
+    x = torch.tensor(rng.standard_normal((n, h)), dtype=torch.float16, device=DEV)
+    w = torch.tensor(rng.standard_normal((v, h)) * (3 / np.sqrt(h)), dtype=torch.float16,
+                     device=DEV)
+    y = torch.ones(n, dtype=torch.long, device=DEV)
+    y[-1] = 2  # the light token
+    cw = torch.ones(v, device=DEV)
+    cw[1] = 2000.0
+    scale = 65536.0
+    want = _grads(lambda a, b: F.cross_entropy(a @ b.t(), y, weight=cw.double()) * scale,
+                  x.double(), w.double())[1][-1]
+    naive = _grads(lambda a, b: F.cross_entropy((a @ b.t()).float(), y, weight=cw) * scale,
+                   x, w)[1][-1]
+    got = _grads(lambda a, b: lt.linear_cross_entropy(a, b, y, weight=cw, backend=backend,
+                                                      **kw) * scale, x, w)[1][-1]
+    _close([got], [want], tol=max(2 * _err(naive, want), 2.0 ** -10))
+
+
 # ----------------------------------------------------------------------------- autocast
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_autocast_casts_like_f_linear(backend):

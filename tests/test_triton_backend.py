@@ -676,6 +676,29 @@ def test_out_of_range_target_is_an_error_on_gpu():
     assert "assert" in (r.stderr + r.stdout).lower()
 
 
+def test_in_place_narrowing_never_writes_what_a_later_program_reads(monkeypatch):
+    """narrow_ writes the fp32 accumulator's values as 2-byte ones over its own storage: a
+    launch that narrows elements [start, stop) writes fp32 slots [start/2, stop/2), which must
+    all have been read already (by earlier launches, in stream order) unless the launch is the
+    single-program one that reads before it writes. On a GPU an overlap is a race the
+    interpreter (programs one after another) never shows, so the schedule is checked as is."""
+    from logitless.triton_kernels import narrow_cast
+    calls = []
+    monkeypatch.setattr(narrow_cast, "_launch",
+                        lambda src, dst, scale, start, stop, interpret, sync=False:
+                        calls.append((src.data_ptr(), dst.data_ptr(), start, stop, sync)))
+    n_a, n_b = 3 * narrow_cast.FIRST + 5, 2 * narrow_cast.FIRST + 3
+    a, b = torch.zeros(n_a), torch.zeros(n_b)
+    narrow_cast.narrow_(a, b, None, torch.bfloat16, True)
+    *own, last = calls
+    assert own[0][2:] == (0, narrow_cast.FIRST, True)
+    assert all(c[:2] == (a.data_ptr(), a.data_ptr()) for c in own)
+    assert [c[2] for c in own[1:]] == [c[3] for c in own[:-1]] and own[-1][3] == n_a  # tiles
+    assert all(not sync and stop <= 2 * start for _, _, start, stop, sync in own[1:])
+    # b's values go after a's n_a narrow slots, i.e. into fp32 slots [n_a/2, (n_a+n_b)/2) < n_a
+    assert last == (b.data_ptr(), a.data_ptr() + 2 * n_a, 0, n_b, False) and n_b <= n_a
+
+
 def test_bf16_cast_keeps_every_nan():
     """fp32 → bf16 through our cast kernels keeps NaN a NaN whatever its payload (the GPU
     writes the canonical NaN; the interpreter's pre-rounding of the bits once carried
