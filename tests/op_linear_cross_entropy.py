@@ -127,6 +127,12 @@ def cases_linear_cross_entropy():
         Case(n=1, h=16, v=61, dtype="bfloat16", reduction="none", **everything),
         Case(n=130, h=48, v=509, dtype="bfloat16", chunk_size=48, **everything),  # many chunks
         Case(n=130, h=48, v=509, reduction="none", chunk_size=48, class_weight=True),
+        # the fused forward (mean / sum without lse) over several chunks: dW accumulated and
+        # dX written chunk by chunk in the forward (a mutation review: no case reached it)
+        Case(n=130, h=48, v=509, dtype="bfloat16", chunk_size=48,
+             **{**everything, "lse_grad": False}),
+        Case(n=130, h=48, v=509, dtype="float16", reduction="sum", chunk_size=48,
+             **{**everything, "lse_grad": False}),
         Case(n=64, h=64, v=1031, dtype="bfloat16", label_smoothing=0.1),  # wider V, prime
         # H a multiple of 8, no smoothing: Triton's own logits GEMM can take these (several
         # row, column and K tiles; V not a multiple of 8, so the logits rows are padded)
