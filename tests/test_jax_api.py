@@ -396,6 +396,25 @@ def test_pallas_second_order_derivatives_raise_a_clear_error():
         jax.grad(lambda g: jnp.sum(jax.grad(act)(g) ** 2))(x)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("scale", [-1.0, 0.05])
+def test_mean_divides_by_the_class_weight_sum_whatever_its_size_or_sign(backend, scale):
+    """"mean" divides by Σω as it is (F.cross_entropy's rule; only Σω = 0 gives 0): negative
+    (Σω = -4 here) and below 1 (0.2), where a divisor clamped to 1 or to |Σω| would pass the
+    shared harness (its class weights are in [0.25, 2])."""
+    x, w, _, _ = _problem(n=6, h=8, v=5, salt=13)
+    y = jnp.array([0, 0, 1, 2, -100, 0])
+    cw = np.array([-1.0, -0.5, -0.5, 1.0, 1.0]) * (1.0 if scale < 0 else -scale)
+    loss, (dx, dw) = jax.value_and_grad(
+        lambda x, w: lj.linear_cross_entropy(x, w, y, weight=cw, backend=backend),
+        argnums=(0, 1))(x, w)
+    f64 = lambda a: np.asarray(a, np.float64)
+    ref = spec.reference(f64(x), f64(w), np.asarray(y), weight=f64(cw),
+                         options=spec.LinearCrossEntropyOptions())
+    for got, key in ((loss, "loss"), (dx, "dx"), (dw, "dw")):
+        _assert_close(got, ref[key])
+
+
 def test_teacher_and_class_weights_are_constants_at_every_order():
     """The teacher (linear_jsd) and the class weights (linear_cross_entropy) get no gradient,
     and their cross second derivatives with the differentiated inputs are 0 too, as for

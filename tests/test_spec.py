@@ -46,6 +46,7 @@ class SpecCase:
     softcap: Optional[float] = None
     bias: bool = False
     class_weight: bool = False
+    weight_scale: float = 1.0      # class weights times this (Σω in (0, 1), or negative)
     ignore: str = "some"           # "none" | "some" | "all"
     ignore_index: int = -100
     lse_grad: bool = False         # an upstream gradient on lse as well as on the loss
@@ -85,7 +86,7 @@ def draw(case: SpecCase):
     else:
         y[:] = ii
     bias = rng.standard_normal(v) * 0.5 if case.bias else None
-    cw = rng.uniform(0.25, 2.0, v) if case.class_weight else None
+    cw = rng.uniform(0.25, 2.0, v) * case.weight_scale if case.class_weight else None
     if case.reduction == "none":
         g = rng.uniform(0.5, 2.0, n) * rng.choice([-1.0, 1.0], n)  # per-token, either sign
     else:
@@ -137,7 +138,7 @@ def torch_oracle(case, d):
         loss = ce("none") + zl
     elif case.reduction == "sum":
         loss = ce("sum") + zl.sum()
-    elif omega.sum() > 0:
+    elif omega.sum() != 0:  # a negative Σω divides too (F.cross_entropy's "mean")
         loss = ce("mean") + zl.sum() / omega.sum()
     else:
         # torch's mean of an all-ignored batch is 0/0 = NaN; the spec defines it as 0 (the
@@ -186,7 +187,7 @@ def _jax_oracle_fn():
             else:
                 loss = jnp.sum(tok)
                 if reduction == "mean":
-                    loss = loss / jnp.where(omega.sum() > 0, omega.sum(), 1.0)
+                    loss = loss / jnp.where(omega.sum() != 0, omega.sum(), 1.0)
             return (loss, lse), tok
 
         out = {}
@@ -238,6 +239,9 @@ OPTION_SETS = {
     "softcap_z": dict(softcap=2.0, z_loss=0.05),
     "bias_softcap_lse": dict(bias=True, softcap=3.0, lse_grad=True),
     "weight_z_inside": dict(class_weight=True, z_loss=1e-2, ignore_index=5),
+    # "mean" divides by Σω whatever its size or sign (F.cross_entropy's rule; 0 only for 0)
+    "light_weights": dict(class_weight=True, weight_scale=0.01),   # Σω ≈ 0.3
+    "negative_weights": dict(class_weight=True, weight_scale=-1.0),
     "everything": EVERYTHING,
     "everything_inside": dict(EVERYTHING, ignore_index=7, label_smoothing=0.9),
 }
