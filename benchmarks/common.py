@@ -160,13 +160,21 @@ def _wait(out, device: str) -> None:
     synchronize(device)
 
 
+def _rotation(n: int, r: int) -> List[int]:
+    """The order of round ``r`` of ``n`` interleaved steps: rotated by r."""
+    return [(r + k) % n for k in range(n)]
+
+
 def time_interleaved(steps: Sequence[Callable[[], Any]], *, device: str, reps: int,
                      warmup_s: float = 0.0, warmup_calls: int = 1,
                      wall: bool = False) -> List[Timing]:
-    """Time ``steps`` in turn (A B A B ...), ``reps`` calls each; one ``Timing`` per step.
+    """Time ``steps`` in turn, ``reps`` calls each; one ``Timing`` per step.
 
     Why interleave: a GPU whose clocks drift during a run (heat, power) slows steps timed
     together alike, so the ratio of two steps holds; timed apart, ratios moved by 5-10%.
+    Round r runs the steps rotated by r (A B C, B C A, C A B, ...): in a fixed order the step
+    timed after another paid for it (H100, one Pallas JSD timed against itself: the second of
+    the pair 1.5-3% slower whichever it was; ``results/…-s20-jax-jsd-code-ab-order.jsonl``).
     Warm-up: rounds of one call of every step until ``warmup_s`` seconds have passed and at
     least ``warmup_calls`` rounds ran (``warmup_calls=0, warmup_s=0``: none).
 
@@ -188,19 +196,19 @@ def time_interleaved(steps: Sequence[Callable[[], Any]], *, device: str, reps: i
         events = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                    for _ in range(reps)] for _ in steps]
         for r in range(reps):
-            for step, ev in zip(steps, events):
-                ev[r][0].record()
-                step()  # result dropped at once: its memory returns to the caching allocator
-                ev[r][1].record()
+            for i in _rotation(len(steps), r):
+                events[i][r][0].record()
+                steps[i]()  # result dropped at once: its memory returns to the caching allocator
+                events[i][r][1].record()
         torch.cuda.synchronize(device)
         return [Timing.of([s.elapsed_time(e) for s, e in ev], "cuda-events") for ev in events]
     times: List[List[float]] = [[] for _ in steps]
-    for _ in range(reps):
-        for step, ts in zip(steps, times):
+    for r in range(reps):
+        for i in _rotation(len(steps), r):
             t = time.perf_counter()
-            out = step()
+            out = steps[i]()
             _wait(out, device)  # held until the clock stops: freeing it is not part of the call
-            ts.append((time.perf_counter() - t) * 1e3)
+            times[i].append((time.perf_counter() - t) * 1e3)
             del out
     method = "perf_counter" + (" to jax.block_until_ready" if "jax" in sys.modules else "") + (
         " + torch.cuda.synchronize" if device.startswith("cuda") else "")
