@@ -4,8 +4,9 @@ Conventions (the same for every op, so results are comparable across files):
 
 * time: median of ``reps`` timed calls after untimed warm-up calls; CUDA events per call on
   a GPU, ``time.perf_counter`` up to the result on CPU and for JAX. A candidate and its floor
-  (the op's GEMMs alone) are timed interleaved, A B A B ... (``time_interleaved``), and its
-  ratio is to the floor calls timed with it: the GPU's clocks drift within a run.
+  (the op's GEMMs alone) are timed interleaved, the order rotated each round (A B, B A, ...:
+  ``time_interleaved``), and its ratio is to the floor calls timed with it: the GPU's clocks
+  drift within a run.
 * peak extra memory: the high-water mark during one call minus what was held before the call
   and minus the nominal bytes of what the call returns (e.g. the gradients, which any
   implementation must produce). GPU: ``torch.cuda.max_memory_allocated`` after a peak reset.

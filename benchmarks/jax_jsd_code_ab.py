@@ -1,5 +1,5 @@
 """GPU probe: the Pallas linear JSD of this tree against an older version of its code, A/B in
-one process, timed interleaved (floor old new floor old new ...) by the wall clock up to the
+one process, timed interleaved (floor old new, rotated each round) by the wall clock up to the
 result, so that clock drift hits them alike.
 
 The old version is two files (``git show <commit>:logitless/_jax_jsd.py`` and

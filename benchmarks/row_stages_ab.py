@@ -1,8 +1,9 @@
 """GPU probe: launch settings of the Triton row kernels (module constants such as
 ``ROW_STAGES``, the software-pipelining depth of the row loops, ``LONG_ROW_WARPS`` of
 linear_cross_entropy, ``GPU_ROW_STAGES`` of linear_jsd), A/B with every variant timed
-interleaved (A B A B ...) in one process so that clock drift hits them alike (sequential
-timing could not see a 0.3 ms gain in an 80 ms call). Each step sets every constant any
+interleaved (rotated each round: A B, B A, ...) in one process so that clock drift hits them
+alike (sequential timing could not see a 0.3 ms gain in an 80 ms call). Each step sets every
+constant any
 variant names (the module's own value where its variant names none) before it runs; the
 modules' values are restored at the end. A variant's ``"kwargs"`` entry adds keyword arguments
 to the call (e.g. ``{"kwargs": {"logits_gemm": "triton"}}``); ``"jsd_rows_file"`` runs the JSD

@@ -231,7 +231,8 @@ def check_tuning(name: str, value, *, power_of_2=False, lo=1, hi=None):
     """A positive-int tuning keyword (optionally a power of two within [lo, hi]), returned as
     a Python int (NumPy integers are accepted; bools are not)."""
     what = "a power of two" if power_of_2 else "an int"
-    if isinstance(value, jax.Array) and not isinstance(value, bool):  # traced or 0-d: not static
+    static = isinstance(value, (numbers.Integral, np.bool_))  # a bool: the ValueError below
+    if getattr(value, "shape", None) == () and not static:  # a 0-d array or a traced value
         raise spec.not_static(name, value, "an int")
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < lo or \
             (hi is not None and value > hi) or (power_of_2 and value & (value - 1)):

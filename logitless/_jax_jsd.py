@@ -144,7 +144,9 @@ def max_shift(ms_old, ms_new, mt_old, mt_new, s_old, inv_t):
     """How much the far-form KL terms ((z_t − M_t) − (z_s − M_s))/T of the columns summed so
     far move when the raw maxima move from (M_s, M_t) old to new: they drop by this. 0 before
     any live column (s_old = 0, where the maxima are −inf)."""
-    return jnp.where(s_old > 0, ((mt_new - mt_old) - (ms_new - ms_old)) * inv_t, 0.0)
+    ms_old = jnp.where(s_old > 0, ms_old, ms_new)  # no inf − inf computed (and discarded)
+    mt_old = jnp.where(s_old > 0, mt_old, mt_new)
+    return ((mt_new - mt_old) - (ms_new - ms_old)) * inv_t
 
 
 def stats_update(carry, zs, zt, d, cmask, is_target, *, inv_t, kind, hard, t_one):

@@ -415,17 +415,22 @@ def test_mean_divides_by_the_class_weight_sum_whatever_its_size_or_sign(backend,
         _assert_close(got, ref[key])
 
 
-def test_teacher_and_class_weights_are_constants_at_every_order():
+@pytest.mark.parametrize("reduction, lse", [("mean", False), ("none", False), ("sum", True)])
+def test_teacher_and_class_weights_are_constants_at_every_order(reduction, lse):
     """The teacher (linear_jsd) and the class weights (linear_cross_entropy) get no gradient,
     and their cross second derivatives with the differentiated inputs are 0 too, as for
     ``stop_gradient``: the custom_vjp's residuals had carried them (d/dteacher of dL/dstudent
-    was 2.4e-2 while d/dstudent of dL/dteacher was 0: an asymmetric Hessian)."""
+    was 2.4e-2 while d/dstudent of dL/dteacher was 0: an asymmetric Hessian). Both rule pairs:
+    the fused forward ("mean"/"sum") and the recomputing one ("none", or lse returned)."""
     x, w, y, _ = _problem(n=5, h=4, v=7, bias=False, salt=6)
     xt = x[::-1] * 0.7
-    jsd = lambda xs, xt: lj.linear_jsd(xs, w, xt, w[::-1], y, backend="xla")
+    total = lambda out: jnp.sum(out[0] + out[1]) if lse else jnp.sum(out)
+    jsd = lambda xs, xt: jnp.sum(lj.linear_jsd(xs, w, xt, w[::-1], y, backend="xla",
+                                               reduction=reduction))
     assert not jnp.any(jax.jacrev(jax.grad(jsd, argnums=0), argnums=1)(x, xt))
     cw = jnp.linspace(0.5, 1.5, 7)
-    ce = lambda x, cw: lj.linear_cross_entropy(x, w, y, weight=cw, backend="xla")
+    ce = lambda x, cw: total(lj.linear_cross_entropy(x, w, y, weight=cw, backend="xla",
+                                                     reduction=reduction, return_lse=lse))
     assert not jnp.any(jax.jacrev(jax.grad(ce, argnums=0), argnums=1)(x, cw))
     assert jnp.any(jax.jacrev(jax.grad(ce, argnums=0), argnums=0)(x, cw))  # the test can see
 

@@ -115,7 +115,9 @@ def _max_shift(ms_old, ms_new, mt_old, mt_new, s_old, inv_t):
     """How much the far-form KL terms ((z_t − M_t) − (z_s − M_s))/T of the columns summed so
     far drop when the raw maxima move from old to new; 0 before any live column (s_old = 0,
     maxima −inf). See ``_jax_jsd.max_shift``."""
-    return tl.where(s_old > 0, ((mt_new - mt_old) - (ms_new - ms_old)) * inv_t, 0.0)
+    ms_old = tl.where(s_old > 0, ms_old, ms_new)  # no inf − inf computed (and discarded)
+    mt_old = tl.where(s_old > 0, mt_old, mt_new)
+    return ((mt_new - mt_old) - (ms_new - ms_old)) * inv_t
 
 
 @triton.jit
@@ -609,20 +611,22 @@ def _cuda_tool(name: str, arch: int) -> str:
 
 
 def _local_ops(sass: str):
-    """(local-memory loads/stores, those inside an innermost loop) of a kernel's SASS. Loops
-    are the ranges [target, branch] of backward branches; innermost ones contain no other
-    (the column loops: the persistent row loop and the passes' sequence hold them)."""
+    """(local-memory loads/stores, those inside an innermost loop) of a kernel's SASS. A loop
+    is [header, last backward branch to it] (all back-edges to one header are one loop); the
+    innermost ones contain no other (the column loops: the persistent row loop and the
+    passes' sequence hold them)."""
     import re
     code = []
     for line in sass.splitlines():
         m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
         if m:
             code.append((int(m.group(1), 16), m.group(2)))
-    loops = []
+    ends = {}
     for addr, text in code:
         m = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)
         if m and int(m.group(1), 16) < addr:
-            loops.append((int(m.group(1), 16), addr))
+            ends[int(m.group(1), 16)] = addr  # in address order: the last back-edge wins
+    loops = list(ends.items())
     inner = [(a, b) for a, b in loops
              if not any((a, b) != (c, d) and a <= c and d <= b for c, d in loops)]
     local = [addr for addr, text in code if re.search(r"\b(STL|LDL)\b", text)]
