@@ -171,7 +171,7 @@ def stats_update(carry, zs, zt, d, cmask, is_target, *, inv_t, kind, hard, t_one
     md = jnp.maximum(md, jnp.max(jnp.where(live, d, -jnp.inf), axis=1))
     if kind != "jsd":
         shift = max_shift(ms, ms_new, mt, mt_new, s_b if kind == "forward_kl" else s_a, inv_t)
-        far_d = xb - xa  # finite on masked lanes (padded logits x·0, masked loads 0): ea = eb = 0
+        far_d = jnp.where(live, xb - xa, 0.0)  # padded columns may hold anything (NaN)
         if kind == "forward_kl":
             w = w * rb + jnp.sum(eb * d, axis=1)
             wf = (wf - s_b * shift) * rb + jnp.sum(eb * far_d, axis=1)
