@@ -179,7 +179,9 @@ def _seg_stats(s_row, t_row, col0, col1, col1_load, y_local, inv_t, KIND: tl.con
 
 @triton.jit
 def _finish_stats(ms, s_a, mt, s_b, u, md, w, wf, inv_t, KIND: tl.constexpr):
-    """A row's (log s_a, log s_b, c, near, w·) from its merged pass-1 sums: c = L_b − L_a as
+    """A row's (log s_a, log s_b, log s_b − log s_a, c, near, w·) from its merged pass-1 sums
+    (the difference as log1p(s_b/s_a − 1): the GPU's logs of two O(1-10) sums leave ~1e-7 in
+    it, 20x the naive error of a small KL in far rows on the H100): c = L_b − L_a as
     log1p(E_Q[expm1(d)]) while the heads are close (``near``), else the difference (of the
     raw maxima and of the log-sums apart); w· the row's Σ P·d (forward KL) or −Σ Q·d (reverse
     KL) where near, else the far form's (see ``_row_offsets``), 0 for JSD. Normalized by the
@@ -187,7 +189,8 @@ def _finish_stats(ms, s_a, mt, s_b, u, md, w, wf, inv_t, KIND: tl.constexpr):
     −Q·(δ + KL) then fails to cancel."""
     ls_a = tl.log(s_a)
     ls_b = tl.log(s_b)
-    gap = (mt - ms) * inv_t + (ls_b - ls_a)
+    lsd = _log1p((s_b - s_a) / s_a)
+    gap = (mt - ms) * inv_t + lsd
     near = (md < FAR) & (tl.abs(gap) < GAP)
     c = tl.where(near, _log1p(u / s_a), gap)
     w_row = ms * 0.0
@@ -195,17 +198,17 @@ def _finish_stats(ms, s_a, mt, s_b, u, md, w, wf, inv_t, KIND: tl.constexpr):
         w_row = tl.where(near, w, wf) / s_b
     elif KIND == 1:
         w_row = tl.where(near, w, wf) / s_a
-    return ls_a, ls_b, c, near, w_row
+    return ls_a, ls_b, lsd, c, near, w_row
 
 
 @triton.jit
-def _row_offsets(ms, ls_a, mt, ls_b, c, near):
+def _row_offsets(ms, mt, lsd, c, near):
     """(A, B, C) with δ = log P − log Q = ((z_t − A) − (z_s − B))/T − C: (0, 0, c) where the
     heads are close (z_t − z_s is exact where they agree, c the accurate gap), (M_t, M_s,
     log s_b − log s_a) where their normalizers lie far apart, where (z_t − z_s)/T − c would
     cancel two terms of O(c) (a teacher a constant above the student). See
     ``_jax_jsd.row_offsets``."""
-    return tl.where(near, 0.0, mt), tl.where(near, 0.0, ms), tl.where(near, c, ls_b - ls_a)
+    return tl.where(near, 0.0, mt), tl.where(near, 0.0, ms), tl.where(near, c, lsd)
 
 
 @triton.jit
@@ -254,9 +257,9 @@ def _combine_stats(part, segs_idx, smask, inv_t, KIND: tl.constexpr, HARD: tl.co
         w = tl.sum(_load_field(part, F_W, segs_idx, smask, 0.0) * ka, 0)
         wf = tl.sum((_load_field(part, F_WF, segs_idx, smask, 0.0) +
                      s_a * _max_shift(ms_p, ms, mt_p, mt, s_a, inv_t)) * ka, 0)
-    ls_a, ls_b, c, near, w_row = _finish_stats(ms, tl.sum(s_a * ka, 0), mt,
-                                               tl.sum(s_b * kb, 0), tl.sum(u * ka, 0), md,
-                                               w, wf, inv_t, KIND)
+    ls_a, ls_b, lsd, c, near, w_row = _finish_stats(ms, tl.sum(s_a * ka, 0), mt,
+                                                    tl.sum(s_b * kb, 0), tl.sum(u * ka, 0),
+                                                    md, w, wf, inv_t, KIND)
     l_z = ms * inv_t + ls_a
     z_y = ms * 0.0
     if HARD:
@@ -266,7 +269,7 @@ def _combine_stats(part, segs_idx, smask, inv_t, KIND: tl.constexpr, HARD: tl.co
             mz = tl.max(m_z, 0)
             l_z = mz + tl.log(tl.sum(_load_field(part, F_SZ, segs_idx, smask, 0.0) *
                                      tl.exp(m_z - mz), 0))
-    return ms, ls_a, mt, ls_b, c, near, w_row, l_z, z_y
+    return ms, ls_a, mt, ls_b, lsd, c, near, w_row, l_z, z_y
 
 
 @triton.jit
@@ -480,17 +483,17 @@ def _row_segment(row, seg, s_ptr, s_stride, t_ptr, t_stride, dz_ptr, dz_stride, 
             ok = ok & _wait_row(sync_ptr + 2 + row64, sync_ptr + 1, SEGS, MAX_SPIN)
         if PHASE != 1:
             if SEGS > 1:
-                ms, ls_a, mt, ls_b, c, near, w_row, l_z, z_y_row = _combine_stats(
+                ms, ls_a, mt, ls_b, lsd, c, near, w_row, l_z, z_y_row = _combine_stats(
                     part, segs_idx, smask, inv_t, KIND, HARD, T_ONE)
             else:
-                ls_a, ls_b, c, near, w_row = _finish_stats(ms, s_a, mt, s_b, u, md, w, wf,
-                                                           inv_t, KIND)
+                ls_a, ls_b, lsd, c, near, w_row = _finish_stats(ms, s_a, mt, s_b, u, md, w,
+                                                                wf, inv_t, KIND)
                 z_y_row = z_y
                 l_z = ms * inv_t + ls_a
                 if HARD:
                     if not T_ONE:
                         l_z = m_z + tl.log(s_z)
-            oa, ob, oc = _row_offsets(ms, ls_a, mt, ls_b, c, near)
+            oa, ob, oc = _row_offsets(ms, mt, lsd, c, near)
             # ------------------------------------------------------------ pass 2
             kk = zero
             jj = zero
