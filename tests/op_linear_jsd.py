@@ -166,13 +166,12 @@ def cases_linear_jsd():
         Case(**base, reduction="sum", beta=1.0, correlated=False, logit_std=10.0,
              temperature=0.5),  # reverse KL: its KL term had carried L_a's rounding too
         # a teacher whose logits sit a constant above the student's (softmax is blind to it):
-        # where L_b − L_a is large, δ = (z_t − z_s)/T − c cancels two terms of O(offset/T)
-        # (fp32 losses and gradients had been 10-17x the naive path's error)
-        Case(**close, reduction="none", beta=1.0, teacher_offset=30.0, spread=0.05),
-        Case(**close, reduction="sum", beta=0.0, temperature=0.7, teacher_offset=30.0,
-             spread=0.05),
-        Case(**close, beta=0.5, temperature=0.7, teacher_offset=-30.0, spread=0.05,
-             chunk_size=16),
+        # the far rows' path in every reduction, several chunks. Its accuracy claim for a
+        # close teacher (a tiny KL, whose fp32 loss error is a noisy draw for the naive path
+        # too) is test_fp32_offset_teacher_is_as_accurate_as_log_softmax, summed over draws.
+        Case(**close, reduction="none", beta=1.0, teacher_offset=30.0),
+        Case(**close, reduction="sum", beta=0.0, temperature=0.7, teacher_offset=30.0),
+        Case(**close, beta=0.5, temperature=0.7, teacher_offset=-30.0, chunk_size=16),
         # every token ignored: loss 0, zero grads, no NaN
         Case(**base, reduction="mean", ignore="all", hard_loss_weight=0.5),
         Case(**base, dtype="bfloat16", reduction="none", ignore="all", beta=1.0),
