@@ -47,6 +47,23 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
+# ----------------------------------------------------------------------------- code A/Bs
+def load_module_file(name: str, path, replace=()):
+    """Module ``name`` (e.g. ``logitless.triton_kernels._ab_rows``) from the source at
+    ``path``, with ``replace`` pairs applied to the text, registered in ``sys.modules`` so that
+    its relative imports resolve inside the package: an older version of a file, for an A/B
+    against this tree's in one process."""
+    import types
+    src = Path(path).read_text()
+    for a, b in replace:
+        src = src.replace(a, b)
+    mod = types.ModuleType(name)
+    mod.__package__, mod.__file__ = name.rpartition(".")[0], str(path)
+    sys.modules[name] = mod
+    exec(compile(src, str(path), "exec"), mod.__dict__)
+    return mod
+
+
 # ----------------------------------------------------------------------------- environment
 def package_version(name: str) -> Optional[str]:
     """Installed version of a distribution, without importing it (None if absent)."""

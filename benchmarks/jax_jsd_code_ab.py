@@ -14,10 +14,8 @@ default) with a 95% bootstrap interval, and the loss.
         --old-pallas OLD2.py --reps 20 [--beta 0.5] [--small]
 """
 import argparse
-import importlib.util
 import json
 import sys
-import types
 from pathlib import Path
 
 import jax
@@ -31,22 +29,11 @@ import logitless.jax as lj  # noqa: E402
 from logitless import _jax_jsd  # noqa: E402
 
 
-def _module(name, path, replace=()):
-    """Module ``name`` from the source at ``path`` (with ``replace`` pairs applied)."""
-    src = Path(path).read_text()
-    for a, b in replace:
-        src = src.replace(a, b)
-    mod = types.ModuleType(name)
-    mod.__package__, mod.__file__ = name.rpartition(".")[0], str(path)
-    sys.modules[name] = mod
-    exec(compile(src, str(path), "exec"), mod.__dict__)
-    return mod
-
-
 def _join_old(jax_jsd_path, pallas_path):
-    _module("logitless._ab_jax_jsd", jax_jsd_path)
-    _module("logitless.pallas_kernels._ab_linear_jsd", pallas_path,
-            [("from .. import _jax_jsd as jc", "from .. import _ab_jax_jsd as jc")])
+    common.load_module_file("logitless._ab_jax_jsd", jax_jsd_path)
+    common.load_module_file("logitless.pallas_kernels._ab_linear_jsd", pallas_path,
+                            [("from .. import _jax_jsd as jc",
+                              "from .. import _ab_jax_jsd as jc")])
     _jax_jsd._BACKENDS["pallas-old"] = "logitless.pallas_kernels._ab_linear_jsd"
 
 

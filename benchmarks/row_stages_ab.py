@@ -21,7 +21,6 @@ interval.
 """
 import argparse
 import functools
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -56,10 +55,8 @@ def _row_kernels(path):
     if path is None:
         return JSD_ROWS
     if path not in _FILES:
-        spec = importlib.util.spec_from_file_location(
+        _FILES[path] = common.load_module_file(
             f"logitless.triton_kernels._ab_rows_{len(_FILES)}", path)
-        _FILES[path] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(_FILES[path])
     return _FILES[path]
 
 

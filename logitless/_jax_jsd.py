@@ -500,15 +500,6 @@ def _reduce(st: _Static, tok, m):
     return total / mean_denominator(m) if st.opts.reduction == "mean" else total
 
 
-def _constant(*teacher):
-    """The teacher as the gradient computations take it: a constant at every order, so that
-    second derivatives through the rules (grad of grad) have no teacher cross terms, as its
-    first-order cotangent is none (d/dteacher of dL/dstudent had been 2.4e-2, the other cross
-    term 0). In the rules, not at the front door: there the residuals would be new copies of
-    the teacher's weight instead of the input itself."""
-    return tuple(lax.stop_gradient(t) for t in teacher)
-
-
 @functools.lru_cache(maxsize=256)
 def _custom_vjp_fn(st: _Static):
     """The differentiable ``(xs, ws, xt, wt, y) -> loss`` for ``st``, jit-compiled (an eager
@@ -532,7 +523,7 @@ def _custom_vjp_fn(st: _Static):
             n = xs.shape[0]
             m = token_mask(y, n, opts, st.v)
             scale, post = common.mean_scales(opts.reduction, xs.dtype, m)
-            tok, dx, dw = _grads(st, xs, ws, *_constant(xt, wt), y,
+            tok, dx, dw = _grads(st, xs, ws, *common.constants(xt, wt), y,
                                  jnp.full((n,), scale, jnp.float32), jnp.float32)
             return _reduce(st, tok, m), (dx, dw, post, jnp.zeros((), xs.dtype))  # dtype tag
 
@@ -548,8 +539,8 @@ def _custom_vjp_fn(st: _Static):
 
         def f_bwd(res, g):
             xs, ws, xt, wt, y = res
-            _, dx, dw = _grads(st, xs, ws, *_constant(xt, wt), y, g.astype(jnp.float32),
-                               xs.dtype)
+            _, dx, dw = _grads(st, xs, ws, *common.constants(xt, wt), y,
+                               g.astype(jnp.float32), xs.dtype)
             dw = common.trim_vocab(dw, st.v, st.layout)
             return dx, None if dw is None else dw.astype(ws.dtype), None, None, None
 
