@@ -9,6 +9,9 @@ PYTEST_ARGS ?=
 # pytest-xdist workers for `make test` when it is installed (the venv has it; a bare python3
 # may not): the suite is mostly single-threaded interpreter work, so 2 cores take ~half the time.
 TEST_WORKERS ?= 2
+# Seconds one test may take before pytest-timeout (when installed) fails it: a kernel loop that
+# never ends would otherwise hold CI until its limit. The slowest test takes ~2 minutes on CI.
+TEST_TIMEOUT ?= 900
 DEMO_ARGS ?=
 # requirements-cpu.txt pins a bare torch==2.13.0: the dev/CI machines resolve it to a local CPU
 # wheel (pip find-links); elsewhere PyPI serves the multi-GB CUDA build. On such a machine
@@ -34,7 +37,8 @@ env: $(ENV_DEP)
 
 test: $(ENV_DEP)
 	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(PY) -m pytest -q \
-	  $$($(PY) -c 'import xdist' 2>/dev/null && echo "-n $(TEST_WORKERS)") $(PYTEST_ARGS)
+	  $$($(PY) -c 'import xdist' 2>/dev/null && echo "-n $(TEST_WORKERS)") \
+	  $$($(PY) -c 'import pytest_timeout' 2>/dev/null && echo "--timeout $(TEST_TIMEOUT)") $(PYTEST_ARGS)
 
 demo: $(ENV_DEP)
 	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(PY) benchmarks/demo.py $(DEMO_ARGS)
