@@ -188,13 +188,17 @@ def stats_update(carry, zs, zt, d, cmask, is_target, *, inv_t, kind, hard, t_one
 
 
 def stats_finish(carry, *, inv_t, kind, hard, t_one):
-    """-> ((M_s, log s_a, M_t, log s_b, c, far), L_z, z_y, kl): the row values the later
-    passes take (:func:`row_offsets`), with c = L_b − L_a and far = 1.0 where the heads'
-    normalizers lie apart (0.0 where c is the accurate log1p form), L_z, z_y for the hard-label
-    term and kl the row's KL (nats) for the KL kinds, else 0."""
+    """-> ((M_s, log s_a, M_t, log s_b, c, far, lsd), L_z, z_y, kl): the row values the later
+    passes take (:func:`row_offsets`), with c = L_b − L_a, far = 1.0 where the heads'
+    normalizers lie apart (0.0 where c is the accurate log1p form) and lsd = log s_b − log s_a
+    taken as log1p(s_b/s_a − 1), the form the Triton kernel needs (two logs of O(1-10) sums
+    leave an ulp of each in their difference: with the GPU's fast logs 20x the naive error of
+    a small KL in far rows); L_z, z_y for the hard-label term and kl the row's KL (nats) for
+    the KL kinds, else 0."""
     ms, s_a, mt, s_b, u, md, w, wf, m_z, s_z, z_y = carry
     ls_a, ls_b = jnp.log(s_a), jnp.log(s_b)
-    gap = (mt - ms) * inv_t + (ls_b - ls_a)
+    lsd = log1p((s_b - s_a) / s_a)
+    gap = (mt - ms) * inv_t + lsd
     near = (md < FAR) & (jnp.abs(gap) < GAP)
     c = jnp.where(near, log1p(u / s_a), gap)
     l_z = ms * inv_t + ls_a if (t_one or not hard) else m_z + jnp.log(s_z)
@@ -202,12 +206,12 @@ def stats_finish(carry, *, inv_t, kind, hard, t_one):
     # KL's gradient −Q·(δ + KL) then fails to cancel where δ + KL is small (as jsd_k for JSD).
     # Far apart, Σ P·d − c cancels two terms of O(c): there the sums relative to the maxima.
     if kind == "forward_kl":
-        kl = jnp.where(near, w / s_b - c, wf / s_b - (ls_b - ls_a))
+        kl = jnp.where(near, w / s_b - c, wf / s_b - lsd)
     elif kind == "reverse_kl":
-        kl = jnp.where(near, w / s_a + c, wf / s_a + (ls_b - ls_a))
+        kl = jnp.where(near, w / s_a + c, wf / s_a + lsd)
     else:
         kl = jnp.zeros_like(ms)
-    return (ms, ls_a, mt, ls_b, c, jnp.where(near, 0.0, 1.0)), l_z, z_y, kl
+    return (ms, ls_a, mt, ls_b, c, jnp.where(near, 0.0, 1.0), lsd), l_z, z_y, kl
 
 
 def stats_merge(parts, *, inv_t, kind, hard, t_one):
@@ -233,7 +237,7 @@ def stats_merge(parts, *, inv_t, kind, hard, t_one):
             jnp.sum(u * ra, axis=0), jnp.max(md, axis=0), w, wf, mz, s_z, jnp.sum(z_y, axis=0))
 
 
-def row_offsets(ms, ls_a, mt, ls_b, c, far):
+def row_offsets(ms, ls_a, mt, ls_b, c, far, lsd):
     """(A, B, C) per row such that δ = log P − log Q = ((z_t − A) − (z_s − B))/T − C
     (:func:`log_ratio`): (0, 0, c) where the heads are close (z_t − z_s is exact where they
     agree, c the accurate gap), (M_t, M_s, log s_b − log s_a) where their normalizers lie far
@@ -241,7 +245,7 @@ def row_offsets(ms, ls_a, mt, ls_b, c, far):
     the student: 10-17× the naive error at an offset of 30)."""
     far = far > 0
     return (jnp.where(far, mt, 0.0), jnp.where(far, ms, 0.0),
-            jnp.where(far, ls_b - ls_a, c))
+            jnp.where(far, lsd, c))
 
 
 def log_ratio(zs, zt, offsets, inv_t):
@@ -284,7 +288,7 @@ def jsd_sums_update(carry, zs, zt, rows, cmask, *, beta, inv_t):
     :func:`stats_finish`: −Σ Q·Λ and ΣQ (K = KL(Q‖M) is their ratio, :func:`jsd_k`), and
     J = Σ β·P·log(P/M) − (1−β)·Q·Λ."""
     k, j, qs = carry
-    ms, ls_a, mt, ls_b, c, _ = rows
+    ms, ls_a, mt, ls_b, c, _, _ = rows
     lq = log_q(zs, ms, ls_a, inv_t)
     delta = log_ratio(zs, zt, row_offsets(*rows), inv_t)
     q, lam = _jsd_terms(lq, delta, beta)
@@ -326,7 +330,7 @@ def grad_block(zs, zt, is_target, rows, l_z, kk, coef, hard_coef, *, kind, beta,
     """Pass 3: the student logit gradient of a column block of raw logits, coef·(1/T)·∂J/∂a +
     hard_coef·(S − onehot), with coef = g·m per row (and hard_coef = coef·w_h); ``rows`` the
     row values of :func:`stats_finish`, kk the row's KL (reverse KL) or K (JSD)."""
-    ms, ls_a, mt, ls_b, _, _ = rows
+    ms, ls_a, mt, ls_b, _, _, _ = rows
     lq = log_q(zs, ms, ls_a, inv_t)
     delta = log_ratio(zs, zt, row_offsets(*rows), inv_t)
     if kind == "forward_kl":

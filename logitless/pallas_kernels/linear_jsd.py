@@ -64,7 +64,7 @@ LOGITS_SHARE = 1
 # (``jc.stats_merge``); pass 2 (0 < β < 1) writes each segment's K, J and ΣQ sums; pass 3 writes
 # dz. Every segment starts on a live column (there are ⌈V / segment⌉ of them), so its running
 # maxima are finite after its first block and a masked block after it adds nothing.
-_ROWS = 6  # the row values of ``jc.stats_finish`` (M_s, log s_a, M_t, log s_b, c, far)
+_ROWS = 7  # the row values of ``jc.stats_finish`` (M_s, log s_a, M_t, log s_b, c, far, lsd)
 
 
 def _segment(zs_ref, zt_ref, y_ref, *, v, block_rows, block_v, seg_blocks, inv_t):
