@@ -891,7 +891,8 @@ def test_jax_swiglu_mlp_with_bias_computes_float64_in_float64():
     assert r.returncode == 0, r.stderr[-3000:]
 
 
-def test_jax_fused_path_and_accumulator_dtype(monkeypatch):
+@pytest.mark.parametrize("num_shards", [2, 4])  # 2: one shard after the first, no loop
+def test_jax_fused_path_and_accumulator_dtype(monkeypatch, num_shards):
     """Traced, not compiled: the written-out SwiGLU backward runs for a plain SwiGLUMLP only
     (not a subclass, which may override __call__), and its weight gradients are accumulated
     in fp32 (f32[H, I] values in the program) only with grad_accum_dtype=jnp.float32 (the
@@ -909,13 +910,14 @@ def test_jax_fused_path_and_accumulator_dtype(monkeypatch):
                               (lj.SwiGLUMLP(8, 24), None, True), (Sub(8, 24), jnp.float32, False)):
         calls.clear()
         params = mlp.init(jax.random.PRNGKey(0), jnp.bfloat16)
-        loss = lambda p: jnp.sum(lj.tiled_mlp(mlp, p, x, num_shards=4, grad_accum_dtype=accum))
+        loss = lambda p: jnp.sum(lj.tiled_mlp(mlp, p, x, num_shards=num_shards,
+                                              grad_accum_dtype=accum))
         jaxpr = str(jax.make_jaxpr(jax.grad(loss))(params))
         if accum is None:  # the default is the same program
-            default = lambda p: jnp.sum(lj.tiled_mlp(mlp, p, x, num_shards=4))
+            default = lambda p: jnp.sum(lj.tiled_mlp(mlp, p, x, num_shards=num_shards))
             assert str(jax.make_jaxpr(jax.grad(default))(params)) == jaxpr
         assert bool(calls) == fused, type(mlp)
-        # [shard, I] intermediates are [16, 24]; the accumulators [H, I] = [8, 24]
+        # [shard, I] intermediates are [64 / num_shards, 24]; the accumulators [H, I] = [8, 24]
         assert ("f32[8,24]" in jaxpr) == (accum is not None), (type(mlp), accum)
         assert all(g.dtype == jnp.bfloat16 for g in
                    jax.tree_util.tree_leaves(jax.eval_shape(jax.grad(loss), params)))
