@@ -253,16 +253,20 @@ def _spy_grad_gemm(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_own_logits_gemm_runs_and_equals_the_cublas_path(monkeypatch, dtype):
+@pytest.mark.parametrize("dtype,block_v", [(torch.bfloat16, None), (torch.float16, None),
+                                           (torch.bfloat16, 16)])
+def test_own_logits_gemm_runs_and_equals_the_cublas_path(monkeypatch, dtype, block_v):
     # V not a multiple of 8 (padded rows), 3 token chunks; several row / column / K tiles in
-    # the interpreter (16x32x16 tiles; on a GPU 128x256x64: 1 x 2 x 1)
-    n, h, v = 100, 64, 301
+    # the interpreter (16x32x16 tiles; on a GPU 128x256x64: 1 x 2 x 1). With block_v=16 the row
+    # kernel folds the GEMM's per-tile statistics 16 tiles at a time: V over 16 tiles (601 in
+    # the interpreter's 32-column tiles, 4397 in the GPU's 256-column ones) takes 2 such steps.
+    n, h = 100, 64
+    v = 301 if block_v is None else (4397 if CUDA else 601)
     x, w, y = _data(n, h, v, dtype=dtype, seed=11)
     b = torch.randn(v, device=DEV).to(dtype)
     cw = torch.rand(v, device=DEV)
     kw = dict(backend="triton", linear_bias=b, weight=cw, softcap=6.0, z_loss=1e-3,
-              chunk_size=48)
+              chunk_size=48, block_v=block_v)
     calls = _spy_own_gemm(monkeypatch)
     grad_calls = _spy_grad_gemm(monkeypatch)
     ref = _loss_and_grads(x, w, y, logits_gemm="cublas", **kw)
