@@ -397,7 +397,7 @@ def paired_ratio(r: Dict[str, Any], base: Dict[str, Any]) -> float:
     if r is base:
         return 1.0
     for key, base_is_reference in (("ratio_to_floor", False), ("ratio_to_plain", True)):
-        b = 1.0 if base_is_reference and base["name"] == "plain" else base.get(key)
+        b = 1.0 if base_is_reference and base["name"] in ("plain", "jax-plain") else base.get(key)
         if r.get(key) is not None and b:
             return r[key] / b
     return r["ms"] / base["ms"]
@@ -516,7 +516,8 @@ def run_all(args) -> int:
     print("\n\n".join(reports))
     print(f"\n==== make demo summary ({where}, {time.perf_counter() - t_start:.0f} s): every op, "
           f"every backend here; time and peak extra memory relative to the same framework's "
-          f"naive path (JAX memory: XLA temp buffers)\n")
+          f"naive path (JAX memory: XLA temp buffers"
+          f"{'' if cuda else '; on CPU the JAX linear-CE rows: resident-memory peak extra'})\n")
     if not cuda:
         print(common.CPU_SMOKE_NOTE + "\n")
     print(format_summary(rows))

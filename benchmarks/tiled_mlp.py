@@ -58,7 +58,10 @@ from benchmarks import common  # noqa: E402
 
 OP = "tiled_mlp"
 WEIGHT_NAMES = ("gate_proj.weight", "up_proj.weight", "down_proj.weight")
-GOALS = dict(max_time_ratio=1.36, max_peak_bytes=1.2e9, max_jax_temp_bytes=1.5e9)
+# TARGETS.md, both frameworks: <= 1.36x the plain MLP's time, peak <= 1.2 GB. The PyTorch peak
+# is over the inputs (returned y, dX, dW included); JAX's comparable figure is the compiled
+# program's temporaries plus its outputs (XLA holds both at once).
+GOALS = dict(max_time_ratio=1.36, max_peak_bytes=1.2e9)
 
 
 # ----------------------------------------------------------------------------- shapes
@@ -318,36 +321,48 @@ def _jax_fn(name, shape):
     return lambda p, x: lj.tiled_mlp(mlp, p, x, num_shards=shape.shards, grad_accum_dtype=accum)
 
 
-def bench_jax(name, shape, data, ref, *, reps, warmup):
+def jax_step(name, shape, data):
+    """(compiled fwd+bwd of JAX candidate ``name``, its arguments)."""
     import jax
     import jax.numpy as jnp
+    x, dy, weights = data
+    j = lambda t: jnp.from_dlpack(t.detach().contiguous())
+    params = {n.split(".")[0]: {"kernel": j(w).T} for n, w in zip(WEIGHT_NAMES, weights)}
+    fn = _jax_fn(name, shape)
+
+    def fwd_bwd(p, x, dy):
+        y, vjp = jax.vjp(fn, p, x)
+        return (y,) + vjp(dy)
+    args = (params, j(x), j(dy))
+    return jax.jit(fwd_bwd).lower(*args).compile(), args
+
+
+def bench_jax(name, shape, data, ref, *, device, reps, warmup, floors=None, warmup_s=0.0):
+    """A JAX candidate, wall-clock timed (to ``jax.block_until_ready``), interleaved with
+    ``floors`` (``{"plain": step}``: jax-plain's compiled call) if given. Memory: XLA's temp
+    buffers and outputs (``memory_analysis``), whose sum is the peak over the inputs."""
+    import jax
     import torch
     rec: Dict[str, Any] = {"name": name, "about": JAX_CANDIDATES[name], "framework": "jax"}
-    x, dy, weights = data
     try:
-        j = lambda t: jnp.from_dlpack(t.detach().contiguous())
-        params = {n.split(".")[0]: {"kernel": j(w).T} for n, w in zip(WEIGHT_NAMES, weights)}
-        xj, dyj = j(x), j(dy)
-        fn = _jax_fn(name, shape)
-
-        def fwd_bwd(p, x, dy):
-            y, vjp = jax.vjp(fn, p, x)
-            return (y,) + vjp(dy)
-
         t0 = time.perf_counter()
-        compiled = jax.jit(fwd_bwd).lower(params, xj, dyj).compile()
+        compiled, args = jax_step(name, shape, data)
         rec["compile_s"] = time.perf_counter() - t0
         ma = compiled.memory_analysis()
-        temp = int(ma.temp_size_in_bytes) if ma is not None else None
-        rec.update(temp_bytes=temp, peak_extra_bytes=temp)
-        y, dp, dx = compiled(params, xj, dyj)
+        if ma is not None:
+            temp, out_b = int(ma.temp_size_in_bytes), int(ma.output_size_in_bytes)
+            rec.update(temp_bytes=temp, output_bytes=out_b, peak_extra_bytes=temp,
+                       peak_bytes_over_base=temp + out_b)
+        y, dp, dx = compiled(*args)
         if ref is not None:
             t = lambda a: torch.from_dlpack(jax.block_until_ready(a))
             out = dict(y=t(y), dx=t(dx), **{"d" + k: t(dp[k]["kernel"]).t() for k in dp})
             rec.update(_errors(out, ref))
         del y, dp, dx
-        timing = common.time_jax(lambda: compiled(params, xj, dyj), reps=reps, warmup=warmup)
-        rec.update(status="ok", ms=timing.median_ms, timing=timing.as_dict())
+        for _ in range(max(1, warmup)):
+            jax.block_until_ready(compiled(*args))
+        rec.update(common.time_against(lambda: compiled(*args), floors or {}, device=device,
+                                       reps=reps, warmup_s=warmup_s, wall=True), status="ok")
     except Exception as e:  # noqa: BLE001
         rec.update(common.describe_failure(e))
     return rec
@@ -387,13 +402,23 @@ def bench_shape(shape: Shape, torch_names, jax_names, *, device, reps, warmup, s
             plain_clear()  # its grads are not kept into the next memory measurement
         common.log(f"[{shape.name}] {name}: {_brief(rec)}")
         res["candidates"].append(rec)
+    # the JAX candidates likewise with jax-plain (wall clock: JAX's own timing)
+    jplain = None
+    if "jax-plain" in jax_names and len(jax_names) > 1:
+        try:
+            compiled, args = jax_step("jax-plain", shape, data)
+            jplain = lambda: compiled(*args)
+        except Exception as e:  # noqa: BLE001 - the others are then timed alone
+            common.log(f"[{shape.name}] jax-plain failed, no interleaving: {e}")
     for name in jax_names:
         common.log(f"[{shape.name}] {name} ...")
-        rec = bench_jax(name, shape, data, ref, reps=reps, warmup=warmup)
+        rec = bench_jax(name, shape, data, ref, device=device, reps=reps, warmup=warmup,
+                        warmup_s=warmup_s,
+                        floors={"plain": jplain} if name != "jax-plain" and jplain else None)
         common.log(f"[{shape.name}] {name}: {_brief(rec)}")
         res["candidates"].append(rec)
     res["goals"] = check_goals(res)
-    del data, ref, plain, plain_clear
+    del data, ref, plain, plain_clear, jplain
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return res
@@ -402,7 +427,7 @@ def bench_shape(shape: Shape, torch_names, jax_names, *, device, reps, warmup, s
 # which of each candidate's checks the issue holds it to (the others are reported for context)
 HELD_TO = {"logitless-tiled": ("time_ok", "peak_over_base_ok", "faster_than_liger"),
            "logitless-tiled-fp32acc": ("dw_err_ok",),
-           "jax-tiled": ("temp_ok",)}
+           "jax-tiled": ("time_ok", "peak_over_base_ok")}
 
 
 def check_goals(res) -> Dict[str, Any]:
@@ -429,10 +454,21 @@ def check_goals(res) -> Dict[str, Any]:
             g["dw_err_vs_plain"] = r["dw_rel_err"] / plain["dw_rel_err"]
             g["dw_err_ok"] = r["dw_rel_err"] <= plain["dw_rel_err"]
         out[name] = g
+    jplain = c.get("jax-plain")
     for name in ("jax-tiled", "jax-tiled-fp32acc"):
-        if name in c and c[name].get("temp_bytes") is not None:
-            out[name] = {"temp_bytes": c[name]["temp_bytes"],
-                         "temp_ok": c[name]["temp_bytes"] <= GOALS["max_jax_temp_bytes"]}
+        r = c.get(name)
+        if r is None:
+            continue
+        g: Dict[str, Any] = {}
+        if jplain is not None:
+            g["time_ratio"] = r.get("ratio_to_plain", r["ms"] / jplain["ms"])
+            g["time_ok"] = g["time_ratio"] <= GOALS["max_time_ratio"]
+        if r.get("peak_bytes_over_base") is not None:
+            g.update(temp_bytes=r["temp_bytes"], peak_bytes_over_base=r["peak_bytes_over_base"],
+                     peak_over_base_ok=r["peak_bytes_over_base"] <= GOALS["max_peak_bytes"])
+        if jplain is not None and "dw_rel_err" in r and "dw_rel_err" in jplain:
+            g["dw_err_vs_plain"] = r["dw_rel_err"] / jplain["dw_rel_err"]
+        out[name] = g
     out["all_met"] = all(out.get(name, {}).get(key) is True
                          for name, keys in HELD_TO.items() for key in keys)
     return out
@@ -462,7 +498,9 @@ def run_benchmark(shapes, torch_names, jax_names, *, device, reps, warmup, seed,
               "config": {"dtype": "bfloat16", "reps": reps, "warmup": warmup,
                          "warmup_s": warmup_s, "seed": seed,
                          "plain_timing": "each PyTorch candidate but plain timed interleaved "
-                                         "with plain; ratio_to_plain = ms / plain_ms",
+                                         "with plain (CUDA events), each JAX one but jax-plain "
+                                         "with jax-plain (wall clock); ratio_to_plain = ms / "
+                                         "plain_ms",
                          "timer": "cuda-events" if device.startswith("cuda") else "perf_counter",
                          "candidates": {**{n: TORCH_CANDIDATES[n].about for n in torch_names},
                                         **{n: JAX_CANDIDATES[n] for n in jax_names}}},
@@ -491,7 +529,7 @@ def format_report(result) -> str:
         plains = {fw: next((c for c in res["candidates"] if c["name"] == name and c.get("ms")),
                            None) for fw, name in (("torch", "plain"), ("jax", "jax-plain"))}
 
-        def cells(c):  # PyTorch rows: ratio to the plain calls timed with them; JAX: to jax-plain
+        def cells(c):  # each row's ratio to the plain calls timed with it (JAX: jax-plain's)
             plain = plains.get(c["framework"])
             ratio = c.get("ratio_to_plain", c["ms"] / plain["ms"] if plain else None)
             return [common.fmt_ms(c["ms"]), common.fmt_ms(c.get("plain_ms")), common.fmt_ratio(ratio),
@@ -499,7 +537,8 @@ def format_report(result) -> str:
                     common.fmt_bytes(c.get("peak_extra_bytes")),
                     common.fmt_err(c.get("y_rel_err")), common.fmt_err(c.get("dx_rel_err")),
                     common.fmt_err(c.get("dw_rel_err")),
-                    "jax temp" if c["framework"] == "jax" else ""]
+                    "jax: peak = XLA temp + outputs, extra = temp" if c["framework"] == "jax"
+                    else ""]
         lines.append(common.candidate_table(
             ["candidate", "ms", "plain ms", "x plain", "peak/base", "extra", "y err", "dx err", "dW err",
              "note"], res["candidates"], cells, note_width=60))
