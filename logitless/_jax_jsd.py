@@ -191,13 +191,15 @@ def stats_finish(carry, *, inv_t, kind, hard, t_one):
     """-> ((M_s, log s_a, M_t, log s_b, c, far, lsd), L_z, z_y, kl): the row values the later
     passes take (:func:`row_offsets`), with c = L_b − L_a, far = 1.0 where the heads'
     normalizers lie apart (0.0 where c is the accurate log1p form) and lsd = log s_b − log s_a
-    taken as log1p(s_b/s_a − 1), the form the Triton kernel needs (two logs of O(1-10) sums
-    leave an ulp of each in their difference: with the GPU's fast logs 20x the naive error of
-    a small KL in far rows); L_z, z_y for the hard-label term and kl the row's KL (nats) for
-    the KL kinds, else 0."""
+    taken as ±log1p(larger sum / smaller sum − 1), the form the Triton kernel needs (two logs
+    of O(1-10) sums leave an ulp of each in their difference: with the GPU's fast logs 20x the
+    naive error of a small KL in far rows); L_z, z_y for the hard-label term and kl the row's
+    KL (nats) for the KL kinds, else 0."""
     ms, s_a, mt, s_b, u, md, w, wf, m_z, s_z, z_y = carry
     ls_a, ls_b = jnp.log(s_a), jnp.log(s_b)
-    lsd = log1p((s_b - s_a) / s_a)
+    # the smaller sum divides: (s_b − s_a)/s_a → −1 where s_b ≪ s_a (a sharp teacher beside a
+    # flat student) and the log1p of it keeps only ulp(1)/(s_b/s_a) (9e-5 at a ratio of 1e-3)
+    lsd = jnp.where(s_b >= s_a, log1p((s_b - s_a) / s_a), -log1p((s_a - s_b) / s_b))
     gap = (mt - ms) * inv_t + lsd
     near = (md < FAR) & (jnp.abs(gap) < GAP)
     c = jnp.where(near, log1p(u / s_a), gap)

@@ -495,6 +495,32 @@ def test_fp32_offset_teacher_is_as_accurate_as_log_softmax(backend):
     assert errs <= 1.5 * naive_errs, (errs, naive_errs)
 
 
+@pytest.mark.parametrize("backend", under_test(OP.name))
+def test_fp32_sharp_teacher_beside_flat_student_is_as_accurate_as_log_softmax(backend):
+    """A near-uniform student (normalizer sum s_a ~ V) beside a confident teacher (s_b ~ 1), as
+    at the start of distillation: log s_b − log s_a taken as log1p(s_b/s_a − 1) had kept only
+    ulp(1)·s_a/s_b of it (a review: forward-KL loss 5e-5 off at V = 32768 against the naive
+    path's 2e-7, on Triton and then JAX); now the larger sum over the smaller. Summed over
+    kinds and draws, no floor, as the offset-teacher test above."""
+    from harness import backends as registered, rel_err
+    be = registered(OP.name)[backend]
+    errs, naive_errs = 0.0, 0.0
+    for beta, temperature in ((0.0, 1.0), (0.5, 1.0), (1.0, 0.8)):
+        case = Case(n=4, h_s=16, h_t=16, v=4099, reduction="sum", beta=beta, ignore="none",
+                    temperature=temperature, correlated=False)
+        for salt in (0, 1):
+            inp = OP.make_inputs(case, salt)
+            inp.ws *= np.float32(0.01)  # student logits of std ~0.03: s_a ~ V
+            inp.wt *= np.float32(4.0)   # teacher logits of std ~12: s_b ~ 1
+            want = OP.reference(case, inp)
+            got = be.run(case, inp)
+            naive = registered(OP.name)[_gemm_naive(be)].run(case, inp)
+            for key in ("loss", "dx", "dw"):
+                errs += rel_err(got[key], want[key])
+                naive_errs += rel_err(naive[key], want[key])
+    assert errs <= 1.5 * naive_errs, (errs, naive_errs)
+
+
 def _log_ratios_every_backend(delta, beta):
     """(log M − log Q, log P − log M) per element as each backend's fp32 code forms them, from
     δ = log P − log Q (a = l_a = c = 0, b = δ)."""
