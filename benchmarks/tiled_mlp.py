@@ -12,9 +12,12 @@ For each shape (B, T, H, I and the shard count), in one process and one run:
   the parameter gradients; ``peak_extra_bytes``: without them); relative errors of ``y``,
   ``dx`` and each weight gradient against an fp32 reference (inputs upcast, fp32 GEMMs
   without TF32, chunked plain autograd: independent of logitless).
-* JAX candidates (``jax.jit`` of the forward and its ``vjp``): median time, the compiled
-  program's temp memory (``memory_analysis().temp_size_in_bytes``, also written as
-  ``peak_extra_bytes``) and the same errors against the same reference.
+* JAX candidates (``jax.jit`` of the forward and its ``vjp``): median wall time to the
+  result of ``reps`` calls, each but ``jax-plain`` timed interleaved with ``jax-plain``
+  (``ratio_to_plain`` likewise); the compiled program's temp memory
+  (``memory_analysis().temp_size_in_bytes``, also ``peak_extra_bytes``) and temp + outputs
+  (``peak_bytes_over_base``: XLA holds both at once, the PyTorch figure's twin); the same
+  errors against the same reference.
 
 Candidates: ``plain`` (``down(F.silu(gate(x)) * up(x))``: what a model has), ``plain-fused``
 (``lt.SwiGLUMLP`` untiled), ``logitless-tiled`` (the fused tiled path, defaults: gradients
@@ -24,8 +27,9 @@ plain module), ``liger-tiled`` (``LigerTiledSwiGLUMLP`` when importable, CUDA on
 ``jax-plain`` (jnp, ``jax.nn.silu``), ``jax-tiled`` and ``jax-tiled-fp32acc``
 (``lj.tiled_mlp`` of ``lj.SwiGLUMLP``; Pallas SwiGLU on a GPU, the XLA one elsewhere).
 
-Goals (TARGETS.md / the tiled-MLP issue): the default tiled path is held to the time, peak
-and faster-than-Liger numbers; the fp32 option to "dW error no worse than plain bf16's".
+Goals (TARGETS.md / the tiled-MLP issue; ``HELD_TO``): the default tiled path is held to the
+time, peak and faster-than-Liger numbers, ``jax-tiled`` to the time and peak ones; the fp32
+options of both frameworks to "dW error no worse than plain bf16's".
 Results recorded before 2026-11-22 (third session) used the old default: there
 ``logitless-tiled`` is the fp32 mode and ``logitless-tiled-bf16acc`` today's default.
 
@@ -427,7 +431,8 @@ def bench_shape(shape: Shape, torch_names, jax_names, *, device, reps, warmup, s
 # which of each candidate's checks the issue holds it to (the others are reported for context)
 HELD_TO = {"logitless-tiled": ("time_ok", "peak_over_base_ok", "faster_than_liger"),
            "logitless-tiled-fp32acc": ("dw_err_ok",),
-           "jax-tiled": ("time_ok", "peak_over_base_ok")}
+           "jax-tiled": ("time_ok", "peak_over_base_ok"),
+           "jax-tiled-fp32acc": ("dw_err_ok",)}
 
 
 def check_goals(res) -> Dict[str, Any]:
@@ -454,20 +459,21 @@ def check_goals(res) -> Dict[str, Any]:
             g["dw_err_vs_plain"] = r["dw_rel_err"] / plain["dw_rel_err"]
             g["dw_err_ok"] = r["dw_rel_err"] <= plain["dw_rel_err"]
         out[name] = g
-    jplain = c.get("jax-plain")
+    jax_plain = c.get("jax-plain")
     for name in ("jax-tiled", "jax-tiled-fp32acc"):
         r = c.get(name)
         if r is None:
             continue
         g: Dict[str, Any] = {}
-        if jplain is not None:
-            g["time_ratio"] = r.get("ratio_to_plain", r["ms"] / jplain["ms"])
+        if jax_plain is not None:
+            g["time_ratio"] = r.get("ratio_to_plain", r["ms"] / jax_plain["ms"])
             g["time_ok"] = g["time_ratio"] <= GOALS["max_time_ratio"]
         if r.get("peak_bytes_over_base") is not None:
             g.update(temp_bytes=r["temp_bytes"], peak_bytes_over_base=r["peak_bytes_over_base"],
                      peak_over_base_ok=r["peak_bytes_over_base"] <= GOALS["max_peak_bytes"])
-        if jplain is not None and "dw_rel_err" in r and "dw_rel_err" in jplain:
-            g["dw_err_vs_plain"] = r["dw_rel_err"] / jplain["dw_rel_err"]
+        if jax_plain is not None and "dw_rel_err" in r and "dw_rel_err" in jax_plain:
+            g["dw_err_vs_plain"] = r["dw_rel_err"] / jax_plain["dw_rel_err"]
+            g["dw_err_ok"] = r["dw_rel_err"] <= jax_plain["dw_rel_err"]
         out[name] = g
     out["all_met"] = all(out.get(name, {}).get(key) is True
                          for name, keys in HELD_TO.items() for key in keys)
