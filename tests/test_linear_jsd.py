@@ -668,6 +668,49 @@ def test_triton_tunings_match_the_torch_backend(tuning, reduction):
         assert _rel(a, b) < (5e-2 if loose else 1e-2)
 
 
+@pytest.mark.parametrize("student, teacher", [("bfloat16", "float32"), ("float32", "bfloat16")])
+def test_triton_input_dtype_logits_with_a_teacher_in_another_dtype(student, teacher):
+    """``fp32_logits=False`` keeps each head's logits in its own input dtype: a teacher of
+    another dtype than the student gets a buffer of its own dtype (a mutation review: the
+    student's dtype there made the teacher's GEMM refuse its output). Checked against the
+    float64 torch backend, within what input-dtype logits allow."""
+    torch = _torch()
+    xs, ws, xt, wt, y = _data(24, 16, 24, 61, seed=41)
+    xs, ws = xs.to(getattr(torch, student)), ws.to(getattr(torch, student))
+    xt, wt = xt.to(getattr(torch, teacher)), wt.to(getattr(torch, teacher))
+    opts = dict(beta=0.5, hard_loss_weight=0.2)
+    wide = [t.double() if t.is_floating_point() else t for t in (xs, ws, xt, wt, y)]
+    ref = _loss_and_grads(*wide, backend="torch", **opts)
+    got = _loss_and_grads(xs, ws, xt, wt, y, backend="triton", fp32_logits=False, chunk_size=16,
+                          **opts)
+    assert _rel(got[0], ref[0]) < 3e-2
+    for a, b in zip(got[1:], ref[1:]):
+        assert a.dtype == xs.dtype and _rel(a, b) < 5e-2
+
+
+def test_triton_fp16_half_accumulator_mean_does_not_overflow():
+    """fp16 "mean" with ``grad_accum_dtype=torch.float16``: the fused forward sums dW for a
+    unit upstream gradient and backward divides by the token count, so that sum must not be
+    kept in fp16 (1024 tokens of x = 100 reach fp16's range: a mutation review saw -inf where
+    the gradient is -100); the kernel takes fp32 there."""
+    torch = _torch()
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(SEED + 43)
+    n, h, v = 1024, 8, 16
+    xs = torch.full((n, h), 100.0).half().to(dev)
+    ws = (torch.randn(v, h, generator=g) * 0.01).half().to(dev)
+    xt = torch.randn(n, h, generator=g).half().to(dev)
+    wt = (torch.randn(v, h, generator=g) * 0.01).half().to(dev)
+    y = torch.zeros(n, dtype=torch.long, device=dev)  # one class: dz[:, 0] ~ -1 in every row
+    opts = dict(beta=0.5, hard_loss_weight=1.0)
+    ref = _loss_and_grads(xs.double(), ws.double(), xt.double(), wt.double(), y,
+                          backend="torch", **opts)
+    got = _loss_and_grads(xs, ws, xt, wt, y, backend="triton", grad_accum_dtype=torch.float16,
+                          **opts)
+    assert torch.isfinite(got[2]).all()
+    assert _rel(got[2], ref[2]) < 1e-2
+
+
 @pytest.mark.parametrize("tuning", ["fused-none", "three-launches-bf16"])
 def test_triton_row_padding_is_loaded_but_never_counted(monkeypatch, tuning):
     """The row kernel loads and stores each row up to V rounded to 16 (``common.load_cols``:
