@@ -478,21 +478,30 @@ def test_fp32_offset_teacher_is_as_accurate_as_log_softmax(backend):
     two such terms, as did the KL kinds' Σ P·(z_t − z_s)/T − c; they now take the heads' values
     relative to each head's own raw maximum. Summed over kinds, temperatures and draws (one
     draw's ratio varies), as the forward-KL test above."""
+    cases = [Case(n=9, h_s=20, h_t=33, v=53, reduction="sum", beta=beta, ignore="none",
+                  temperature=temperature, teacher_offset=offset, spread=0.05)
+             for beta, temperature, offset in ((1.0, 1.0, 30.0), (0.0, 0.7, 30.0),
+                                               (0.5, 0.7, -30.0))]
+    errs, naive_errs = _summed_errors(backend, cases)
+    assert errs <= 1.5 * naive_errs, (errs, naive_errs)
+
+
+def _summed_errors(backend, cases, adjust=lambda inp: inp):
+    """(Σ errors of ``backend``, Σ errors of its naive path) of loss, dX and dW against the
+    float64 spec over ``cases`` × 2 draws (``adjust`` may rescale each draw's inputs)."""
     from harness import backends as registered, rel_err
     be = registered(OP.name)[backend]
     errs, naive_errs = 0.0, 0.0
-    for beta, temperature, offset in ((1.0, 1.0, 30.0), (0.0, 0.7, 30.0), (0.5, 0.7, -30.0)):
-        case = Case(n=9, h_s=20, h_t=33, v=53, reduction="sum", beta=beta, ignore="none",
-                    temperature=temperature, teacher_offset=offset, spread=0.05)
+    for case in cases:
         for salt in (0, 1):
-            inp = OP.make_inputs(case, salt)
+            inp = adjust(OP.make_inputs(case, salt))
             want = OP.reference(case, inp)
             got = be.run(case, inp)
             naive = registered(OP.name)[_gemm_naive(be)].run(case, inp)
             for key in ("loss", "dx", "dw"):
                 errs += rel_err(got[key], want[key])
                 naive_errs += rel_err(naive[key], want[key])
-    assert errs <= 1.5 * naive_errs, (errs, naive_errs)
+    return errs, naive_errs
 
 
 @pytest.mark.parametrize("backend", under_test(OP.name))
@@ -502,22 +511,14 @@ def test_fp32_sharp_teacher_beside_flat_student_is_as_accurate_as_log_softmax(ba
     ulp(1)·s_a/s_b of it (a review: forward-KL loss 5e-5 off at V = 32768 against the naive
     path's 2e-7, on Triton and then JAX); now the larger sum over the smaller. Summed over
     kinds and draws, no floor, as the offset-teacher test above."""
-    from harness import backends as registered, rel_err
-    be = registered(OP.name)[backend]
-    errs, naive_errs = 0.0, 0.0
-    for beta, temperature in ((0.0, 1.0), (0.5, 1.0), (1.0, 0.8)):
-        case = Case(n=4, h_s=16, h_t=16, v=4099, reduction="sum", beta=beta, ignore="none",
-                    temperature=temperature, correlated=False)
-        for salt in (0, 1):
-            inp = OP.make_inputs(case, salt)
-            inp.ws *= np.float32(0.01)  # student logits of std ~0.03: s_a ~ V
-            inp.wt *= np.float32(4.0)   # teacher logits of std ~12: s_b ~ 1
-            want = OP.reference(case, inp)
-            got = be.run(case, inp)
-            naive = registered(OP.name)[_gemm_naive(be)].run(case, inp)
-            for key in ("loss", "dx", "dw"):
-                errs += rel_err(got[key], want[key])
-                naive_errs += rel_err(naive[key], want[key])
+    def flat_student_sharp_teacher(inp):
+        inp.ws *= np.float32(0.01)  # student logits of std ~0.03: s_a ~ V
+        inp.wt *= np.float32(4.0)   # teacher logits of std ~12: s_b ~ 1
+        return inp
+    cases = [Case(n=4, h_s=16, h_t=16, v=4099, reduction="sum", beta=beta, ignore="none",
+                  temperature=temperature, correlated=False)
+             for beta, temperature in ((0.0, 1.0), (0.5, 1.0), (1.0, 0.8))]
+    errs, naive_errs = _summed_errors(backend, cases, flat_student_sharp_teacher)
     assert errs <= 1.5 * naive_errs, (errs, naive_errs)
 
 
