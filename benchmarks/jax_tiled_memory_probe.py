@@ -3,7 +3,6 @@
 the compiled memory analysis and the largest temp allocations with the values they hold.
 
     PYTHONPATH=. python3 benchmarks/jax_tiled_memory_probe.py --dump /tmp/xla-dump [--shards 8]
-        [--chunks K]   (intermediate_chunks; default the library's)
 """
 from __future__ import annotations
 
@@ -19,7 +18,6 @@ def main():
     ap.add_argument("--dump", required=True)
     ap.add_argument("--shards", type=int, default=8)
     ap.add_argument("--t", type=int, default=32768)
-    ap.add_argument("--chunks", type=int, default=None)
     ap.add_argument("--accum", choices=("param", "fp32"), default="param")
     ap.add_argument("--top", type=int, default=12)
     a = ap.parse_args()
@@ -36,12 +34,11 @@ def main():
 
     def fwd_bwd(p, x, dy):
         y, vjp = jax.vjp(lambda p, x: lj.tiled_mlp(mlp, p, x, num_shards=a.shards,
-                                                   grad_accum_dtype=acc,
-                                                   intermediate_chunks=a.chunks), p, x)
+                                                   grad_accum_dtype=acc), p, x)
         return (y,) + vjp(dy)
     c = jax.jit(fwd_bwd).lower(params, x, x).compile()
     ma = c.memory_analysis()
-    print(f"{jax.devices()[0].device_kind}: shards={a.shards} chunks={a.chunks} accum={a.accum} "
+    print(f"{jax.devices()[0].device_kind}: shards={a.shards} accum={a.accum} "
           f"temp {ma.temp_size_in_bytes / 1e6:.1f} MB, outputs {ma.output_size_in_bytes / 1e6:.1f} MB, "
           f"arguments {ma.argument_size_in_bytes / 1e6:.1f} MB, aliased {ma.alias_size_in_bytes / 1e6:.1f} MB")
     files = sorted(glob.glob(os.path.join(a.dump, "*fwd_bwd*buffer-assignment.txt")),

@@ -307,8 +307,6 @@ JAX_CANDIDATES = {
     "jax-plain": "jnp: dense, jax.nn.silu(g) * u, dense; untiled",
     "jax-tiled": "lj.tiled_mlp(lj.SwiGLUMLP), defaults (Pallas SwiGLU on a GPU)",
     "jax-tiled-fp32acc": "lj.tiled_mlp(lj.SwiGLUMLP), grad_accum_dtype=jnp.float32",
-    "jax-tiled-whole-I": "lj.tiled_mlp(lj.SwiGLUMLP), intermediate_chunks=1 (each shard's "
-                         "[shard, I] values whole: the default before the 22nd session)",
 }
 
 
@@ -324,9 +322,7 @@ def _jax_fn(name, shape):
         return plain
     mlp = lj.SwiGLUMLP(shape.h, shape.i)
     accum = jnp.float32 if name == "jax-tiled-fp32acc" else None
-    chunks = 1 if name == "jax-tiled-whole-I" else None
-    return lambda p, x: lj.tiled_mlp(mlp, p, x, num_shards=shape.shards, grad_accum_dtype=accum,
-                                     intermediate_chunks=chunks)
+    return lambda p, x: lj.tiled_mlp(mlp, p, x, num_shards=shape.shards, grad_accum_dtype=accum)
 
 
 def jax_step(name, shape, data):

@@ -13,11 +13,8 @@ intermediates are live at a time.
   accumulators;
 * a :class:`SwiGLUMLP`: the shard backward written out (:func:`_swiglu_shard_grads`):
   gate/up recomputed, the fused SwiGLU kernels, and each weight gradient GEMM emitted in the
-  accumulator's dtype and added to it (no per-shard rounding); by default in slices of the
-  intermediate dimension no wider than ``H`` (``intermediate_chunks``), so that one slice's
-  values (and one slice of each weight gradient) are live, not a whole shard's ``[n, I]``
-  gate, up and d-hidden: XLA kept three or four of those live (the twenty-first session's
-  buffer listing), 1.43 GB in all at the TARGETS shape against its 1.2 GB goal.
+  accumulator's dtype and added to it (no per-shard rounding, no per-shard gradient buffer
+  once XLA folds the sum into the GEMM).
 """
 from __future__ import annotations
 
@@ -65,9 +62,7 @@ def _accum_dtype(dtype, accum_fp32: bool, num_shards: int):
 
 
 def _tiled(fn, plan: spec.ShardPlan, x_shape, accum_fp32: bool, out_shape, out_dtype,
-           islices: Optional[spec.ShardPlan]):
-    """``islices``: the intermediate slices of a :class:`SwiGLUMLP`'s written-out backward;
-    None for any other ``fn`` (``jax.vjp`` per shard)."""
+           fused: bool):
     n, hidden = plan.n, x_shape[-1]
     h_out = out_shape[-1]
     shard_in = lambda size: spec.shard_shape(x_shape, size)
@@ -79,9 +74,7 @@ def _tiled(fn, plan: spec.ShardPlan, x_shape, accum_fp32: bool, out_shape, out_d
         x2 = jnp.reshape(x, (n, hidden))
 
         def body(start, size, y2):
-            xs = tokens(x2, start, size)
-            ys = fn(params, jnp.reshape(xs, shard_in(size))) if islices is None or \
-                islices.num_shards == 1 else _swiglu_shard_forward(fn, params, xs, islices)
+            ys = fn(params, jnp.reshape(tokens(x2, start, size), shard_in(size)))
             return lax.dynamic_update_slice_in_dim(
                 y2, jnp.reshape(ys, (size, h_out)).astype(out_dtype), start, 0)
 
@@ -104,8 +97,8 @@ def _tiled(fn, plan: spec.ShardPlan, x_shape, accum_fp32: bool, out_shape, out_d
             """(parameter-gradient accumulators, dx of the shard); ``acc`` is None on the
             first shard, which creates the accumulators by assignment (no zero-fill)."""
             xs, dys = tokens(x2, start, size), tokens(dy2, start, size)
-            if islices is not None:
-                return _swiglu_shard_grads(fn, params, xs, dys, acc, acc_dtype, islices)
+            if fused:
+                return _swiglu_shard_grads(fn, params, xs, dys, acc, acc_dtype)
             shard_fn = lambda p, xs: fn(p, jnp.reshape(xs, shard_in(size)))
             _, vjp = jax.vjp(shard_fn, params, xs)
             dp, dxs = vjp(jnp.reshape(dys, shard_out(size)))
@@ -143,114 +136,39 @@ def _tiled_fn(fn, *key):
     return _tiled_jit(fn, *key) if type(fn) is SwiGLUMLP else _tiled(fn, *key)
 
 
-# the axis of I in each SwiGLUMLP leaf: kernels (H, I), (I, H); biases (I,) (the down bias
-# (H,) is not sliced)
-_I_AXIS = {("gate_proj", "kernel"): 1, ("up_proj", "kernel"): 1, ("down_proj", "kernel"): 0,
-           ("gate_proj", "bias"): 0, ("up_proj", "bias"): 0}
-
-
-def _islice(a, path, c0, width):
-    return lax.dynamic_slice_in_dim(a, c0, width, axis=_I_AXIS[path])
-
-
-def _gate_up(params, xs, c0, width, whole):
-    """(gate, up) of columns ``[c0, c0 + width)`` of ``I``, and those columns' parameters."""
-    sliced = {name: {leaf: a if whole else _islice(a, (name, leaf), c0, width)
-                     for leaf, a in params[name].items()} for name in ("gate_proj", "up_proj")}
-    return _dense(xs, sliced["gate_proj"]), _dense(xs, sliced["up_proj"]), sliced
-
-
-def _swiglu_shard_forward(mlp, params, xs, islices: spec.ShardPlan):
-    """A :class:`SwiGLUMLP` on one shard ``xs (n, H)``, walking ``I`` in ``islices``: the
-    down projection summed over slices in fp32 (fp64 for fp64), its bias added, rounded
-    once, as one GEMM with a bias epilogue would."""
-    fwd, _ = _swiglu_kernels(mlp.backend)
-    pd = params["down_proj"]
-    wide = jnp.promote_types(xs.dtype, jnp.float32)
-
-    def step(c0, width, y):
-        g, u, _ = _gate_up(params, xs, c0, width, False)
-        wd = _islice(pd["kernel"], ("down_proj", "kernel"), c0, width)
-        return y + jnp.dot(fwd(g, u), wd, preferred_element_type=wide)
-
-    y = _walk(islices, None, step,
-              common.zeros_like_axes((xs.shape[0], pd["kernel"].shape[1]), wide, xs))
-    if "bias" in pd:
-        y = y + pd["bias"].astype(wide)
-    return y.astype(jnp.result_type(xs, pd["kernel"]))
-
-
-def _swiglu_shard_grads(mlp, params, xs, dys, acc, acc_dtype, islices: spec.ShardPlan):
+def _swiglu_shard_grads(mlp, params, xs, dys, acc, acc_dtype):
     """One shard's backward of a :class:`SwiGLUMLP`, written out: recompute gate and up only
     (not the shard's output), and add each weight gradient to its accumulator straight from
-    the GEMM in the accumulator's dtype (fp32: no per-shard rounding). ``xs (n, H)``,
-    ``dys (n, H_out)``. With several ``islices`` (slices of the intermediate dimension) the
-    shard is walked slice by slice: one slice's ``[n, I_c]`` values live at a time, each
-    weight gradient added into its slice of the accumulator in place, ``dx`` summed in fp32
-    over the slices and rounded once."""
+    the GEMM in the accumulator's dtype (fp32: no per-shard rounding, and XLA can run the sum
+    as the GEMM's beta=1 epilogue in place). ``xs (n, H)``, ``dys (n, H_out)``."""
     pg, pu, pd = (params[k] for k in ("gate_proj", "up_proj", "down_proj"))
+    g, u = _dense(xs, pg), _dense(xs, pu)
     fwd, bwd = _swiglu_kernels(mlp.backend)
     over_tokens = (((0,), (0,)), ((), ()))   # aᵀ·b, the tokens contracted
     times_wt = (((1,), (1,)), ((), ()))      # a·Wᵀ for a (in, out) kernel W
-    whole = islices.num_shards == 1
 
-    def add(acc, path, value, c0, width):
-        """``acc[path][slice] += value`` (``value`` is the accumulator when ``acc`` is None,
-        which only the first shard of an unsliced walk passes)."""
-        if acc is None:
-            return value
-        a = acc[path[0]][path[1]]
-        if whole or path not in _I_AXIS:
-            return a + value
-        return lax.dynamic_update_slice_in_dim(a, _islice(a, path, c0, width) + value, c0,
-                                               axis=_I_AXIS[path])
+    def add(path, value):
+        prev = acc
+        for k in path:
+            prev = None if prev is None else prev[k]
+        return value if prev is None else prev + value
 
-    def step(c0, width, carry):
-        acc, dxs = carry
-        g, u, sliced = _gate_up(params, xs, c0, width, whole)
-        wd = pd["kernel"] if whole else _islice(pd["kernel"], ("down_proj", "kernel"), c0, width)
+    def weight_grad(name, a, b):
+        kernel = params[name]["kernel"]
+        d = lax.dot_general(a, b, over_tokens, preferred_element_type=acc_dtype(kernel))
+        return add((name, "kernel"), d)
 
-        def weight_grad(name, a, b):
-            d = lax.dot_general(a, b, over_tokens,
-                                preferred_element_type=acc_dtype(params[name]["kernel"]))
-            return add(acc, (name, "kernel"), d, c0, width)
+    def bias_grad(name, d):
+        return add((name, "bias"), jnp.sum(d, axis=0, dtype=acc_dtype(params[name]["bias"])))
 
-        def bias_grad(name, d):
-            return add(acc, (name, "bias"),
-                       jnp.sum(d, axis=0, dtype=acc_dtype(params[name]["bias"])), c0, width)
-
-        new = {"down_proj": {"kernel": weight_grad("down_proj", fwd(g, u), dys)}}
-        dg, du = bwd(lax.dot_general(dys, wd, times_wt), g, u)
-        new["gate_proj"] = {"kernel": weight_grad("gate_proj", xs, dg)}
-        new["up_proj"] = {"kernel": weight_grad("up_proj", xs, du)}
-        for name, d in (("gate_proj", dg), ("up_proj", du)):
-            if "bias" in params[name]:
-                new[name]["bias"] = bias_grad(name, d)
-        if "bias" in pd:  # not per slice: carried through
-            new["down_proj"]["bias"] = acc["down_proj"]["bias"] if acc is not None else None
-        if whole:
-            dxs = lax.dot_general(dg, sliced["gate_proj"]["kernel"], times_wt) + \
-                lax.dot_general(du, sliced["up_proj"]["kernel"], times_wt)
-        else:
-            wide = lambda d, k: lax.dot_general(d, k, times_wt, preferred_element_type=dxs.dtype)
-            dxs = dxs + wide(dg, sliced["gate_proj"]["kernel"]) + \
-                wide(du, sliced["up_proj"]["kernel"])
-        return new, dxs
-
-    if whole:
-        new, dxs = step(0, islices.n, (acc, None))
-    else:
-        if acc is None:  # the first shard: zero accumulators, added into slice by slice
-            acc = jax.tree_util.tree_map(
-                lambda p: common.zeros_like_axes(p.shape, acc_dtype(p), p), params)
-        dx0 = common.zeros_like_axes((xs.shape[0], pg["kernel"].shape[0]),
-                                     jnp.promote_types(xs.dtype, jnp.float32), xs)
-        new, dxs = _walk(islices, None, step, (acc, dx0))
-        dxs = dxs.astype(xs.dtype)
-    if "bias" in pd:
-        prev = None if acc is None else acc["down_proj"]["bias"]
-        db = jnp.sum(dys, axis=0, dtype=acc_dtype(pd["bias"]))
-        new["down_proj"]["bias"] = db if prev is None else prev + db
+    new = {"down_proj": {"kernel": weight_grad("down_proj", fwd(g, u), dys)}}
+    dg, du = bwd(lax.dot_general(dys, pd["kernel"], times_wt), g, u)
+    new["gate_proj"] = {"kernel": weight_grad("gate_proj", xs, dg)}
+    new["up_proj"] = {"kernel": weight_grad("up_proj", xs, du)}
+    for name, d in (("gate_proj", dg), ("up_proj", du), ("down_proj", dys)):
+        if "bias" in params[name]:
+            new[name]["bias"] = bias_grad(name, d)
+    dxs = lax.dot_general(dg, pg["kernel"], times_wt) + lax.dot_general(du, pu["kernel"], times_wt)
     return new, dxs
 
 
@@ -293,7 +211,7 @@ def _hoist_closure(fn, params, x_shape, dtype, plan: spec.ShardPlan):
 
 
 def tiled_mlp(fn, params, x, *, num_shards: Optional[int] = None,
-              grad_accum_dtype=None, intermediate_chunks: Optional[int] = None):
+              grad_accum_dtype=None):
     """``fn(params, x)`` computed shard by shard over the tokens, recomputed in backward.
 
     Args:
@@ -311,11 +229,6 @@ def tiled_mlp(fn, params, x, *, num_shards: Optional[int] = None,
         grad_accum_dtype: ``None`` (default) sums parameter cotangents over shards in each
             leaf's dtype; ``jnp.float32`` sums half-precision ones in fp32 and rounds once
             (more accurate, fp32 accumulators in the backward's temp memory).
-        intermediate_chunks: a :class:`SwiGLUMLP` only: each shard's backward walks the
-            intermediate dimension ``I`` in this many slices (widths rounded up to a multiple
-            of 128, see :func:`logitless.specs.tiled_mlp.plan_intermediate`), so only one
-            slice's ``[shard, I / chunks]`` values are live; ``dx`` is summed over slices in
-            fp32. Default ``ceil(I / H)`` (slices no wider than ``H``); 1 walks ``I`` whole.
 
     Works under ``jax.jit``, ``jax.grad``, ``jax.vjp`` and ``jax.vmap``, inside
     ``jax.shard_map`` (parameters replicated over a data axis get the sum of the shards'
@@ -345,18 +258,11 @@ def tiled_mlp(fn, params, x, *, num_shards: Optional[int] = None,
                          f"an output of shape {list(out_spec.shape)}")
     if plan.n == 0:
         return fn(params, x)
-    if _is_plain_swiglu(fn, params):
-        hidden, intermediate = params["gate_proj"]["kernel"].shape  # the arrays', not fn's
-        islices = spec.plan_intermediate(intermediate, hidden, intermediate_chunks)
-    else:
-        if intermediate_chunks is not None:
-            raise ValueError("intermediate_chunks applies to a plain lj.SwiGLUMLP with its own "
-                             f"parameter layout only (its written-out backward), not to "
-                             f"{type(fn).__name__}: pass None")
-        islices = None
+    fused = _is_plain_swiglu(fn, params)
+    if not fused:
         fn, params = _hoist_closure(fn, params, tuple(x.shape), x.dtype, plan)
     tiled = _tiled_fn(fn, plan, tuple(x.shape), grad_accum_dtype is not None,
-                      tuple(out_spec.shape), jnp.dtype(out_spec.dtype), islices)
+                      tuple(out_spec.shape), jnp.dtype(out_spec.dtype), fused)
 
     def run(params, x):
         # inside shard_map: x and every parameter vary over the same mesh axes (the custom

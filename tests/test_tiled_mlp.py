@@ -145,7 +145,7 @@ def naive_jax_mlp(params, x):
     return dense(_rounded(_rounded(jax.nn.silu(g)) * u), params["down_proj"])
 
 
-def jax_run(case, x, p, dy, fn, tiled=True, **tiled_kw):
+def jax_run(case, x, p, dy, fn, tiled=True):
     dt = jnp.dtype(case.dtype)
     params = jax_params(p, case.dtype)
 
@@ -153,8 +153,7 @@ def jax_run(case, x, p, dy, fn, tiled=True, **tiled_kw):
         if not tiled:
             return fn(params, x)
         return lj.tiled_mlp(fn, params, x, num_shards=case.num_shards,
-                            grad_accum_dtype=jnp.float32 if case.accum_fp32 else None,
-                            **tiled_kw)
+                            grad_accum_dtype=jnp.float32 if case.accum_fp32 else None)
 
     def fwd_bwd(params, x, dy):  # one program: the forward and the vjp
         y, vjp = jax.vjp(apply, params, x)
@@ -185,20 +184,6 @@ def test_plan_shards():
             spec.plan_shards((5, 4), bad)
     with pytest.raises(ValueError, match=r"\[\.\.\., T, H\]"):
         spec.plan_shards((5,))
-
-
-def test_plan_intermediate():
-    """Slices of I: ceil(I / H) by default, widths rounded up to whole 128-column tiles."""
-    q = spec.plan_intermediate(14336, 4096)      # the TARGETS shape: 4 slices of 3584
-    assert (q.shard, q.num_shards, q.tail) == (3584, 4, 0)
-    assert spec.plan_intermediate(14336, 4096, 1).bounds() == [(0, 14336)]
-    assert spec.plan_intermediate(70, 24).bounds() == [(0, 24), (24, 48), (48, 70)]
-    assert spec.plan_intermediate(1000, 100, 3).bounds() == [(0, 384), (384, 768), (768, 1000)]
-    assert spec.plan_intermediate(100, 4096).num_shards == 1     # I ≤ H: whole
-    assert spec.plan_intermediate(5, 1, 10).shard == 1           # at most I slices
-    for bad in (0, -1, 2.5, True):
-        with pytest.raises(ValueError, match="intermediate_chunks"):
-            spec.plan_intermediate(64, 8, bad)
 
 
 @pytest.mark.parametrize("num_shards", [1, 3, 106])
@@ -938,14 +923,13 @@ def test_jax_fused_path_and_accumulator_dtype(monkeypatch, num_shards):
                    jax.tree_util.tree_leaves(jax.eval_shape(jax.grad(loss), params)))
 
 
-def _temp_bytes(t, tiled, *, h=32, i=512, shard=64, chunks=None):
+def _temp_bytes(t, tiled, *, h=32, i=512, shard=64):
     mlp = lj.SwiGLUMLP(h, i, backend="xla")
     params = jax.eval_shape(mlp.init, jax.random.PRNGKey(0))
     x = jax.ShapeDtypeStruct((t, h), jnp.float32)
 
     def loss(p, x):
-        y = lj.tiled_mlp(mlp, p, x, num_shards=t // shard, intermediate_chunks=chunks) \
-            if tiled else mlp(p, x)
+        y = lj.tiled_mlp(mlp, p, x, num_shards=t // shard) if tiled else mlp(p, x)
         return jnp.sum(y * y)
 
     compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(params, x).compile()
@@ -964,33 +948,6 @@ def test_jax_temp_memory_is_one_shards():
     assert big < untiled / 4, (big, untiled)
 
 
-def test_jax_intermediate_slices_keep_temp_memory_flat_in_I():
-    """By default a shard's forward and backward walk I in slices no wider than H: XLA's temp
-    memory of jit(grad) does not grow with I (the [H, I] gradients are outputs). Walked whole
-    (intermediate_chunks=1) it grows by several [shard, I] values: XLA kept three or four of
-    them live on the H100 (1.43 GB against TARGETS' 1.2 GB)."""
-    unit = 64 * 512 * 4  # a [shard, ΔI] fp32 value
-    grow = {k: _temp_bytes(512, True, i=1024, chunks=k) - _temp_bytes(512, True, i=512, chunks=k)
-            for k in (None, 1)}
-    assert grow[None] <= unit // 4, grow
-    assert grow[1] >= 2 * unit, grow  # the measure can tell
-
-
-@pytest.mark.parametrize("chunks, case", [(1, CASES[0]), (4, CASES[1]), (2, CASES[4])],
-                         ids=lambda v: v.id if isinstance(v, Case) else f"chunks{v}")
-def test_jax_intermediate_chunks_match_float64(chunks, case):
-    """Any slicing of I gives the same gradients to the naive path's accuracy: whole (1), 4
-    slices of 18 with a tail of 16 (I = 70), 2 of 20 with bf16 accumulators (the defaults,
-    slices no wider than H, are the cases of test_jax_tiled_matches_float64)."""
-    x, p, dy = make_inputs(case, salt=3)
-    fn = lj.SwiGLUMLP(case.shape[-1], case.i, bias=case.bias, backend="xla")
-    plan = spec.plan_intermediate(case.i, case.shape[-1], chunks)
-    assert plan.num_shards == chunks, plan
-    got = jax_run(case, x, p, dy, fn, intermediate_chunks=chunks)
-    compare(case.dtype, got, reference(x, p, dy), torch_run(case, x, p, dy, cls=LlamaMLP,
-                                                            tiled=False))
-
-
 def test_jax_bad_arguments():
     mlp = lj.SwiGLUMLP(16, 32)
     p = mlp.init(jax.random.PRNGKey(0))
@@ -1007,11 +964,6 @@ def test_jax_bad_arguments():
         lj.tiled_mlp(mlp, p, x, grad_accum_dtype=jnp.bfloat16)
     with pytest.raises(ValueError, match="hidden_size"):
         lj.SwiGLUMLP(0, 4)
-    for bad in (0, -2, 1.5, True, "2"):
-        with pytest.raises(ValueError, match="intermediate_chunks"):
-            lj.tiled_mlp(mlp, p, x, intermediate_chunks=bad)
-    with pytest.raises(ValueError, match="intermediate_chunks applies to a plain"):
-        lj.tiled_mlp(lambda p, x: x @ p["w"], {"w": jnp.ones((16, 16))}, x, intermediate_chunks=2)
 
 
 # ----------------------------------------------------------------------------- parity

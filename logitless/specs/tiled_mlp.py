@@ -36,14 +36,6 @@ Its backward per shard needs ``g``, ``u`` and ``h`` but never the shard's ``y``:
 backend recomputes two of the three GEMMs (``2 + 3 + 6 = 11`` GEMMs in all instead of the
 untiled 9), a generic one all three (12). The fused ``swiglu`` computes ``h`` (and ``dg``,
 ``du``) in fp32 from the half-precision ``g``, ``u`` (and ``dh``) and rounds once.
-
-**Intermediate slices.** The SwiGLU separates over the intermediate dimension: for columns
-``c`` of ``I``, ``g_c``, ``u_c``, ``h_c``, ``dh_c`` need only ``W_g[c]``, ``W_u[c]``,
-``W_d[:, c]``, and ``dW_{g,u}[c]``, ``dW_d[:, c]`` come from them alone, while ``dx`` is the
-sum over slices of ``dg_c·W_g[c] + du_c·W_u[c]``. A shard's backward can so walk ``I`` in
-slices (:func:`plan_intermediate`): only one slice's ``[tokens, I_c]`` values are live, and
-``dx`` is summed in fp32 (one rounding, as one GEMM would). By default slices are no wider
-than ``H``: a shard's intermediates are then no larger than its ``[tokens, H]`` input.
 """
 from __future__ import annotations
 
@@ -110,20 +102,6 @@ def plan_shards(shape: Sequence[int], num_shards: Optional[int] = None) -> Shard
     s = default_num_shards(t, h) if num_shards is None else _positive_int("num_shards", num_shards)
     s = max(1, min(s, n))
     return ShardPlan(n=n, shard=max(1, -(-n // s)))
-
-
-def plan_intermediate(intermediate: int, hidden: int,
-                      chunks: Optional[int] = None) -> ShardPlan:
-    """Slices of the intermediate dimension ``I`` for a shard's backward: ``k = chunks`` or
-    ``ceil(I / H)`` slices of ``ceil(I / k)`` columns, the width rounded up to a multiple of
-    128 (whole GEMM tiles) when over 128, so there may be fewer than ``k``; the last slice
-    takes the remainder."""
-    i, h = _positive_int("intermediate size", intermediate), _positive_int("hidden size", hidden)
-    k = -(-i // h) if chunks is None else _positive_int("intermediate_chunks", chunks)
-    width = -(-i // min(k, i))
-    if width > 128:
-        width = min(i, -(-width // 128) * 128)
-    return ShardPlan(n=i, shard=width)
 
 
 def shard_shape(shape: Sequence[int], tokens: int) -> Tuple[int, ...]:
