@@ -161,7 +161,13 @@ def _swiglu_shard_grads(mlp, params, xs, dys, acc, acc_dtype):
     def bias_grad(name, d):
         return add((name, "bias"), jnp.sum(d, axis=0, dtype=acc_dtype(params[name]["bias"])))
 
-    new = {"down_proj": {"kernel": weight_grad("down_proj", fwd(g, u), dys)}}
+    h = fwd(g, u)
+    new = {"down_proj": {"kernel": weight_grad("down_proj", h, dys)}}
+    # The SwiGLU backward writes dg, du over g, u (Pallas: input_output_aliases). Nothing
+    # orders it after the forward kernel's reads of g, u, so XLA copied both first (2 more
+    # [n, I] buffers, ~1.8 ms at the TARGETS shape): the barrier makes h (so those reads) a
+    # dependency of the g, u the backward gets.
+    g, u, _ = lax.optimization_barrier((g, u, h))
     dg, du = bwd(lax.dot_general(dys, pd["kernel"], times_wt), g, u)
     new["gate_proj"] = {"kernel": weight_grad("gate_proj", xs, dg)}
     new["up_proj"] = {"kernel": weight_grad("up_proj", xs, du)}
