@@ -1210,6 +1210,28 @@ def test_far_heads_at_a_low_temperature_keep_the_loss_digits(backend, temperatur
     assert err < 1e-6, err
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("beta", [0.5, 0.9])
+def test_independent_confident_heads_keep_the_jsd_loss(backend, beta):
+    """Independent heads of logit std 20 at T = 0.3 (z/T spread ~70, exact logits: x = I):
+    the loss to 1e-6 (the code: 2e-7 or better). The JAX twin of this test caught a mutant
+    taking P as e^(log Q + δ) everywhere (2.3e-6 to 5.3e-6 off), which the harness's
+    naive-scaled tolerance let pass."""
+    torch = _torch()
+    rng = np.random.default_rng([SEED, 49])
+    zs, zt = (rng.standard_normal((2, 97, 8)) * 20).astype(np.float32)
+    eye = np.eye(8, dtype=np.float32)
+    opts = dict(beta=beta, temperature=0.3, reduction="none")
+    import logitless.torch as lt
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    tt = lambda a: torch.tensor(a, device=dev)
+    got = lt.linear_jsd(tt(eye), tt(zs), tt(eye), tt(zt), backend=backend, **opts)
+    ref = spec.reference(eye, zs, eye, zt, options=spec.LinearJSDOptions(**opts))
+    err = np.abs(got.double().cpu().numpy() - ref["token_loss"]).max() / \
+        np.abs(ref["token_loss"]).max()
+    assert err < 1e-6, err
+
+
 def _offset_heads(seed, temperature, offset=5.0, n=6, v=41):
     """Exact logits (x = I, W = logitsᵀ: the GEMM rounds nothing) of a student near 8 and a
     teacher a constant ``offset`` above it (softmax-invariant), both spread by O(T): after the
