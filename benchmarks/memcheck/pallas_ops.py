@@ -1,0 +1,20 @@
+# Pallas kernels on the GPU with ragged row blocks (N not a multiple of block_rows) and
+# vocabulary ends, for compute-sanitizer memcheck
+import numpy as np, jax, jax.numpy as jnp
+import logitless.jax as lj
+rng = np.random.default_rng(0)
+n, h, v = 37, 33, 97
+f = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
+xs, ws, xt, wt = f(n, h), f(v, h) / 6, f(n, 20), f(v, 20) / 5
+y = jnp.asarray(rng.integers(0, v, n)).at[3].set(-100)
+for br in (1, 4):
+    tun = dict(block_rows=br, block_v=32, segment_size=64)
+    g = jax.grad(lambda a, b: lj.linear_jsd(a, b, xt, wt, y, beta=0.5, hard_loss_weight=0.3,
+                                            backend="pallas", **tun), argnums=(0, 1))(xs, ws)
+    jax.block_until_ready(g)
+    print("jsd block_rows", br, float(jnp.abs(g[0]).sum()))
+for br in (1, 4):
+    g = jax.grad(lambda a, b: lj.linear_cross_entropy(a, b, y, backend="pallas", block_rows=br,
+                                                      block_v=32), argnums=(0, 1))(xs, ws)
+    jax.block_until_ready(g)
+    print("ce block_rows", br, float(jnp.abs(g[0]).sum()))
