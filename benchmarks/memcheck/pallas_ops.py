@@ -1,6 +1,9 @@
-# Pallas kernels on the GPU with ragged row blocks (N not a multiple of block_rows) and
-# vocabulary ends, for compute-sanitizer memcheck
-import numpy as np, jax, jax.numpy as jnp
+"""The Pallas linear CE and JSD kernels on the GPU with ragged row blocks (N not a multiple of
+block_rows) and vocabulary ends, for compute-sanitizer memcheck (benchmarks/memcheck/README.md)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+
 import logitless.jax as lj
 rng = np.random.default_rng(0)
 n, h, v = 37, 33, 97

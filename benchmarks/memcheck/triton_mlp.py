@@ -1,4 +1,5 @@
-# tiled SwiGLU MLP kernels (Triton for PyTorch, Pallas for JAX) on ragged shapes, for memcheck
+"""The tiled SwiGLU MLP's Triton kernels on ragged shapes (53 tokens in 4 shards, I = 70), for
+compute-sanitizer memcheck (benchmarks/memcheck/README.md)."""
 import torch
 import logitless.torch as lt
 torch.manual_seed(0)

@@ -1,4 +1,5 @@
-# Triton kernels with every option, ragged rows/vocabulary, each mode, for memcheck
+"""The Triton linear CE and JSD kernels with every option on ragged rows and vocabulary, in each
+mode, for compute-sanitizer memcheck (benchmarks/memcheck/README.md)."""
 import torch
 import logitless.torch as lt
 torch.manual_seed(0)
@@ -8,7 +9,8 @@ for dt, h in ((torch.float32, 33), (torch.bfloat16, 33), (torch.bfloat16, 40)):
     x = torch.randn(n, h, device=dev, dtype=dt, requires_grad=True)
     w = (torch.randn(v, h, device=dev) / 6).to(dt).requires_grad_()
     b = torch.randn(v, device=dev, dtype=dt, requires_grad=True)
-    y = torch.randint(0, v, (n,), device=dev); y[3] = -100
+    y = torch.randint(0, v, (n,), device=dev)
+    y[3] = -100
     cw = torch.rand(v, device=dev)
     xt, wt = torch.randn(n, 20, device=dev, dtype=dt), (torch.randn(v, 20, device=dev) / 5).to(dt)
     modes = [dict(), dict(low_memory=True), dict(block_v=16), dict(reduction="none"),
@@ -26,8 +28,9 @@ for dt, h in ((torch.float32, 33), (torch.bfloat16, 33), (torch.bfloat16, 40)):
         torch.cuda.synchronize()
         print("ce", dt, kw, red, float(x.grad.abs().sum()))
         x.grad = w.grad = b.grad = None
-    for kw in (dict(), dict(block_v=32, segment_size=64), dict(block_v=32, segment_size=64, row_sync=True),
-               dict(fp32_logits=False), dict(chunk_size=16)):
+    for kw in (dict(), dict(block_v=32, segment_size=64),
+               dict(block_v=32, segment_size=64, row_sync=True), dict(fp32_logits=False),
+               dict(chunk_size=16)):
         for beta in (0.0, 0.5, 1.0):
             loss = lt.linear_jsd(x, w, xt, wt, y, beta=beta, temperature=1.5,
                                  hard_loss_weight=0.3, backend="triton", **kw)
