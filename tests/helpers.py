@@ -282,7 +282,7 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _gloo_rank(rank, body, world, port, out_dir, args, torch_interpret):
+def _gloo_rank(rank, body, world, port, out_dir, args, torch_interpret, backend="gloo"):
     import os
     import traceback
 
@@ -292,7 +292,9 @@ def _gloo_rank(rank, body, world, port, out_dir, args, torch_interpret):
         os.environ.pop("TRITON_INTERPRET", None)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, rank=rank, world_size=world)
     res = {}
     try:
         res = body(rank, world, *args)
@@ -303,15 +305,17 @@ def _gloo_rank(rank, body, world, port, out_dir, args, torch_interpret):
         dist.destroy_process_group()
 
 
-def run_gloo_ranks(body, world, out_dir, *args, triton_interpret=False):
-    """Run ``body(rank, world, *args) -> dict`` in ``world`` gloo processes on this CPU; the
-    ranks' dicts, in rank order. A rank that raises fails the caller with its traceback.
-    ``body`` must be a module-level function (it is pickled into the spawned processes)."""
+def run_gloo_ranks(body, world, out_dir, *args, triton_interpret=False, backend="gloo"):
+    """Run ``body(rank, world, *args) -> dict`` in ``world`` gloo processes on this CPU (or,
+    ``backend="nccl"``, one process per GPU, rank r on ``cuda:r``); the ranks' dicts, in rank
+    order. A rank that raises fails the caller with its traceback. ``body`` must be a
+    module-level function (it is pickled into the spawned processes)."""
     import os
 
     import torch
     import torch.multiprocessing as mp
-    mp.spawn(_gloo_rank, args=(body, world, _free_port(), str(out_dir), args, triton_interpret),
+    mp.spawn(_gloo_rank, args=(body, world, _free_port(), str(out_dir), args, triton_interpret,
+                               backend),
              nprocs=world, join=True)
     res = [torch.load(os.path.join(str(out_dir), f"rank{r}.pt"), weights_only=False)
            for r in range(world)]

@@ -1,4 +1,5 @@
-"""A real DistributedDataParallel run: 2 processes on CPU, gloo backend.
+"""A real DistributedDataParallel run: 2 processes on CPU, gloo backend; on a machine with two
+GPUs also 2 processes over NCCL, one GPU each (there the fused path runs its Triton kernels).
 
 The same model (a linear layer, then an MLP) runs untiled, tiled through the fused SwiGLU
 path, and tiled through the generic path (a plain MLP module), each wrapped in DDP, for two
@@ -80,34 +81,35 @@ class Model(nn.Module):
         return lt.tiled_mlp(self.mlp, h, num_shards=SHARDS)
 
 
-def _batches(rank):
+def _batches(rank, dev="cpu"):
     g = torch.Generator().manual_seed(SEED + 100 + rank)  # different data on each rank
-    return [torch.randn(B, T, H, generator=g) for _ in range(2)]
+    return [torch.randn(B, T, H, generator=g).to(dev) for _ in range(2)]
 
 
 def _loss(model, x):
     return model(x).square().mean()
 
 
-def _worker(rank, world):
+def _worker(rank, world, cuda=False):
     results = {}
-    batches = _batches(rank)
+    dev = torch.device(f"cuda:{rank}" if cuda else "cpu")
+    batches = _batches(rank, dev)
     for kind in ("untiled", "fused", "generic", "per-shard"):
         # local gradients of both micro-batches, no DDP: the expected sums
-        local = Model(kind if kind != "per-shard" else "generic")
+        local = Model(kind if kind != "per-shard" else "generic").to(dev)
         for x in batches:
             _loss(local, x).backward()
         expected = {}
         for n, p in local.named_parameters():
             g = p.grad.clone()
             dist.all_reduce(g)
-            expected[n] = g / world
-        model = DDP(Model(kind))
+            expected[n] = (g / world).cpu()
+        model = DDP(Model(kind).to(dev), device_ids=[rank] if cuda else None)
         try:
             with model.no_sync():
                 _loss(model, batches[0]).backward()
             _loss(model, batches[1]).backward()
-            grads = {n[len("module."):]: p.grad.clone() for n, p in model.named_parameters()}
+            grads = {n[len("module."):]: p.grad.cpu() for n, p in model.named_parameters()}
             results[kind] = dict(grads=grads, expected=expected, error=None)
         except RuntimeError as e:
             results[kind] = dict(grads=None, expected=expected, error=str(e))
@@ -120,11 +122,17 @@ def _rel_err(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-@pytest.fixture(scope="module")
-def ddp_results(tmp_path_factory):
-    # workers run the SwiGLU's torch formula, not the Triton interpreter: this test is about
-    # autograd and DDP, and the interpreter is slow
-    return run_gloo_ranks(_worker, WORLD, tmp_path_factory.mktemp("ddp"))
+TWO_GPUS = torch.cuda.is_available() and torch.cuda.device_count() >= 2
+
+
+@pytest.fixture(scope="module", params=["gloo", pytest.param("nccl", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not TWO_GPUS, reason="needs two CUDA GPUs")])])
+def ddp_results(request, tmp_path_factory):
+    # gloo workers run the SwiGLU's torch formula, not the Triton interpreter: this test is
+    # about autograd and DDP, and the interpreter is slow; nccl ones the GPU's Triton kernels
+    nccl = request.param == "nccl"
+    return run_gloo_ranks(_worker, WORLD, tmp_path_factory.mktemp("ddp"), nccl,
+                          backend=request.param)
 
 
 @pytest.mark.parametrize("kind", ["fused", "generic"])
