@@ -60,9 +60,13 @@ def main():
         mem = step.memory_analysis()
         temp, out = mem.temp_size_in_bytes, mem.output_size_in_bytes
         tab = kernel_table(run, rows=a.rows)
-        print(f"== {name}: {statistics.median(ms):.1f} ms (median of {a.reps}), temp "
-              f"{temp / 1e6:.0f} MB, temp + outputs {(temp + out) / 1e9:.2f} GB; kernels "
-              f"{tab['kernels_ms']:.1f} ms, span {tab['span_ms']:.1f}, idle {tab['idle_ms']:.1f}")
+        head = (f"== {name}: {statistics.median(ms):.1f} ms (median of {a.reps}), temp "
+                f"{temp / 1e6:.0f} MB, temp + outputs {(temp + out) / 1e9:.2f} GB")
+        if tab is None:  # no trace written
+            print(head + "; no profiler trace")
+            continue
+        print(f"{head}; kernels {tab['kernels_ms']:.1f} ms, span {tab['span_ms']:.1f}, "
+              f"idle {tab['idle_ms']:.1f}")
         for k, t, n in tab["table"]:
             print(f"   {t:8.2f} ms {n:5d}x  {k}")
         for g, before, after in tab["gaps"][:4]:

@@ -163,11 +163,13 @@ def _swiglu_shard_grads(mlp, params, xs, dys, acc, acc_dtype):
 
     h = fwd(g, u)
     new = {"down_proj": {"kernel": weight_grad("down_proj", h, dys)}}
-    # The SwiGLU backward writes dg, du over g, u (Pallas: input_output_aliases). Nothing
+    # The Pallas SwiGLU backward writes dg, du over g, u (input_output_aliases). Nothing
     # ordered it after the forward kernel's reads of g, u, so XLA copied both first (H100,
     # TARGETS shape: temp 537 -> 453 MB, ~2 ms without): the barrier makes h (so those reads)
-    # a dependency of the g, u the backward gets.
-    g, u, _ = lax.optimization_barrier((g, u, h))
+    # a dependency of the g, u the backward gets. The XLA SwiGLU overwrites nothing, and the
+    # barrier would only keep XLA from fusing h into its consumers.
+    if _resolve_backend(mlp.backend) == "pallas":
+        g, u, _ = lax.optimization_barrier((g, u, h))
     dg, du = bwd(lax.dot_general(dys, pd["kernel"], times_wt), g, u)
     new["gate_proj"] = {"kernel": weight_grad("gate_proj", xs, dg)}
     new["up_proj"] = {"kernel": weight_grad("up_proj", xs, du)}
