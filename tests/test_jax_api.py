@@ -686,3 +686,24 @@ def test_global_token_count_with_class_weights_never_clamps_a_bad_label():
     assert float(jax.jit(lambda y: lj.global_token_count(y, weight=w))(good)) == 10.5
     with pytest.raises(ValueError, match="must be 1-D"):
         lj.global_token_count(good, weight=w[None])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs JAX on a GPU")
+@pytest.mark.parametrize("rows", [1, 3])
+def test_gpu_few_row_gemms_round_once(rows):
+    """The chunk GEMMs of a batch of a few tokens (the logits x·Wᵀ and dX = dz·W in bf16): XLA's
+    GPU took a split-K Triton GEMM for 1 row whose partial sums were rounded to bf16 before
+    being added (parity suite, N = 1: the JAX backends' dX 3x the naive error). Each result
+    must be the float64 product rounded once, up to fp32 accumulation: at most 1 ulp off."""
+    from logitless import _jax_common as common
+    rng = np.random.default_rng([SEED, rows, 61])
+    for k, m in ((61, 16), (4099, 64)):
+        a = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
+        w = jnp.asarray(rng.standard_normal((k, m)), jnp.bfloat16)  # a [V, H] weight, V = k
+        exact = np.asarray(a, np.float64) @ np.asarray(w, np.float64)
+        once = np.asarray(jnp.asarray(exact, jnp.bfloat16), np.float64)
+        for got in (common.grad_input(a, w, "vh"), common.logits(a, w.T, "vh")):
+            got = np.asarray(got.astype(jnp.float32), np.float64)
+            ulp = np.abs(once) * 2.0 ** -7
+            assert np.all(np.abs(got - once) <= ulp + 1e-30), (k, m, np.abs(got - once).max())
