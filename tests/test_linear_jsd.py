@@ -1193,42 +1193,39 @@ def test_far_heads_at_a_low_temperature_keep_the_loss_digits(backend, temperatur
     Triton kernel took P as e^(log Q + δ), two terms of O(|z|/T) that cancel: the loss carried
     ulp(|z|/T), 1.2e-4 relative at T = 2⁻¹⁰, 1.5e-2 at 2⁻¹⁷. P now comes from the teacher's
     own statistics there."""
-    torch = _torch()
     # exact logits (x = I, W = logitsᵀ): an fp32 GEMM's rounding, times 1/T, would be the
     # error measured instead (4e-6 at some seeds)
     rng = np.random.default_rng([SEED, 47])
-    eye = np.eye(8, dtype=np.float32)
     zs, zt = (rng.standard_normal((2, 7, 8)) * 2).astype(np.float32)
-    opts = dict(beta=0.5, temperature=temperature, reduction="none")
+    err = _exact_logits_loss_err(zs, zt, backend, beta=0.5, temperature=temperature)
+    assert err < 1e-6, err
+
+
+def _exact_logits_loss_err(zs, zt, backend, **opts):
+    """Max relative error of the per-token loss against the float64 spec for the logits
+    ``zsᵀ``, ``ztᵀ`` exactly (x = I, W = the given ``[V, N]`` arrays: no GEMM rounding)."""
+    torch = _torch()
     import logitless.torch as lt
+    eye = np.eye(zs.shape[1], dtype=np.float32)
+    opts = dict(opts, reduction="none")
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     tt = lambda a: torch.tensor(a, device=dev)
     got = lt.linear_jsd(tt(eye), tt(zs), tt(eye), tt(zt), backend=backend, **opts)
     ref = spec.reference(eye, zs, eye, zt, options=spec.LinearJSDOptions(**opts))
-    err = np.abs(got.double().cpu().numpy() - ref["token_loss"]).max() / \
+    return np.abs(got.double().cpu().numpy() - ref["token_loss"]).max() / \
         np.abs(ref["token_loss"]).max()
-    assert err < 1e-6, err
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 @pytest.mark.parametrize("beta", [0.5, 0.9])
 def test_independent_confident_heads_keep_the_jsd_loss(backend, beta):
     """Independent heads of logit std 20 at T = 0.3 (z/T spread ~70, exact logits: x = I):
-    the loss to 1e-6 (the code: <= 5e-7, CPU, up to 2000 seeds). The JAX twin of this test caught a mutant
-    taking P as e^(log Q + δ) everywhere (2.3e-6 to 5.3e-6 off), which the harness's
-    naive-scaled tolerance let pass."""
-    torch = _torch()
+    the loss to 1e-6 (the code: <= 5e-7, CPU, up to 2000 seeds). The JAX twin of this test
+    caught a mutant taking P as e^(log Q + δ) everywhere (2.3e-6 to 5.3e-6 off), which the
+    harness's naive-scaled tolerance let pass."""
     rng = np.random.default_rng([SEED, 49])
     zs, zt = (rng.standard_normal((2, 97, 8)) * 20).astype(np.float32)
-    eye = np.eye(8, dtype=np.float32)
-    opts = dict(beta=beta, temperature=0.3, reduction="none")
-    import logitless.torch as lt
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    tt = lambda a: torch.tensor(a, device=dev)
-    got = lt.linear_jsd(tt(eye), tt(zs), tt(eye), tt(zt), backend=backend, **opts)
-    ref = spec.reference(eye, zs, eye, zt, options=spec.LinearJSDOptions(**opts))
-    err = np.abs(got.double().cpu().numpy() - ref["token_loss"]).max() / \
-        np.abs(ref["token_loss"]).max()
+    err = _exact_logits_loss_err(zs, zt, backend, beta=beta, temperature=0.3)
     assert err < 1e-6, err
 
 
