@@ -22,6 +22,32 @@ import logitless.torch as lt  # noqa: E402
 from benchmarks.triton_probe import bench, inputs  # noqa: E402
 
 
+def idle_gaps(spans):
+    """``(kernels_ms, span_ms, idle_ms, gaps)`` of CUDA kernel ``spans`` ``(start_us, end_us,
+    name)``: summed kernel time, first start to last end, the time with no kernel running in
+    between, and those idle gaps as ``(ms, kernel before, kernel after)``, longest first."""
+    busy, end, prev, gaps = 0.0, None, None, []
+    for s, e, name in sorted(spans):
+        if end is not None and s > end:
+            gaps.append(((s - end) / 1e3, prev, name))
+        prev = name
+        if end is None or s >= end:
+            busy += e - s
+            end = e
+        elif e > end:
+            busy += e - end
+            end = e
+    span = (max(e for _, e, _ in spans) - min(s for s, _, _ in spans)) / 1e3
+    kernels = sum(e - s for s, e, _ in spans) / 1e3
+    return kernels, span, span - busy / 1e3, sorted(gaps, reverse=True)
+
+
+def cuda_spans(prof, width=40):
+    """The CUDA kernels of a ``torch.profiler`` run as ``(start_us, end_us, name)``."""
+    return [(e.time_range.start, e.time_range.end, e.name[:width]) for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
 def kernel_table(n, h, v, kw, top=12):
     """``kw`` the op's keywords, or ``"floor"``: the three bf16 cuBLAS GEMMs of the floor."""
     x, w, y = inputs(n, h, v)
@@ -44,32 +70,16 @@ def kernel_table(n, h, v, kw, top=12):
         one()
         torch.cuda.synchronize()
     rows = {}
-    spans = []
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
             t, c = rows.get(e.name[:60], (0.0, 0))
             rows[e.name[:60]] = (t + e.device_time / 1e3, c + 1)
-            spans.append((e.time_range.start, e.time_range.end, e.name[:40]))
     total = sum(t for t, _ in rows.values())
     # GPU time with no kernel running, between the call's first and last kernel
-    busy = 0.0
-    end = None
-    gaps = []
-    prev = None
-    for s, e, name in sorted(spans):
-        if end is not None and s > end:
-            gaps.append(((s - end) / 1e3, prev, name))
-        prev = name
-        if end is None or s >= end:
-            busy += e - s
-            end = e
-        elif e > end:
-            busy += e - end
-            end = e
-    span = (max(e for _, e, _ in spans) - min(s for s, _, _ in spans)) / 1e3
+    _, span, idle, gaps = idle_gaps(cuda_spans(prof))
     print(f"== {n},{h},{v} {kw}: kernels {total:.2f} ms; span {span:.2f} ms, of it idle "
-          f"{span - busy / 1e3:.2f} ms; eager {bench(one):.2f} ms")
-    for gap, before, after in sorted(gaps, reverse=True)[:5]:
+          f"{idle:.2f} ms; eager {bench(one):.2f} ms")
+    for gap, before, after in gaps[:5]:
         print(f"  idle {gap:.3f} ms between {before} and {after}")
     for name, (t, c) in sorted(rows.items(), key=lambda r: -r[1][0])[:top]:
         print(f"  {t:7.2f} ms {c:4d}x  {name}")

@@ -17,6 +17,7 @@ import torch  # noqa: E402
 
 from benchmarks import common  # noqa: E402
 from benchmarks import linear_cross_entropy as B  # noqa: E402
+from benchmarks.kernel_table import cuda_spans, idle_gaps  # noqa: E402
 import logitless.torch as lt  # noqa: E402
 
 shape = B.SHAPES["llama3-8b"]
@@ -32,16 +33,10 @@ for name, s in steps.items():
     for _ in range(3):
         s()
     torch.cuda.synchronize()
-def events(s, reps=15):
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-          for _ in range(reps)]
-    for a, b in ev:
-        a.record()
-        s()
-        b.record()
-    torch.cuda.synchronize()
-    return statistics.median(a.elapsed_time(b) for a, b in ev)
+
+
 def host(s, reps=5):
+    """Median host time of a call (its launches, no synchronization)."""
     ts = []
     for _ in range(reps):
         torch.cuda.synchronize()
@@ -51,32 +46,22 @@ def host(s, reps=5):
         del out
     torch.cuda.synchronize()
     return statistics.median(ts)
-for rnd in range(3):
-    print("alone:", {k: round(events(s), 2) for k, s in steps.items()})
+
+
+for rnd in range(3):  # back-to-back calls of each step alone, CUDA events
+    print("alone:", {k: round(common.time_fn(s, device=dev, reps=15, warmup=0).median_ms, 2)
+                     for k, s in steps.items()})
 t = common.time_interleaved(list(steps.values()), device=dev, reps=15, warmup_s=2)
 print("interleaved:", {k: round(v.median_ms, 2) for k, v in zip(steps, t)})
 print("host ms per call (launch only, no sync):", {k: round(host(s), 2) for k, s in steps.items()})
-from torch.profiler import profile, ProfilerActivity
 for name in ("ours", "floor"):
     s = steps[name]
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(3):
             s()
         torch.cuda.synchronize()
-    evs = sorted([e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA],
-                 key=lambda e: e.time_range.start)
-    busy = sum(e.time_range.elapsed_us() for e in evs) / 1e3
-    span = (evs[-1].time_range.end - evs[0].time_range.start) / 1e3
-    gaps = []
-    end, prev = evs[0].time_range.end, evs[0].name
-    for e in evs[1:]:
-        if e.time_range.start > end:
-            gaps.append(((e.time_range.start - end) / 1e3, prev[:50], e.name[:50]))
-        if e.time_range.end > end:
-            end, prev = e.time_range.end, e.name
-    gaps.sort(reverse=True)
-    print(f"{name}: 3 calls busy {busy:.2f} ms span {span:.2f} ms "
-          f"idle {sum(g[0] for g in gaps):.2f} ms")
+    busy, span, idle, gaps = idle_gaps(cuda_spans(prof, width=50))
+    print(f"{name}: 3 calls busy {busy:.2f} ms span {span:.2f} ms idle {idle:.2f} ms")
     for g in gaps[:8]:
         print("   gap %.3f ms after %s before %s" % g)
