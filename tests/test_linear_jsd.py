@@ -390,6 +390,84 @@ def test_float64_reference_matches_60_digit_arithmetic(beta, scale, gap):
                                               + 8 * np.linalg.norm(floor) * np.linalg.norm(ws, 2))
 
 
+def _jsd_decimal(zs, zt, beta, temperature, digits=40):
+    """Per-token J and dz (reduction "none", unit upstream gradient) of the logits ``zs``,
+    ``zt`` (N, V) exactly as given, by the plain formulas in ``digits``-digit decimal
+    arithmetic. (An 80-bit long double is not enough: its log-softmax differences carry
+    ~5e-19, which moves a J of 1e-11 by 1e-8.)"""
+    import decimal
+    ctx = decimal.Context(prec=digits)
+    dec = lambda f: ctx.create_decimal(float(f))  # exact: a float64 is a short binary fraction
+    b, t, one = dec(beta), dec(temperature), dec(1)
+
+    def log_softmax(row):
+        u = [dec(a) / t for a in row]
+        m = max(u)
+        lse = m + sum((a - m).exp() for a in u).ln()
+        return [a - lse for a in u]
+
+    js, dzs = [], []
+    with decimal.localcontext(ctx):
+        for za, zb in zip(zs, zt):
+            lq, lp = log_softmax(za), log_softmax(zb)
+            q, p = [a.exp() for a in lq], [a.exp() for a in lp]
+            if beta == 0.0:
+                j = sum(pk * (a - c) for pk, a, c in zip(p, lp, lq))
+                g = [qk - pk for qk, pk in zip(q, p)]
+            else:
+                if beta == 1.0:
+                    w, ell = one, [a - c for a, c in zip(lq, lp)]
+                    j = k = sum(qk * e for qk, e in zip(q, ell))
+                else:
+                    lm = [(b * pk + (one - b) * qk).ln() for pk, qk in zip(p, q)]
+                    w, ell = one - b, [a - m for a, m in zip(lq, lm)]
+                    k = sum(qk * e for qk, e in zip(q, ell))
+                    j = b * sum(pk * (a - m) for pk, a, m in zip(p, lp, lm)) + w * k
+                g = [w * qk * (e - k) for qk, e in zip(q, ell)]
+            js.append(float(j))
+            dzs.append([float(a / t) for a in g])
+    return np.array(js), np.array(dzs)
+
+
+@pytest.mark.parametrize("offset", [0.0, 30.0])
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+@pytest.mark.parametrize("beta", [0.0, 0.3, 0.5, 1.0])
+def test_float64_reference_keeps_nearly_equal_heads_to_40_digits(beta, temperature, offset):
+    """Heads ~1e-5 apart (the teacher maybe a constant 30 above: softmax-invariant): J is
+    second order in δ = log P − log Q (~1e-11) while log P and log Q are O(10). As a
+    difference of two log-softmaxes δ carried their rounding (~1e-15): the KLs (β ∈ {0, 1})
+    were up to 2e-4 relative off per token, dz 2e-9 of its max at β = 0 (from Q − P); the
+    JSD's log1p forms absorb an error common to a row's δ. Now δ = d − c with c = log E_Q[e^d]
+    taken about E_Q[d]: J within 5e-11, dz within 1e-15 (60 seeds). The logits are fp32
+    values (as the backends' are), so that ζ − z is exact in float64: for float64 logits 30
+    apart its rounding (ulp(30)/2) alone puts dz ~4e-10 off, a limit of the inputs, not of
+    the loss math."""
+    rng = np.random.default_rng([SEED, 53])
+    n, v = 4, 61
+    zs = rng.standard_normal((n, v)).astype(np.float32)
+    zt = (zs + offset + 1e-5 * rng.standard_normal((n, v))).astype(np.float32)
+    eye = np.eye(n)  # x = I, W = logitsᵀ: the GEMM rounds nothing
+    got = spec.reference(eye, zs.T, eye, zt.T, options=spec.LinearJSDOptions(
+        beta=beta, temperature=temperature, reduction="none"))
+    j, dz = _jsd_decimal(zs, zt, beta, temperature)
+    assert np.all(j > 0)
+    loss_err = (np.abs(got["jsd"] - j) / j).max()
+    dz_err = np.abs(got["grad_logits"] - dz).max() / np.abs(dz).max()
+    assert loss_err < 1e-9 and dz_err < 1e-12, (loss_err, dz_err)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.3])
+@pytest.mark.parametrize("beta", [0.0, 0.3, 1.0])
+def test_float64_reference_identical_heads_give_exactly_zero(beta, temperature):
+    """Student = teacher (separate arrays): d = (ζ − z)/T is exactly 0, so is everything after."""
+    d = draw(SpecCase(ignore="no-targets", reduction="none"))
+    got = spec.reference(d["xs"], d["ws"], d["xs"].copy(), d["ws"].copy(),
+                         options=spec.LinearJSDOptions(beta=beta, temperature=temperature,
+                                                       reduction="none"))
+    for key in ("jsd", "grad_logits", "dw"):
+        assert np.all(got[key] == 0.0), key
+
+
 def test_reference_rejects_bad_targets():
     x, w = np.ones((4, 3)), np.ones((5, 3))
     with pytest.raises(ValueError, match="target out of range"):
@@ -1147,11 +1225,10 @@ def test_torch_backend_keeps_the_loss_of_nearly_equal_heads(beta, temperature, d
     to their rounding: fp32 losses 3.5e-2 to 0.5 off at β ∈ {0, 1} (a reverse KL came out
     negative), dX 3e-5 to 1.4e-3 off at every β (200 seeds). It now forms δ as the kernels
     do, the normalizer gap as log1p(E_Q[expm1(d)]): losses within 8e-4 and dX within 2e-6,
-    the Triton / XLA backends' level. In float64 the spec, which still takes differences of
-    log-softmaxes, is the looser side (loss ~4e-9, dX ~7e-12 off here, up to 1e3 times the
-    backend's own distance from an 80-bit evaluation: the loss at β ∈ {0, 1}, dX at T != 1),
-    so float64 holds the backend to the spec's own error."""
-    tol = dict(float32=(5e-3, 1e-5), float64=(1e-7, 1e-10))[dtype]
+    the Triton / XLA backends' level. In float64 both sides now form δ without cancellation
+    (the spec had taken differences of log-softmaxes: loss 3.4e-9, dX 7e-12 off here, its own
+    error; against today's spec loss 8.8e-13, dX 2.3e-15, dW 1.5e-15 over 20 seeds)."""
+    tol = dict(float32=(5e-3, 1e-5), float64=(1e-11, 1e-13))[dtype]
     for seed in (SEED, SEED + 1):
         loss_err, dx_err, dw_err = _near_heads_errors(beta, temperature, dtype, seed)
         assert loss_err <= tol[0], (seed, loss_err)

@@ -63,6 +63,11 @@ Precision notes for implementations:
   everything as β → 0 or 1 (the loss scales with β or 1 − β). And 1 − β must come from the
   caller's β in float64, never as 1 − fp32(β): for β > ``HIGH_BETA`` and δ < −1, where
   1 − β carries log M/Q, that is logaddexp(log β + δ, log(1 − β)).
+* δ itself must not be a difference of log-softmaxes (their O(|z|/T) terms' rounding swamps
+  a J second order in δ where the heads nearly agree): δ = d − c with d = (z_t − z_s)/T and
+  the normalizer gap c = L_b − L_a = log E_Q[e^d] from log1p(E_Q[expm1(·)]) about a reference
+  (the kernels in fp32, logitless/triton_kernels/jsd_rows.py; the reference in float64), and
+  Q − P (β = 0) as −Q·expm1(δ) where P ≈ Q.
 * J is a difference of nearly equal quantities when student and teacher agree, and its
   gradient has no exact dominant term (unlike cross-entropy's −onehot), so logits rounded to
   bf16 by the GEMM (|z|·2⁻⁹ absolute) move the gradient by ~1e-2 relative. The reference
@@ -226,6 +231,27 @@ def _log_softmax(u):
     return u - (mx + np.log(np.exp(u - mx).sum(axis=1, keepdims=True)))
 
 
+def _log_ratio(z, zeta, T, logq, q):
+    """δ = log P − log Q (N, V) of the student / teacher logits z, ζ, without cancellation.
+
+    A difference of the two log-softmaxes keeps their O(|z|/T) terms' rounding (~1e-15), which
+    swamps a KL of nearly equal heads (second order in δ: 2e-4 relative off for heads 1e-5
+    apart). As the kernels do: δ = d − c with d = (ζ − z)/T (scaled after the difference:
+    exactly 0 for equal heads) and the normalizer gap c = L_b − L_a = log E_Q[e^d], both about
+    the row's r = E_Q[d]: δ = (d − r) − log1p(E_Q[expm1(d − r)]). By Jensen E_Q[e^(d−r)] >= 1,
+    so the log1p never cancels, at any spread; r's own rounding shifts both terms alike. Rows
+    where some d − r passes ``big`` (expm1 would overflow) take log E_Q[e^(d−r)] as a
+    logsumexp of log Q + d − r: the heads are far apart there, δ large."""
+    d = (zeta - z) / T
+    x = d - (q * d).sum(axis=1, keepdims=True)
+    big = 500.0  # V·e^500 stays finite; Q's underflow (e^-745) is negligible below it
+    u = logq + x
+    um = u.max(axis=1, keepdims=True)
+    lse = um + np.log(np.exp(u - um).sum(axis=1, keepdims=True))
+    near = np.log1p((q * np.expm1(np.minimum(x, big))).sum(axis=1, keepdims=True))
+    return x - np.where(x.max(axis=1, keepdims=True) > big, lse, near)
+
+
 def _log_ratios_to_m(delta, beta):
     """(log Q − log M, log P − log M) from δ = log P − log Q, for 0 < β < 1, in the forms
     that do not cancel (the kernels' forms, in float64): log M/Q = log1p(β·expm1(δ)) for
@@ -266,20 +292,21 @@ def reference(x_s, W_s, x_t, W_t, y=None, *, options: LinearJSDOptions = None,
         y = np.asarray(y).astype(np.int64)
     beta, T = opts.beta, opts.temperature
 
-    z = x_s @ W_s.T
+    z, zeta = x_s @ W_s.T, x_t @ W_t.T
     logq = _log_softmax(z / T)
-    logp = _log_softmax((x_t @ W_t.T) / T)
-    q, p = np.exp(logq), np.exp(logp)
+    q, p = np.exp(logq), np.exp(_log_softmax(zeta / T))
+    delta = _log_ratio(z, zeta, T, logq, q)
     with np.errstate(divide="ignore"):  # log β or log(1−β) at the endpoints, unused there
         if opts.kind == "forward_kl":
-            jsd = (p * (logp - logq)).sum(axis=1)
-            da = q - p
+            jsd = (p * delta).sum(axis=1)
+            # Q − P = −Q·expm1(δ): the difference cancels where P ≈ Q
+            da = np.where(np.abs(delta) < 1.0, -q * np.expm1(np.minimum(delta, 1.0)), q - p)
         elif opts.kind == "reverse_kl":
-            lam = logq - logp
+            lam = -delta
             jsd = (q * lam).sum(axis=1)
             da = q * (lam - jsd[:, None])
         else:
-            ell, lpm = _log_ratios_to_m(logp - logq, beta)
+            ell, lpm = _log_ratios_to_m(delta, beta)
             kl_qm = (q * ell).sum(axis=1)
             jsd = beta * (p * lpm).sum(axis=1) + (1 - beta) * kl_qm
             da = (1 - beta) * q * (ell - kl_qm[:, None])
