@@ -5,6 +5,7 @@ import importlib.util
 
 import numpy as np
 
+import op_linear_cross_entropy as op
 from harness import Backend, register
 
 
@@ -130,10 +131,18 @@ register(Backend("triton-own-gemm", own_gemm_runner, naive="naive-torch",
 # low-memory operating point; small vocabulary chunks exercise the multi-chunk dW sweep.
 # cuBLAS pinned: the default ("auto") takes our GEMMs on a Hopper GPU where they can run, the
 # second backend below; cuBLAS is what every other GPU runs.
+def low_memory_takes(case):
+    """Every case on a GPU; interpreted (CI time: ~2 s a case) all but the one-option ones,
+    whose options the every-option cases carry through the same sweeps (the row kernel's
+    math per option is backend "triton"'s)."""
+    import torch
+    return torch.cuda.is_available() or not op.single_option(case)
+
+
 register(Backend("triton-low-memory",
                  torch_backend_runner("triton", low_memory=True, vocab_chunk_size=64,
                                       logits_gemm="cublas"),
-                 naive="naive-torch", requires=("torch", "triton")))
+                 naive="naive-torch", requires=("torch", "triton"), takes=low_memory_takes))
 
 
 def low_memory_auto_takes(case):

@@ -105,6 +105,15 @@ def reference(case: Case, inp: Inputs) -> Dict[str, np.ndarray]:
     return out
 
 
+def single_option(case: Case) -> bool:
+    """A one-option-on case of the 37 x 33 matrices (mean, some tokens ignored): the
+    every-option cases hold each of those options too."""
+    flags = (case.bias, case.class_weight, case.label_smoothing > 0, case.z_loss > 0,
+             bool(case.softcap), case.lse_grad)
+    return (sum(map(bool, flags)) == 1 and (case.n, case.h) == (37, 33)
+            and case.reduction == "mean" and case.ignore == "some" and not case.masked)
+
+
 def cases_linear_cross_entropy():
     """The curated matrix every linear-CE backend must pass (small: CI runs it interpreted)."""
     base = dict(n=37, h=33, v=97)  # N, H odd; V prime

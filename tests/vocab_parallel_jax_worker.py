@@ -56,14 +56,6 @@ def cases():
     return out
 
 
-def single_option(case):
-    """One of cases()'s one-option-on cases (float32, mean, 37x33x96, one option set)."""
-    flags = (case.bias, case.class_weight, case.label_smoothing > 0, case.z_loss > 0,
-             case.softcap is not None and case.softcap > 0, case.lse_grad)
-    return sum(map(bool, flags)) == 1 and case.n == 37 and case.dtype == "float32" \
-        and case.reduction == "mean" and case.ignore != "all"
-
-
 def no_target_shard(inp, ndev):
     """Targets of the last device's slice moved to class 0: that device owns none."""
     v = inp.w.shape[0]
@@ -102,14 +94,16 @@ def main(part):
     for ndev in (int(part),):
         mesh = Mesh(np.array(jax.devices()[:ndev]), ("tp",))
         # 4 devices: every case but the single-option ones (the every-option cases hold each
-        # option; on 2 devices they run too); 2 devices: those with every option on. A rank that owns no
-        # target ("-no-target-shard"): the cases with every option on.
+        # option; on 2 devices they run too); 2 devices: those with every option on, and the
+        # variants (on 2 devices only: the code paths they test do not depend on the device
+        # count, and each is a compile of its own). A rank that owns no target
+        # ("-no-target-shard"): the cases with every option on.
         # check_vma=False (shard_map hands the rule 1/n of each cotangent and sums x's
         # itself; dW and db had come out divided by n): the cases with every option on in
         # float32, and the chunked bfloat16 one
         for case in (c for c in cases() if c.label_smoothing == 0.2 or (
-                ndev == 4 and not single_option(c))):
-            for variant in ("", "-no-target-shard", "-unchecked"):
+                ndev == 4 and not op.single_option(c))):
+            for variant in ("", "-no-target-shard", "-unchecked") if ndev == 2 else ("",):
                 everything = case.label_smoothing == 0.2 and case.ignore != "all"
                 unchecked = everything and (case.dtype == "float32" or case.chunk_size)
                 if (variant == "-no-target-shard" and not everything) or \
