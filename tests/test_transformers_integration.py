@@ -81,7 +81,8 @@ def test_ten_training_steps_match_unpatched(kind):
     ref = make_model(kind)
     assert is_patched(fused) and not is_patched(ref)
     opt = torch.optim.AdamW(fused.parameters(), lr=3e-3)
-    losses = []
+    head = fused.get_output_embeddings().weight
+    head_0, head_grads = head.detach().clone(), []
     for step in range(10):
         ids, mask, labels = make_batch(step)
         ref.load_state_dict(fused.state_dict())
@@ -94,10 +95,14 @@ def test_ten_training_steps_match_unpatched(kind):
         torch.testing.assert_close(out_f.loss, out_r.loss, rtol=2e-5, atol=0)
         for (name, p_f), (_, p_r) in zip(fused.named_parameters(), ref.named_parameters()):
             _assert_grads_close(p_f.grad, p_r.grad, f"step {step} {name}")
+        head_grads.append(head.grad.norm().item())
         opt.step()
-        losses.append(out_f.loss.item())
-    # it trained: the comparison is not between constants
-    assert sum(losses[-3:]) / 3 < losses[0] - 0.1, losses
+    # not vacuous: the head's gradients compared were not zero and the steps moved it (whether
+    # ten steps lower the loss depends on the seed: qwen2's tied, scaled embedding made the
+    # loss rise at 1 of 13 seeds, where every step's loss and gradients still matched)
+    assert min(head_grads) > 1e-3, head_grads
+    moved = ((head.detach() - head_0).norm() / head_0.norm()).item()
+    assert moved > 1e-2, moved
 
 
 def _assert_grads_close(got, want, name):
