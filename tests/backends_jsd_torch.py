@@ -107,14 +107,14 @@ def _split_takes(case):
 def triton_split_runner(case, inp):
     """Rows split over several programs with a ragged last segment: on a GPU the fused kernel
     waits at its per-row barriers (64-column segments: up to 17 programs per row); in the
-    interpreter, which runs programs one by one, the three-launch path over two segments
-    (its cost grows with programs x blocks)."""
+    interpreter, which runs programs one by one, the three-launch path over two segments of
+    one block each (its cost grows with programs x blocks; several blocks per segment are
+    test_triton_tunings_match_the_torch_backend's "blocks-ragged")."""
     import torch
     if torch.cuda.is_available():  # row_sync=True: the fused kernel is no longer the default
         return jsd_runner("triton", block_v=32, segment_size=64, row_sync=True)(case, inp)
-    block = 32 if case.v < 256 else 128
-    segment = block * -(-(-(-case.v // 2)) // block)
-    return jsd_runner("triton", block_v=block, segment_size=segment)(case, inp)
+    segment = max(16, 1 << (-(-case.v // 2) - 1).bit_length())  # a power of 2 >= V / 2
+    return jsd_runner("triton", block_v=segment, segment_size=segment)(case, inp)
 
 
 register(Backend("naive-torch", naive_torch_jsd, naive="naive-torch", requires=("torch",), op=OP))
