@@ -94,7 +94,7 @@ register(Backend("triton", torch_backend_runner("triton"), naive="naive-torch",
 
 
 def blocks_takes(case):
-    """The row kernel's online max / rescale across column blocks (16-column blocks: 7 per
+    """The row kernel's online max / rescale across column blocks (32-column blocks: 4 per
     row at V = 97), which the default block (one per row at these V) never runs: every case on
     a GPU; in the interpreter (CI time: ~2.5 s a case) the every-option cases and the masked
     ones (-inf bias over whole leading blocks)."""
@@ -105,7 +105,7 @@ def blocks_takes(case):
         bool(case.softcap and case.z_loss and case.label_smoothing) or case.masked)
 
 
-register(Backend("triton-blocks", torch_backend_runner("triton", block_v=16), naive="naive-torch",
+register(Backend("triton-blocks", torch_backend_runner("triton", block_v=32), naive="naive-torch",
                  requires=("torch", "triton"), takes=blocks_takes))
 
 
