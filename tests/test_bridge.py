@@ -708,8 +708,11 @@ def test_pallas_backend_frozen_tensor_costs_no_gradient(gen, op, frozen, reducti
         else:
             out = lt.linear_jsd(x, w, xt, wt, y, reduction=reduction, hard_loss_weight=0.5,
                                 backend=backend)
-        return out if reduction == "mean" else (out * up).sum()
+        return out
 
+    # "none": the per-token losses compared as they are (their sum weighted by a random
+    # upstream gradient cancels: 1.1e-5 relative apart at seed 1395714771)
+    objective = lambda out: out if reduction == "mean" else (out * up).sum()
     saved = []
 
     def pack(t):
@@ -717,7 +720,7 @@ def test_pallas_backend_frozen_tensor_costs_no_gradient(gen, op, frozen, reducti
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = run("pallas")
+        out = run("pallas")
     # the inputs themselves may be saved (the unfused path recomputes from them): not new
     inputs = {t.data_ptr() for t in (x, w, b, y, xt, wt)}
     shape = tuple((w if frozen == "weight" else x).shape)  # that of its gradient
@@ -725,9 +728,10 @@ def test_pallas_backend_frozen_tensor_costs_no_gradient(gen, op, frozen, reducti
     assert not new, f"a {shape} tensor saved for backward: {len(new)}"
     wanted = [t for t in (x, w, b if op == "linear_cross_entropy" else None)
               if t is not None and t.requires_grad]
-    got = torch.autograd.grad(loss, wanted)
-    want = torch.autograd.grad(run("torch"), wanted)
-    np.testing.assert_allclose(as_np(loss), as_np(run("torch")), rtol=1e-5)
+    got = torch.autograd.grad(objective(out), wanted)
+    ref = run("torch")
+    want = torch.autograd.grad(objective(ref), wanted)
+    np.testing.assert_allclose(as_np(out), as_np(ref), rtol=1e-5)
     for a, e in zip(got, want):
         np.testing.assert_allclose(as_np(a), as_np(e), rtol=1e-4, atol=1e-5)
 
