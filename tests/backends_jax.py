@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from harness import Backend, register
+from harness import Backend, cached_jit, register
 
 
 def _jax_inputs(case, inp):
@@ -15,20 +15,24 @@ def _jax_inputs(case, inp):
                 gl=a(inp.grad_lse, jnp.float32))
 
 
-def _run_vjp(case, loss_and_lse, arrs):
-    """jit(vjp) of ``loss_and_lse(x, w, b, y, cw) -> (loss, lse)`` with the case's cotangents."""
+def _run_vjp(case, loss_and_lse, arrs, key=None):
+    """jit(vjp) of ``loss_and_lse(x, w, b, y, cw) -> (loss, lse)`` with the case's cotangents,
+    compiled once per ``key`` (:func:`harness.cached_jit`; None: every call)."""
     import jax
 
-    def go(x, w, b, y, cw, g, gl):
-        def f(x, w, b):
-            loss, lse = loss_and_lse(x, w, b, y, cw)
-            return (loss, lse) if case.lse_grad else loss
-        out, vjp = jax.vjp(f, x, w, b)
-        dx, dw, db = vjp((g, gl) if case.lse_grad else g)
-        return out, dx, dw, db
+    def build():
+        def go(x, w, b, y, cw, g, gl):
+            def f(x, w, b):
+                loss, lse = loss_and_lse(x, w, b, y, cw)
+                return (loss, lse) if case.lse_grad else loss
+            out, vjp = jax.vjp(f, x, w, b)
+            dx, dw, db = vjp((g, gl) if case.lse_grad else g)
+            return out, dx, dw, db
+        return go
 
     a = arrs
-    out, dx, dw, db = jax.jit(go)(a["x"], a["w"], a["b"], a["y"], a["cw"], a["g"], a["gl"])
+    prog = jax.jit(build()) if key is None else cached_jit(key, build)
+    out, dx, dw, db = prog(a["x"], a["w"], a["b"], a["y"], a["cw"], a["g"], a["gl"])
     f64 = lambda v: np.asarray(v, np.float64)
     loss = out[0] if case.lse_grad else out
     r = dict(loss=f64(loss), dx=f64(dx), dw=f64(dw))
@@ -53,7 +57,8 @@ def jax_backend_runner(backend, **fixed_tuning):
                 return_lse=case.lse_grad, backend=backend, ignore_index=case.ignore_index,
                 **tuning)
             return out if case.lse_grad else (out, None)
-        return _run_vjp(case, loss_and_lse, _jax_inputs(case, inp))
+        key = ("ce", backend, tuple(sorted(tuning.items())), case)
+        return _run_vjp(case, loss_and_lse, _jax_inputs(case, inp), key)
     return run
 
 
@@ -102,7 +107,7 @@ def naive_jax(case, inp):
         else:
             loss = tok.sum() / jnp.maximum(omega.sum(), 1e-30)
         return loss, lse
-    return _run_vjp(case, loss_and_lse, _jax_inputs(case, inp))
+    return _run_vjp(case, loss_and_lse, _jax_inputs(case, inp), ("naive-ce", case))
 
 
 register(Backend("naive-jax", naive_jax, naive="naive-jax", requires=("jax",)))

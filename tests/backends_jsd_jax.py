@@ -5,7 +5,7 @@ import math
 
 import numpy as np
 
-from harness import Backend, register
+from harness import Backend, cached_jit, register
 
 OP = "linear_jsd"
 
@@ -19,17 +19,21 @@ def jax_inputs(case, inp):
                 g=jnp.asarray(np.asarray(inp.grad_output, np.float32)))
 
 
-def run_vjp(loss_fn, arrs):
-    """jit(vjp) of ``loss_fn(xs, ws, xt, wt, y)`` w.r.t. the student, with the case cotangent;
-    the teacher's cotangents must come back zero."""
+def run_vjp(key, loss_fn, arrs):
+    """jit(vjp) of ``loss_fn(xs, ws, xt, wt, y)`` w.r.t. the student, with the case cotangent,
+    compiled once per ``key`` (:func:`harness.cached_jit`); the teacher's cotangents must come
+    back zero."""
     import jax
 
-    def go(xs, ws, xt, wt, y, g):
-        loss, vjp = jax.vjp(lambda a, b, c, d: loss_fn(a, b, c, d, y), xs, ws, xt, wt)
-        return (loss,) + vjp(g.astype(loss.dtype))
+    def build():
+        def go(xs, ws, xt, wt, y, g):
+            loss, vjp = jax.vjp(lambda a, b, c, d: loss_fn(a, b, c, d, y), xs, ws, xt, wt)
+            return (loss,) + vjp(g.astype(loss.dtype))
+        return go
 
     a = arrs
-    loss, dx, dw, dxt, dwt = jax.jit(go)(a["xs"], a["ws"], a["xt"], a["wt"], a["y"], a["g"])
+    loss, dx, dw, dxt, dwt = cached_jit(key, build)(a["xs"], a["ws"], a["xt"], a["wt"], a["y"],
+                                                    a["g"])
     assert not np.any(np.asarray(dxt, np.float32)) and not np.any(np.asarray(dwt, np.float32)), \
         "the teacher must get no gradient"
     f64 = lambda v: np.asarray(v, np.float64)
@@ -48,7 +52,8 @@ def jsd_runner(backend, **fixed_tuning):
                                  ignore_index=inp.ignore_index, reduction=case.reduction,
                                  hard_loss_weight=case.hard_loss_weight, backend=backend,
                                  **tuning)
-        return run_vjp(loss_fn, jax_inputs(case, inp))
+        key = ("jsd", backend, tuple(sorted(tuning.items())), case, inp.ignore_index)
+        return run_vjp(key, loss_fn, jax_inputs(case, inp))
     return run
 
 
@@ -108,7 +113,7 @@ def naive_jax_jsd(case, inp):
         if case.reduction == "sum":
             return tok.sum()
         return tok.sum() / jnp.maximum(mask.sum(), 1.0)
-    return run_vjp(loss_fn, jax_inputs(case, inp))
+    return run_vjp(("naive-jsd", case, inp.ignore_index), loss_fn, jax_inputs(case, inp))
 
 
 def pallas_test_tuning():

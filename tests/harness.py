@@ -255,6 +255,20 @@ def check_backend(op: Op, name: str, case, salt: int = 0):
     return confirmed(check, salt)
 
 
+_JITTED: Dict[Any, Callable] = {}
+
+
+def cached_jit(key, build: Callable[[], Callable]) -> Callable:
+    """``jax.jit(build())``, built once per ``key`` in this process: a JAX runner's program
+    depends on the case (and backend / tuning), not on the draw, so the accuracy tests'
+    several draws and the re-draws after a miss reuse its compile. ``key`` must hold every
+    value the built function closes over."""
+    if key not in _JITTED:
+        import jax
+        _JITTED[key] = jax.jit(build())
+    return _JITTED[key]
+
+
 _NAIVE: Dict[Tuple[str, str, Any, int], Dict[str, np.ndarray]] = {}
 
 
