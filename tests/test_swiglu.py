@@ -223,12 +223,12 @@ def test_torch_backward_leaves_the_incoming_gradient_alone(dtype, monkeypatch):
     gb, ub, wb = (t.clone().requires_grad_() for t in (g, u, w))
     (F.silu(gb) * ub + wb).pow(2).sum().backward()
     def close(got, want):
-        # float32: element-wise to 1e-5, plus a few ulps of the largest gradient, since silu'
-        # crosses 0 (at g = -1.28): there the two formulas' few-ulp differences of O(1) terms
-        # are large relative to the result (seed 235401254: 2e-9 absolute, 1.3e-5 relative)
-        fp64 = dtype == torch.float64
-        torch.testing.assert_close(got, want, rtol=1e-12 if fp64 else 1e-5, atol=0 if fp64 else
-                                   4 * torch.finfo(dtype).eps * want.abs().max().item())
+        # element-wise to 1e-12 (float64) / 1e-5, plus a few ulps of the largest gradient,
+        # since silu' crosses 0 (at g = -1.28): there the two formulas' few-ulp differences of
+        # O(1) terms are large relative to the result (float32, seed 235401254: 2e-9 absolute,
+        # 1.3e-5 relative; float64, seed 269562280: 6e-18 absolute, 1.1e-12 relative)
+        torch.testing.assert_close(got, want, rtol=1e-12 if dtype == torch.float64 else 1e-5,
+                                   atol=4 * torch.finfo(dtype).eps * want.abs().max().item())
 
     for a, b in ((ga, gb), (ua, ub), (wa, wb)):
         close(a.grad, b.grad)
