@@ -141,8 +141,6 @@ def low_memory_runner(**tuning):
     return run
 
 
-# cuBLAS pinned: the default ("auto") takes our GEMMs on a Hopper GPU where they can run, the
-# second backend below; cuBLAS is what every other GPU runs.
 def low_memory_takes(case):
     """Every case on a GPU; interpreted (CI time: ~2 s a case) all but the one-option ones,
     whose options the every-option cases carry through the same sweeps (the row kernel's
@@ -151,6 +149,8 @@ def low_memory_takes(case):
     return torch.cuda.is_available() or not op.single_option(case)
 
 
+# cuBLAS pinned: the default ("auto") takes our GEMMs on a Hopper GPU where they can run, the
+# second backend below; cuBLAS is what every other GPU runs.
 register(Backend("triton-low-memory", low_memory_runner(logits_gemm="cublas"),
                  naive="naive-torch", requires=("torch", "triton"), takes=low_memory_takes))
 
