@@ -10,4 +10,4 @@ register(Backend("bridge-pallas", jsd_runner("pallas"), naive="naive-torch",
                  requires=("torch", "jax"), op=OP,
                  takes=crossing_cases(op_linear_jsd.OP,
                                       lambda c: not c.targets or c.ignore == "all" or c.n == 1
-                                      or bool(c.teacher_dtype) or bool(c.chunk_size))))
+                                      or bool(c.teacher_dtype))))

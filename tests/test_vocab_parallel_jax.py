@@ -17,7 +17,7 @@ def test_vocab_parallel_jax_equals_spec(part):
     res = run_jax_worker("vocab_parallel_jax_worker.py", args=(part,))
     assert not res["failures"], "\n".join(res["failures"])
     # the case matrix really ran
-    assert res["checked"] >= (17 if part == "4" else 24), res
+    assert res["checked"] >= (8 if part == "4" else 24), res
     if part == "4":
         return
     assert res["count"] == 6.0, res   # global_token_count psum-ed over a "dp" axis
