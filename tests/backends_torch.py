@@ -147,8 +147,7 @@ def low_memory_takes(case):
     reduction through the same sweeps (the row kernel's math per option is backend
     "triton"'s)."""
     import torch
-    plain = not (case.bias or case.class_weight or case.label_smoothing or case.z_loss
-                 or case.softcap or case.lse_grad or case.masked) and case.n == 37
+    plain = op.options_on(case) == 0 and not case.masked and case.n == 37
     return torch.cuda.is_available() or not (op.single_option(case) or plain)
 
 

@@ -105,12 +105,17 @@ def reference(case: Case, inp: Inputs) -> Dict[str, np.ndarray]:
     return out
 
 
+def options_on(case: Case) -> int:
+    """How many of the op's options the case turns on (bias, class weights, smoothing,
+    z-loss, softcap, an lse gradient)."""
+    return sum(map(bool, (case.bias, case.class_weight, case.label_smoothing, case.z_loss,
+                          case.softcap, case.lse_grad)))
+
+
 def single_option(case: Case) -> bool:
     """A one-option-on case of the 37 x 33 matrices (mean, some tokens ignored): the
     every-option cases hold each of those options too."""
-    flags = (case.bias, case.class_weight, case.label_smoothing > 0, case.z_loss > 0,
-             bool(case.softcap), case.lse_grad)
-    return (sum(map(bool, flags)) == 1 and (case.n, case.h) == (37, 33)
+    return (options_on(case) == 1 and (case.n, case.h) == (37, 33)
             and case.reduction == "mean" and case.ignore == "some" and not case.masked)
 
 

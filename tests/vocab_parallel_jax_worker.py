@@ -100,10 +100,8 @@ def main(part):
         # check_vma=False (shard_map hands the rule 1/n of each cotangent and sums x's
         # itself; dW and db had come out divided by n): the cases with every option on in
         # float32, and the chunked bfloat16 one
-        plain = lambda c: not (c.bias or c.class_weight or c.label_smoothing or c.z_loss
-                               or c.softcap or c.lse_grad)
         for case in (c for c in cases() if (c.label_smoothing == 0.2 if ndev == 2 else
-                                            plain(c) or c.n != 37)):
+                                            op.options_on(c) == 0 or c.n != 37)):
             for variant in ("", "-no-target-shard", "-unchecked") if ndev == 2 else ("",):
                 everything = case.label_smoothing == 0.2 and case.ignore != "all"
                 unchecked = everything and (case.dtype == "float32" or case.chunk_size)
