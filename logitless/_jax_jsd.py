@@ -285,26 +285,33 @@ def _jsd_terms(lq, delta, beta):
     return q, lam
 
 
-def jsd_sums_update(carry, zs, zt, rows, cmask, *, beta, inv_t):
-    """Pass 2 (0 < β < 1) over a column block of raw logits, ``rows`` the row values of
-    :func:`stats_finish`: −Σ Q·Λ and ΣQ (K = KL(Q‖M) is their ratio, :func:`jsd_k`), and
-    J = Σ β·P·log(P/M) − (1−β)·Q·Λ."""
-    k, j, qs = carry
-    ms, ls_a, mt, ls_b, c, _, _ = rows
-    lq = log_q(zs, ms, ls_a, inv_t)
-    delta = log_ratio(zs, zt, row_offsets(*rows), inv_t)
-    q, lam = _jsd_terms(lq, delta, beta)
+def _jsd_loss_terms(zt, lq, delta, q, lam, rows, *, beta, inv_t):
+    """β·P·log(P/M) − (1−β)·Q·Λ per element (J's terms), from log Q, δ, Q and Λ."""
+    _, _, mt, ls_b, c, _, _ = rows
     # P as Q·e^δ where the heads are close (consistent with δ), else from the teacher's own
     # statistics: log Q + δ cancels two terms of O(|z|/T) or O(|c|) where δ or the
     # normalizer gap c is large (one exp either way)
     p = jnp.exp(jnp.where(jnp.maximum(jnp.abs(delta), jnp.abs(c)[:, None]) < 1.0, lq + delta,
                           log_q(zt, mt, ls_b, inv_t)))
-    qlam = q * lam
+    return beta * p * _log_p_over_m(delta, lam, beta) - (1.0 - beta) * q * lam
+
+
+def jsd_sums_update(carry, zs, zt, rows, cmask, *, beta, inv_t, with_j=True):
+    """Pass 2 (0 < β < 1) over a column block of raw logits, ``rows`` the row values of
+    :func:`stats_finish`: −Σ Q·Λ and ΣQ (K = KL(Q‖M) is their ratio, :func:`jsd_k`), and
+    (``with_j``; else it stays as it was: :func:`grad_block` can sum it instead) J =
+    Σ β·P·log(P/M) − (1−β)·Q·Λ."""
+    k, j, qs = carry
+    ms, ls_a = rows[:2]
+    lq = log_q(zs, ms, ls_a, inv_t)
+    delta = log_ratio(zs, zt, row_offsets(*rows), inv_t)
+    q, lam = _jsd_terms(lq, delta, beta)
     live = True if cmask is None else cmask[None, :]
-    k = k - jnp.sum(jnp.where(live, qlam, 0.0), axis=1)
+    k = k - jnp.sum(jnp.where(live, q * lam, 0.0), axis=1)
     qs = qs + jnp.sum(jnp.where(live, q, 0.0), axis=1)
-    lpm = _log_p_over_m(delta, lam, beta)
-    j = j + jnp.sum(jnp.where(live, beta * p * lpm - (1.0 - beta) * qlam, 0.0), axis=1)
+    if with_j:
+        terms = _jsd_loss_terms(zt, lq, delta, q, lam, rows, beta=beta, inv_t=inv_t)
+        j = j + jnp.sum(jnp.where(live, terms, 0.0), axis=1)
     return k, j, qs
 
 
@@ -328,10 +335,13 @@ def _log_p_over_m(delta, lam, beta):
 
 
 def grad_block(zs, zt, is_target, rows, l_z, kk, coef, hard_coef, *, kind, beta, inv_t, hard,
-               t_one):
+               t_one, j_live=None):
     """Pass 3: the student logit gradient of a column block of raw logits, coef·(1/T)·∂J/∂a +
     hard_coef·(S − onehot), with coef = g·m per row (and hard_coef = coef·w_h); ``rows`` the
-    row values of :func:`stats_finish`, kk the row's KL (reverse KL) or K (JSD)."""
+    row values of :func:`stats_finish`, kk the row's KL (reverse KL) or K (JSD). With
+    ``j_live`` (JSD only: the block's live columns, (C,) bool) -> (dz, the block's part of
+    J per row): J's terms from the Q and Λ that dz needs anyway, so that pass 2 need not
+    take them (it is the one pass above HBM bandwidth)."""
     ms, ls_a, mt, ls_b, _, _, _ = rows
     lq = log_q(zs, ms, ls_a, inv_t)
     delta = log_ratio(zs, zt, row_offsets(*rows), inv_t)
@@ -351,7 +361,10 @@ def grad_block(zs, zt, is_target, rows, l_z, kk, coef, hard_coef, *, kind, beta,
     if hard:
         sv = q if t_one else jnp.exp(zs - l_z[:, None])
         dz = dz + hard_coef[:, None] * (sv - jnp.where(is_target, 1.0, 0.0))
-    return dz
+    if j_live is None:
+        return dz
+    terms = _jsd_loss_terms(zt, lq, delta, q, lam, rows, beta=beta, inv_t=inv_t)
+    return dz, jnp.sum(jnp.where(j_live[None, :], terms, 0.0), axis=1)
 
 
 def row_loss(kl_or_j, l_z, z_y, hard_w, hard):

@@ -10,7 +10,8 @@ whole number of them):
    (``segment_size`` columns): pass 1 the segment's online normalizers of both heads (and,
    for β ∈ {0, 1}, the KL sums), merged per row in XLA into the gap c = L_b − L_a; pass 2
    (0 < β < 1) the segment's sums of K = KL(Q‖M) (and of Q, its divisor) and of the loss;
-   pass 3 the student logit gradient in the input dtype;
+   pass 3 the student logit gradient in the input dtype (and, when it runs, the JSD loss
+   sums instead of pass 2);
 3. dX_c = dz_c·W_s and dW += dz_cᵀ·x_s,c through XLA, dW accumulating in float32.
 
 The chunk loop and the ``jax.custom_vjp`` are the shared driver of :mod:`logitless._jax_jsd`,
@@ -62,7 +63,7 @@ LOGITS_SHARE = 1
 # One launch per pass. Program (r, s) takes row block r and column segment s (``seg_blocks``
 # blocks of ``block_v``). Pass 1 writes each segment's pass-1 carry, XLA merges them
 # (``jc.stats_merge``); pass 2 (0 < β < 1) writes each segment's K, J and ΣQ sums; pass 3 writes
-# dz. Every segment starts on a live column (there are ⌈V / segment⌉ of them), so its running
+# dz (and then the segments' J, which pass 2 leaves out). Every segment starts on a live column (there are ⌈V / segment⌉ of them), so its running
 # maxima are finite after its first block and a masked block after it adds nothing.
 _ROWS = 7  # the row values of ``jc.stats_finish`` (M_s, log s_a, M_t, log s_b, c, far, lsd)
 
@@ -120,37 +121,44 @@ def _stats_kernel(zs_ref, zt_ref, *refs, has_y, seg_blocks, kw, **tile):
     _store_parts(refs[-1], stats, rows, rmask)
 
 
-def _sums_kernel(zs_ref, zt_ref, row_ref, out_ref, *, seg_blocks, beta, **tile):
+def _sums_kernel(zs_ref, zt_ref, row_ref, out_ref, *, seg_blocks, beta, with_j, **tile):
     rows, rmask, block = _segment(zs_ref, zt_ref, None, seg_blocks=seg_blocks, **tile)
     row_vals = tuple(_load_row_values(row_ref, k, rows, rmask) for k in range(_ROWS))
 
     def body(t, carry):
         zs, zt, _, cmask, _, _, _ = block(t)
         return jc.jsd_sums_update(carry, zs, zt, row_vals, cmask, beta=beta,
-                                  inv_t=tile["inv_t"])
+                                  inv_t=tile["inv_t"], with_j=with_j)
 
     zero = jnp.zeros((tile["block_rows"],), jnp.float32)
     _store_parts(out_ref, lax.fori_loop(launch.I0, np.int32(seg_blocks), body, (zero,) * 3),
                  rows, rmask)
 
 
-def _grad_kernel(zs_ref, zt_ref, *refs, has_y, seg_blocks, beta, hard_w, kw, **tile):
+def _grad_kernel(zs_ref, zt_ref, *refs, has_y, seg_blocks, beta, hard_w, with_j, kw, **tile):
     y_ref = refs[0] if has_y else None
-    row_ref, dz_ref = refs[-2], refs[-1]
+    row_ref, dz_ref = (refs[-3], refs[-2]) if with_j else (refs[-2], refs[-1])
     rows, rmask, block = _segment(zs_ref, zt_ref, y_ref, seg_blocks=seg_blocks, **tile)
     vals = [_load_row_values(row_ref, k, rows, rmask) for k in range(_ROWS + 3)]
     row_vals, (l_z, kk, coef) = tuple(vals[:_ROWS]), vals[_ROWS:]
 
-    def body(t, carry):
+    def body(t, j):
         zs, zt, _, cmask, is_target, span, lmask = block(t)
         dz = jc.grad_block(zs, zt, is_target, row_vals, l_z, kk, coef, coef * hard_w,
-                           beta=beta, inv_t=tile["inv_t"], **kw)
+                           beta=beta, inv_t=tile["inv_t"], j_live=cmask if with_j else None,
+                           **kw)
+        if with_j:
+            dz, j_part = dz
+            j = j + j_part
         if zs_ref.shape[1] > tile["v"]:  # the padded classes' gradient is 0 (the GEMMs read them)
             dz = jnp.where(cmask[None, :], dz, 0.0)
         plgpu.store(dz_ref.at[rows, span], dz.astype(dz_ref.dtype), mask=lmask)
-        return carry
+        return j
 
-    lax.fori_loop(launch.I0, np.int32(seg_blocks), body, 0)
+    j = lax.fori_loop(launch.I0, np.int32(seg_blocks), body,
+                      jnp.zeros((tile["block_rows"],), jnp.float32))
+    if with_j:
+        _store_parts(refs[-1], (j,), rows, rmask)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,25 +208,36 @@ class PallasHead(jc.Head):
         stats = jc.stats_merge(tuple(stats.reshape(n_seg, n_stats, n_rows).transpose(1, 0, 2)),
                                inv_t=tile["inv_t"], **kw)
         row_vals, l_z, z_y, kl = jc.stats_finish(stats, inv_t=tile["inv_t"], **kw)
+        # JSD: J's terms go with the gradient where it is written (pass 3 forms the Q and Λ
+        # they need anyway), sparing pass 2, the one pass above HBM bandwidth, an exp and
+        # more per element (H100: results/…-s24-jax-jsd-j-in-grad-ab.jsonl)
+        j_in_grad = write_grad and self.kind == "jsd"
         if self.kind == "jsd":
-            sums = run(functools.partial(_sums_kernel, beta=self.beta, **tile),
+            sums = run(functools.partial(_sums_kernel, beta=self.beta, with_j=not j_in_grad,
+                                         **tile),
                        [zs, zt, jnp.stack(row_vals)], parts(3),
                        "logitless_linear_jsd_sums")
             k, jj, qs = jnp.sum(sums.reshape(n_seg, 3, n_rows), axis=0)
             kk = jc.jsd_k(k, qs)
         else:
             kk = jj = kl
-        loss = jc.row_loss(jj, l_z, z_y, self.hard_w, hard)
         if not write_grad:
-            return loss
+            return jc.row_loss(jj, l_z, z_y, self.hard_w, hard)
         in_place = jnp.dtype(grad_dtype) == zs.dtype  # dz overwrites zs
-        dz = run(functools.partial(_grad_kernel, has_y=y is not None, beta=self.beta,
-                                   hard_w=self.hard_w, kw=kw, **tile),
-                 [zs, zt] + ys + [jnp.stack(row_vals + (l_z, kk, coef))],
-                 jax.ShapeDtypeStruct(zs.shape, grad_dtype), "logitless_linear_jsd_grad",
-                 aliases={0: 0} if in_place else None,
-                 grid=(grid[0], ceil_div(width, seg_blocks * block_v)))
-        return loss, dz
+        grad_grid = (grid[0], ceil_div(width, seg_blocks * block_v))
+        dz_shape = jax.ShapeDtypeStruct(zs.shape, grad_dtype)
+        out = run(functools.partial(_grad_kernel, has_y=y is not None, beta=self.beta,
+                                    hard_w=self.hard_w, with_j=j_in_grad, kw=kw, **tile),
+                  [zs, zt] + ys + [jnp.stack(row_vals + (l_z, kk, coef))],
+                  (dz_shape, jax.ShapeDtypeStruct((grad_grid[1], n_rows), jnp.float32))
+                  if j_in_grad else dz_shape, "logitless_linear_jsd_grad",
+                  aliases={0: 0} if in_place else None, grid=grad_grid)
+        if j_in_grad:
+            dz, j_parts = out
+            jj = jnp.sum(j_parts, axis=0)
+        else:
+            dz = out
+        return jc.row_loss(jj, l_z, z_y, self.hard_w, hard), dz
 
     def loss(self, zs, zt, y, *, v):
         return self._call(zs, zt, y, None, None, v=v)
