@@ -201,7 +201,8 @@ def stats_finish(carry, *, inv_t, kind, hard, t_one):
     # flat student) and the log1p of it keeps only ulp(1)/(s_b/s_a) (9e-5 at a ratio of 1e-3)
     lsd = jnp.where(s_b >= s_a, log1p((s_b - s_a) / s_a), -log1p((s_a - s_b) / s_b))
     gap = (mt - ms) * inv_t + lsd
-    near = (md < FAR) & (jnp.abs(gap) < GAP)
+    saturated = (s_a < 1.0 + SMALL) & (s_b < 1.0 + SMALL) & (jnp.abs(gap) >= SMALL)
+    near = (md < FAR) & (jnp.abs(gap) < GAP) & ~saturated  # the spec's rule, by SMALL
     c = jnp.where(near, log1p(u / s_a), gap)
     l_z = ms * inv_t + ls_a if (t_one or not hard) else m_z + jnp.log(s_z)
     # normalized by the sums themselves: e^(m − L) would carry L's rounding, which the reverse

@@ -52,7 +52,8 @@ def _distributions(zs, zt, t):
     lsa, lsb = sa.log(), sb.log()
     d = (zt - zs) / t
     gap = (mt - ms) / t + (lsb - lsa)
-    close = (d.amax(1, keepdim=True) < spec.FAR) & (gap.abs() < spec.GAP)
+    saturated = (sa < 1 + spec.SMALL) & (sb < 1 + spec.SMALL) & (gap.abs() >= spec.SMALL)
+    close = (d.amax(1, keepdim=True) < spec.FAR) & (gap.abs() < spec.GAP) & ~saturated
     u = (ea * torch.expm1(d.clamp(max=spec.FAR))).sum(1, keepdim=True)
     c = torch.where(close, torch.log1p(u / sa), gap)
     far = (zt - mt).sub_(zs - ms).div_(t).sub_(lsb - lsa)

@@ -112,6 +112,11 @@ def beta_form(beta: float) -> int:
 GAP = 1.0     # |L_b − L_a| from which the normalizer gap is the plain difference (the log1p
               # form cancels when E_Q[expm1(b − a)] = e^c − 1 is near −1)
 SMALL = 0.1   # |argument| below which expm1 / log1p use their Taylor polynomials
+# A row takes the accurate ("near") gap c = log1p(E_Q[expm1(d)]) and δ = d − c where max d <
+# FAR and |gap| < GAP, except where both heads are saturated (normalizer sums s_a, s_b below
+# 1 + SMALL: all but < 10% of each mass on its maximum) and |gap| >= SMALL: there log(1 + y)
+# keeps only ~ulp(1) of c, which the KLs' Σ P·d − c left (±1e-7 where they are ~0), while the
+# far form, each head relative to its own maximum, is exact at a shared top token.
 HIGH_BETA = 0.5  # β above which the P-term's log P − log M = δ − Λ cancels (→ 0 as β → 1):
                  # kernels take −log1p((1−β)·expm1(−δ)) there (logaddexp(log β, log(1−β) − δ)
                  # where −δ > FAR), accurate to a few ulps relative whatever β

@@ -182,7 +182,8 @@ def _finish_stats(ms, s_a, mt, s_b, u, md, w, wf, inv_t, KIND: tl.constexpr):
     """A row's (log s_a, log s_b, log s_b − log s_a, c, near, w·) from its merged pass-1 sums
     (the difference as ±log1p(larger / smaller − 1): the GPU's logs of two O(1-10) sums leave
     ~1e-7 in it, 20x the naive error of a small KL in far rows on the H100): c = L_b − L_a as
-    log1p(E_Q[expm1(d)]) while the heads are close (``near``), else the difference (of the
+    log1p(E_Q[expm1(d)]) while the heads are close (``near``, the spec's rule: not where both
+    are saturated and c is past the log1p polynomial), else the difference (of the
     raw maxima and of the log-sums apart); w· the row's Σ P·d (forward KL) or −Σ Q·d (reverse
     KL) where near, else the far form's (see ``_row_offsets``), 0 for JSD. Normalized by the
     sums themselves: e^(m − L) would carry L's rounding, which the reverse KL's gradient
@@ -193,7 +194,8 @@ def _finish_stats(ms, s_a, mt, s_b, u, md, w, wf, inv_t, KIND: tl.constexpr):
     # flat student) and the log1p of it keeps only ulp(1)/(s_b/s_a) (9e-5 at a ratio of 1e-3)
     lsd = tl.where(s_b >= s_a, _log1p((s_b - s_a) / s_a), -_log1p((s_a - s_b) / s_b))
     gap = (mt - ms) * inv_t + lsd
-    near = (md < FAR) & (tl.abs(gap) < GAP)
+    saturated = (s_a < 1.0 + SMALL) & (s_b < 1.0 + SMALL) & (tl.abs(gap) >= SMALL)
+    near = (md < FAR) & (tl.abs(gap) < GAP) & (~saturated)  # the spec's rule, by SMALL
     c = tl.where(near, _log1p(u / s_a), gap)
     w_row = ms * 0.0
     if KIND == 0:
