@@ -143,7 +143,8 @@ def _swiglu_shard_grads(mlp, params, xs, dys, acc, acc_dtype):
     as the GEMM's beta=1 epilogue in place). ``xs (n, H)``, ``dys (n, H_out)``."""
     pg, pu, pd = (params[k] for k in ("gate_proj", "up_proj", "down_proj"))
     g, u = _dense(xs, pg), _dense(xs, pu)
-    fwd, bwd = _swiglu_kernels(mlp.backend)
+    backend = _resolve_backend(mlp.backend)
+    fwd, bwd = _swiglu_kernels(backend)
     over_tokens = (((0,), (0,)), ((), ()))   # aᵀ·b, the tokens contracted
     times_wt = (((1,), (1,)), ((), ()))      # a·Wᵀ for a (in, out) kernel W
 
@@ -168,7 +169,7 @@ def _swiglu_shard_grads(mlp, params, xs, dys, acc, acc_dtype):
     # TARGETS shape: temp 537 -> 453 MB, ~2 ms without): the barrier makes h (so those reads)
     # a dependency of the g, u the backward gets. The XLA SwiGLU overwrites nothing, and the
     # barrier would only keep XLA from fusing h into its consumers.
-    if _resolve_backend(mlp.backend) == "pallas":
+    if backend == "pallas":
         g, u, _ = lax.optimization_barrier((g, u, h))
     dg, du = bwd(lax.dot_general(dys, pd["kernel"], times_wt), g, u)
     new["gate_proj"] = {"kernel": weight_grad("gate_proj", xs, dg)}
@@ -332,8 +333,8 @@ def _swiglu_xla_backward(grad_h, gate, up):
 
 
 def _swiglu_kernels(backend):
-    """(forward, backward) of the SwiGLU alone (no autodiff) for ``backend``."""
-    if _resolve_backend(backend) == "pallas":
+    """(forward, backward) of the SwiGLU alone (no autodiff) for a resolved ``backend``."""
+    if backend == "pallas":
         return _pallas.swiglu_forward, _pallas.swiglu_backward
     return _swiglu_xla_forward, _swiglu_xla_backward
 
