@@ -82,13 +82,15 @@ def main():
         f = jax.jit(lambda zs, zt, y, coef, head=head: head.loss_grad(
             zs, zt, y, coef, jnp.bfloat16, v=a.vocab))
         try:
-            jax.block_until_ready(f(zs, zt, y, coef))
+            loss, dz = jax.block_until_ready(f(zs, zt, y, coef))
         except Exception as e:  # noqa: BLE001 - a setting Triton refuses: report, go on
             print(json.dumps(dict(cfg, error=f"{type(e).__name__}: {str(e)[:200]}")), flush=True)
             continue
         ms = kernel_ms(lambda: f(zs, zt, y, coef), a.calls)
         rec = dict(cfg, **{p.rsplit("_", 1)[1]: round(v, 4) for p, v in ms.items()})
         rec["total"] = round(sum(ms.values()), 4)
+        rec["loss_sum"] = float(jnp.sum(loss))
+        rec["dz_abs_sum"] = float(jnp.sum(jnp.abs(dz.astype(jnp.float32))))
         print(json.dumps(rec), flush=True)
         if out:
             out.write(json.dumps(rec) + "\n")

@@ -11,6 +11,8 @@ optionally the logit gradient written in the logits' dtype). See :class:`Head`.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import numbers
@@ -27,6 +29,37 @@ from .specs.tiling import (BALANCE_MULTIPLE, ChunkPlan, balanced, ceil_div, padd
 
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _INT32 = np.iinfo(np.int32)
+
+
+# ------------------------------------------------------------------- elementwise exp / log
+# The per-element math below runs in XLA and inside Pallas kernels. In a kernel compiled for
+# a GPU, Pallas lowers jnp.exp / jnp.log to libdevice's expf / logf (~15-20 instructions
+# each), while Triton's tl.exp / tl.log, which the Triton kernels use, are one MUFU
+# instruction after a multiply: the Pallas JSD passes were issue-bound on them (H100, ncu:
+# 94% issue-active). A kernel body traced inside ``kernel_math(fns)`` gets ``fns`` (an object
+# with ``exp`` and ``log``: ``pallas_kernels._launch.PTX_MATH``) from :func:`exp` /
+# :func:`log`; everywhere else (XLA, interpret mode, the row merges between launches) they
+# are jnp's.
+_KERNEL_MATH = contextvars.ContextVar("logitless_kernel_math", default=None)
+
+
+@contextlib.contextmanager
+def kernel_math(fns):
+    token = _KERNEL_MATH.set(fns)
+    try:
+        yield
+    finally:
+        _KERNEL_MATH.reset(token)
+
+
+def exp(x):
+    fns = _KERNEL_MATH.get()
+    return jnp.exp(x) if fns is None else fns.exp(x)
+
+
+def log(x):
+    fns = _KERNEL_MATH.get()
+    return jnp.log(x) if fns is None else fns.log(x)
 
 
 # ------------------------------------------------------------------------------ arguments
@@ -307,7 +340,7 @@ def token_loss(lse, c_y, wc, b, sm, smo, zw):
 
 def grad_logits(c, lse, is_target, class_w, b, sm, smo, zw, g, h, *, softcap, smoothing):
     """dz for a block of capped logits ``c`` (R, C); ``class_w`` is (C,) or None (all ones)."""
-    p = jnp.exp(c - lse[:, None])
+    p = exp(c - lse[:, None])
     a = g * (b + smo + 2.0 * zw * lse) + h
     dc = a[:, None] * p - jnp.where(is_target, (g * b)[:, None], 0.0)
     if smoothing:

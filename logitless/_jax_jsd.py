@@ -106,7 +106,7 @@ def expm1(x):
     t = jnp.where(small, x, 0.0)
     p = t * (1.0 + t * (0.5 + t * (1.0 / 6.0 + t * (1.0 / 24.0 + t * (1.0 / 120.0 +
                                                                        t * (1.0 / 720.0))))))
-    return jnp.where(small, p, jnp.exp(x) - 1.0)
+    return jnp.where(small, p, common.exp(x) - 1.0)
 
 
 def log1p(y):
@@ -115,7 +115,7 @@ def log1p(y):
     t = jnp.where(small, y, 0.0)
     p = t * (1.0 - t * (0.5 - t * (1.0 / 3.0 - t * (0.25 - t * (0.2 - t * (1.0 / 6.0 -
                                                                           t * (1.0 / 7.0)))))))
-    return jnp.where(small, p, jnp.log(1.0 + y))
+    return jnp.where(small, p, common.log(1.0 + y))
 
 
 def scaled_gap(zs, zt, inv_t):
@@ -137,7 +137,7 @@ def stats_init(rows: int):
 def _online(m, s, x):
     """Fold a block of exponents x (masked lanes -inf) into running (max, Σ exp(x − max))."""
     m_new = jnp.maximum(m, jnp.max(x, axis=1))
-    return m_new, s * jnp.exp(m - m_new) + jnp.sum(jnp.exp(x - m_new[:, None]), axis=1)
+    return m_new, s * common.exp(m - m_new) + jnp.sum(common.exp(x - m_new[:, None]), axis=1)
 
 
 def max_shift(ms_old, ms_new, mt_old, mt_new, s_old, inv_t):
@@ -164,9 +164,9 @@ def stats_update(carry, zs, zt, d, cmask, is_target, *, inv_t, kind, hard, t_one
     mt_new = jnp.maximum(mt, jnp.max(jnp.where(live, zt, -jnp.inf), axis=1))
     # exponents relative to the raw maxima: (z − M)/T
     xa, xb = (zs - ms_new[:, None]) * inv_t, (zt - mt_new[:, None]) * inv_t
-    ra, rb = jnp.exp((ms - ms_new) * inv_t), jnp.exp((mt - mt_new) * inv_t)
-    ea = jnp.where(live, jnp.exp(xa), 0.0)
-    eb = jnp.where(live, jnp.exp(xb), 0.0)
+    ra, rb = common.exp((ms - ms_new) * inv_t), common.exp((mt - mt_new) * inv_t)
+    ea = jnp.where(live, common.exp(xa), 0.0)
+    eb = jnp.where(live, common.exp(xb), 0.0)
     u = u * ra + jnp.sum(ea * expm1(jnp.minimum(d, FAR)), axis=1)
     md = jnp.maximum(md, jnp.max(jnp.where(live, d, -jnp.inf), axis=1))
     if kind != "jsd":
@@ -267,7 +267,7 @@ def log_q(z, m, ls, inv_t):
 
 def _jsd_terms(lq, delta, beta):
     """Q and Λ = log M − log Q per element from log Q and δ = log P − log Q (0 < β < 1)."""
-    q = jnp.exp(lq)
+    q = common.exp(lq)
     form = spec.beta_form(beta)
     far = FAR if form == 1 else spec.far_delta(beta)
     if form == 2:  # β < TINY_BETA: far passes EXPM1_MAX, where β·expm1(δ) would overflow
@@ -292,7 +292,7 @@ def _jsd_loss_terms(zt, lq, delta, q, lam, rows, *, beta, inv_t):
     # P as Q·e^δ where the heads are close (consistent with δ), else from the teacher's own
     # statistics: log Q + δ cancels two terms of O(|z|/T) or O(|c|) where δ or the
     # normalizer gap c is large (one exp either way)
-    p = jnp.exp(jnp.where(jnp.maximum(jnp.abs(delta), jnp.abs(c)[:, None]) < 1.0, lq + delta,
+    p = common.exp(jnp.where(jnp.maximum(jnp.abs(delta), jnp.abs(c)[:, None]) < 1.0, lq + delta,
                           log_q(zt, mt, ls_b, inv_t)))
     return beta * p * _log_p_over_m(delta, lam, beta) - (1.0 - beta) * q * lam
 
@@ -347,20 +347,20 @@ def grad_block(zs, zt, is_target, rows, l_z, kk, coef, hard_coef, *, kind, beta,
     lq = log_q(zs, ms, ls_a, inv_t)
     delta = log_ratio(zs, zt, row_offsets(*rows), inv_t)
     if kind == "forward_kl":
-        q = jnp.exp(lq)
+        q = common.exp(lq)
         # Q − P: as −Q·expm1(δ) where P ≈ Q; elsewhere P from the teacher's own statistics
         # (e^(lq + δ) would add the rounding of δ)
         g = jnp.where(jnp.abs(delta) < SMALL, -q * expm1(delta),
-                      q - jnp.exp(log_q(zt, mt, ls_b, inv_t)))
+                      q - common.exp(log_q(zt, mt, ls_b, inv_t)))
     elif kind == "reverse_kl":
-        q = jnp.exp(lq)
+        q = common.exp(lq)
         g = -q * (delta + kk[:, None])
     else:
         q, lam = _jsd_terms(lq, delta, beta)
         g = -(1.0 - beta) * q * (lam + kk[:, None])
     dz = g * (coef * inv_t)[:, None]
     if hard:
-        sv = q if t_one else jnp.exp(zs - l_z[:, None])
+        sv = q if t_one else common.exp(zs - l_z[:, None])
         dz = dz + hard_coef[:, None] * (sv - jnp.where(is_target, 1.0, 0.0))
     if j_live is None:
         return dz

@@ -3,6 +3,7 @@ resolving the launch settings from the tuning keywords, the tile and grid of one
 ``pallas_call`` itself, and the persistent walk over row blocks inside a kernel."""
 from __future__ import annotations
 
+import types
 from typing import Any, Dict, Optional
 
 import jax
@@ -132,8 +133,33 @@ def typed_call(kernel, inputs, out_shape, *, interpret: bool, name: str, **param
     return run(*inputs)
 
 
+def _ptx(op: str, x):
+    x = x.astype(jnp.float32)
+    return plgpu.elementwise_inline_asm(
+        f"{op}.approx.f32 $0, $1;", args=[x], constraints="=f,f", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])[0]
+
+
+# exp / log as Triton's tl.exp / tl.log compile them: ex2.approx / lg2.approx (one MUFU
+# instruction, ~2 ulp) after a multiply, where Pallas would call libdevice's expf / logf.
+# See ``_jax_common.kernel_math``; the Triton kernels' accuracy rests on the same forms.
+PTX_MATH = types.SimpleNamespace(
+    exp=lambda x: _ptx("ex2", x * np.float32(1.4426950408889634)),
+    log=lambda x: _ptx("lg2", x) * np.float32(0.6931471805599453))
+
+
+def _with_ptx_math(kernel):
+    def traced(*refs):
+        with common.kernel_math(PTX_MATH):
+            return kernel(*refs)
+    return traced
+
+
 def call(head, kernel, inputs, out_shape, *, grid: tuple, aliases, name: str):
-    """``pallas_call`` of ``kernel`` on ``grid`` with the head's Triton settings."""
+    """``pallas_call`` of ``kernel`` on ``grid`` with the head's Triton settings; on a GPU the
+    body's ``_jax_common.exp`` / ``log`` are :class:`PTX_MATH`'s (interpret mode: jnp's)."""
+    if not head.interpret:
+        kernel = _with_ptx_math(kernel)
     return typed_call(kernel, inputs, out_shape, grid=grid, input_output_aliases=aliases,
                       interpret=head.interpret, name=name,
                       compiler_params=plgpu.CompilerParams(num_warps=head.num_warps,

@@ -108,7 +108,7 @@ def _rows_kernel(z_ref, y_ref, coef_ref, *refs, v, block_rows, block_v, grid_siz
             # while the max is still -inf (a block of classes masked by a -inf bias) the sum's
             # reference point is 0, not -inf: exp(-inf - -inf) would be NaN
             ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-            s = s * jnp.exp(m - ref) + jnp.sum(jnp.exp(live - ref[:, None]), axis=1)
+            s = s * common.exp(m - ref) + jnp.sum(common.exp(live - ref[:, None]), axis=1)
             c_y = c_y + jnp.sum(jnp.where(is_target, c, 0.0), axis=1)
             if smoothing:
                 wterm = c if cw is None else c * cw[None, :]
