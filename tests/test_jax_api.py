@@ -707,3 +707,26 @@ def test_gpu_few_row_gemms_round_once(rows):
             got = np.asarray(got.astype(jnp.float32), np.float64)
             ulp = np.abs(once) * 2.0 ** -7
             assert np.all(np.abs(got - once) <= ulp + 1e-30), (k, m, np.abs(got - once).max())
+
+
+@pytest.mark.parametrize("op", ["linear_cross_entropy", "linear_jsd"])
+def test_pallas_kernels_take_ptx_exp_on_a_gpu_and_jnp_elsewhere(op):
+    """Inside the Pallas kernels compiled for a GPU, every per-element exp / log of the shared
+    math is one PTX ``ex2.approx`` / ``lg2.approx`` (``_launch.PTX_MATH``: Pallas would call
+    libdevice's ~15-20-instruction expf / logf, and the JSD passes were issue-bound on them);
+    in interpret mode (off a GPU), which cannot run inline assembly, none is."""
+    x, w, y = _problem(n=9, h=8, v=37)[:3]
+    if op == "linear_jsd":
+        f = lambda x, w: lj.linear_jsd(x, w, x, w * 0.5, y, beta=0.5, backend="pallas")  # noqa
+    else:
+        f = lambda x, w: lj.linear_cross_entropy(x, w, y, backend="pallas")  # noqa: E731
+    jaxpr = jax.make_jaxpr(jax.value_and_grad(f, argnums=(0, 1)))(x, w).jaxpr
+    kernels = [e for e in jaxpr_eqns(jaxpr) if e.primitive.name == "pallas_call"]
+    assert kernels
+    asm = [e.params["asm"] for k in kernels for e in jaxpr_eqns(k.params["jaxpr"])
+           if e.primitive.name == "elementwise_inline_asm_p"]
+    if jax.default_backend() == "gpu":
+        assert any("ex2.approx" in a for a in asm), asm
+        assert all("ex2.approx" in a or "lg2.approx" in a for a in asm), asm
+    else:
+        assert asm == []
