@@ -205,8 +205,8 @@ def linear_jsd(student_input, student_weight, teacher_input, teacher_weight, tar
       ``logits_chunk_size`` (None: ``chunk_size / 4`` rounded down to a multiple of 128);
       ``memory_budget`` (None: 896 MiB); ``fp32_logits`` (True);
       ``grad_accum_dtype`` (``torch.float32``, or the input dtype);
-      ``block_v`` (None: 2048 on a GPU); ``segment_size`` (None: 8192 on a GPU);
-      ``num_warps`` (None: 8); ``programs_per_sm`` (None: 2);
+      ``block_v`` (None: 1024 on a GPU); ``segment_size`` (None: 8192 on a GPU);
+      ``num_warps`` (None: 4); ``programs_per_sm`` (None: 2);
       ``row_sync`` (None: one launch per pass).
     * ``backend="pallas"``: the keywords of :func:`logitless.jax.linear_jsd`'s ``"pallas"``
       backend (``logitless.pallas_kernels.linear_jsd.TUNING``).

@@ -53,12 +53,15 @@ CHECKS_TARGETS = True
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 FAST_BUDGET = 896 << 20     # dz [C, V] + two fp32 logits [C/4, V]: C = 1792 at V = 128256, bf16
 LOGITS_SHARE = 4            # c = C / LOGITS_SHARE with fp32 logits (C / 2 with half logits)
-# Row kernel on a GPU (guesses to be tuned with benchmarks/linear_jsd.py --probe): programs of
-# 8 warps stream 2048-column blocks, each owning an 8192-column segment of a row (64 KiB of
-# fp32 logits, re-read from L1/L2 by passes 2 and 3), two programs per SM.
-GPU_BLOCK = 2048
+# Row kernel on a GPU: programs of 4 warps stream 1024-column blocks, each owning an
+# 8192-column segment of a row (64 KiB of fp32 logits, re-read from L1/L2 by passes 2 and 3),
+# two programs per SM. H100, whole fwd+bwd at N=8192, H=4096, V=128256, β = 0.5, interleaved
+# A/Bs (benchmarks/row_stages_ab.py, results/…-s24-jsd-row-warps-ab.jsonl): 0.984x and 0.966x
+# against 8 warps x 2048 columns (4 warps alone 0.992x; 4096-column segments and 4 programs
+# per SM no better); the forward KL 1.013x (0.989-1.024), within the spread.
+GPU_BLOCK = 1024
 GPU_SEGMENT = 8192
-GPU_WARPS = 8
+GPU_WARPS = 4
 GPU_PROGRAMS_PER_SM = 2
 # Software-pipelining depth of the row loops (tl.range num_stages): 2 and 3 measured no faster
 # than 1 (1.007x, 1.012x; intervals include 1; benchmarks/row_stages_ab.py; a segment is only
@@ -373,9 +376,9 @@ def linear_jsd(p: jsd_common.Prepared, opts: spec.LinearJSDOptions, *, chunk_siz
     launch), ``memory_budget`` (None: 896 MiB; bytes for the chunk buffers, which sets both
     when they are not given), ``fp32_logits`` (True; False: logits in the input dtype, faster
     and ~1e-2 less accurate), ``grad_accum_dtype`` (``torch.float32``, or the input dtype to
-    save ``2·V·H`` bytes at some accuracy cost), ``block_v`` (None: 2048 on a GPU; row-kernel
+    save ``2·V·H`` bytes at some accuracy cost), ``block_v`` (None: 1024 on a GPU; row-kernel
     columns per step, a power of 2), ``segment_size`` (None: 8192 on a GPU; columns of a row
-    per program, a multiple of ``block_v``), ``num_warps`` (None: 8),
+    per program, a multiple of ``block_v``), ``num_warps`` (None: 4),
     ``programs_per_sm`` (None: 2; persistent grid), ``row_sync`` (None or False: one launch
     per pass, the measured faster default; True: one fused launch with per-row barriers).
     """
