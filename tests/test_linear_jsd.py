@@ -636,6 +636,42 @@ def test_fp32_heads_saturated_on_one_token_give_a_zero_loss(backend, beta):
     assert np.all(np.isfinite(got["dx"]))
 
 
+def _check_adjusted(run, naive, case, adjust=lambda inp: inp):
+    """``run(case, inputs)`` against the float64 spec on ``case``'s draws reshaped by
+    ``adjust``, at the harness's tolerance (the error of backend ``naive``, the dtype's floor;
+    re-drawn after a miss). The naive outputs are computed here: the harness caches its own by
+    case, not by inputs."""
+    from harness import backends as registered, compare, confirmed
+
+    def check(salt):
+        inp = adjust(OP.make_inputs(case, salt))
+        return compare(case, run(case, inp), OP.reference(case, inp),
+                       registered(OP.name)[naive].run(case, inp))
+    confirmed(check)
+
+
+@pytest.mark.parametrize("backend", ["triton", "triton-split"])
+def test_fp32_token_the_student_rules_out_gives_the_far_gap(backend):
+    """A token the student has all but ruled out (its logit 40 below its others) that the
+    teacher finds ordinary: d = (z_t − z_s)/T ~ 40 there, past FAR, while the normalizer gap
+    c is small (that token's Q is ~e^-40). The accurate form log1p(E_Q[expm1(d)]) clamps d at
+    FAR, which would drop that token's P (~1/V) from c, so such a row takes the plain
+    difference (the spec's rule: max d < FAR for the near form). A mutation review found the
+    rule, and the segments' merge of max d, reached by no test (a row's max d by min: still
+    passed). Every kind: c enters each. The Triton kernels, whole rows and split (CI time:
+    the torch and JAX backends share the rule through the spec's constants)."""
+    def rule_out_one_token(inp):
+        inp.xs[:, -1] = 1.0   # a constant student feature whose weight lowers one logit
+        inp.ws[:, -1] = 0.0
+        inp.ws[7, -1] = -40.0
+        return inp
+    from harness import backends as registered
+    be = registered(OP.name)[backend]
+    for beta in (0.0, 0.5, 1.0):
+        case = Case(n=7, h_s=20, h_t=33, v=53, reduction="sum", beta=beta, ignore="none")
+        _check_adjusted(be.run, be.naive, case, rule_out_one_token)
+
+
 def _log_ratios_every_backend(delta, beta):
     """(log M − log Q, log P − log M) per element as each backend's fp32 code forms them, from
     δ = log P − log Q (a = l_a = c = 0, b = δ)."""
@@ -781,6 +817,20 @@ def test_triton_tunings_match_the_torch_backend(tuning, reduction):
     for a, b in zip(got[1:], ref[1:]):
         assert a.dtype == torch.bfloat16
         assert _rel(a, b) < (5e-2 if loose else 1e-2)
+
+
+@pytest.mark.parametrize("beta", [0.0, 1.0])
+def test_triton_kl_kinds_merge_blocks_and_segments(beta):
+    """The KL kinds' one-pass sums where the heads are close (their near form) across several
+    blocks of a segment (running maxima that move: the sums rescaled) and several segments of
+    a row (their merge), ragged at the end. A mutation review found neither reached on a CPU:
+    the harness's split KL cases all have an offset teacher (the far form), and its other
+    rows fit one block (a near-form sum not rescaled, or merged with the other head's factor,
+    passed the suite)."""
+    from backends_jsd_torch import jsd_runner
+    _check_adjusted(jsd_runner("triton", block_v=16, segment_size=48), "naive-torch",
+                    Case(n=7, h_s=20, h_t=33, v=97, reduction="sum", beta=beta,
+                         temperature=0.7))
 
 
 @pytest.mark.parametrize("student, teacher", [("bfloat16", "float32"), ("float32", "bfloat16")])
@@ -1146,6 +1196,37 @@ def test_barrier_timeout_poisons_instead_of_hanging():
     sync[0] = 0  # the other program takes ticket 0: (row 0, seg 0)
     launch(1, zs, loss, part, sync, WRITE_GRAD=False)
     assert torch.isnan(loss).all(), loss
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5])
+def test_triton_row_kernel_poisons_rows_with_bad_targets(beta):
+    """Out-of-range targets (V, and a negative one that is not ``ignore_index``) give NaN, in
+    the row's loss and in every dz entry of it, from the row kernel itself: on a GPU the
+    front door's range check is an asynchronous assert, which fires after the kernel has run.
+    Ignored rows give exactly 0, the others finite values. A mutation review found the
+    poisoning reached by no CPU test (the front door refuses such targets there first).
+    Whole rows (one fused launch) and split ones (three launches, three segments)."""
+    torch = _torch()
+    from logitless.triton_kernels import linear_jsd as tj
+    dev = "cuda" if _cuda() else "cpu"
+    rows, v = 6, 83
+    gen = torch.Generator().manual_seed(SEED + 7)
+    zs, zt = (torch.randn(rows, v, generator=gen).to(dev) for _ in range(2))
+    y = torch.tensor([3, v, -100, -1, v - 1, v + 5], device=dev)
+    bad = torch.tensor([False, True, False, True, False, True], device=dev)
+    g = torch.ones(1, device=dev)
+    opts_t = tj._opts_tuple(beta, 1.5, -100, 0.3)
+    for segment in (128, 32):
+        cfg = tj.Config(chunk=rows, sub_chunk=rows, fp32_logits=True, block=32, segment=segment,
+                        num_warps=4, grid=rows, row_sync=-1)
+        dz = torch.full((rows, v), 7.0, device=dev)
+        loss = torch.full((rows,), 7.0, device=dev)
+        tj._row_kernel(zs, zt, dz, y, g, loss, opts_t, v, cfg, True, True)
+        assert torch.isnan(loss[bad]).all() and torch.isnan(dz[bad]).all(), (segment, loss)
+        assert loss[2] == 0 and (dz[2] == 0).all(), segment
+        ok = ~bad
+        ok[2] = False
+        assert torch.isfinite(loss[ok]).all() and torch.isfinite(dz[ok]).all(), segment
 
 
 @gpu
