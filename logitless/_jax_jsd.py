@@ -292,8 +292,8 @@ def _jsd_loss_terms(zt, lq, delta, q, lam, rows, *, beta, inv_t):
     # P as Q·e^δ where the heads are close (consistent with δ), else from the teacher's own
     # statistics: log Q + δ cancels two terms of O(|z|/T) or O(|c|) where δ or the
     # normalizer gap c is large (one exp either way)
-    p = common.exp(jnp.where(jnp.maximum(jnp.abs(delta), jnp.abs(c)[:, None]) < 1.0, lq + delta,
-                          log_q(zt, mt, ls_b, inv_t)))
+    close = jnp.maximum(jnp.abs(delta), jnp.abs(c)[:, None]) < 1.0
+    p = common.exp(jnp.where(close, lq + delta, log_q(zt, mt, ls_b, inv_t)))
     return beta * p * _log_p_over_m(delta, lam, beta) - (1.0 - beta) * q * lam
 
 

@@ -157,7 +157,7 @@ def _with_ptx_math(kernel):
 
 def call(head, kernel, inputs, out_shape, *, grid: tuple, aliases, name: str):
     """``pallas_call`` of ``kernel`` on ``grid`` with the head's Triton settings; on a GPU the
-    body's ``_jax_common.exp`` / ``log`` are :class:`PTX_MATH`'s (interpret mode: jnp's)."""
+    body's ``_jax_common.exp`` / ``log`` are ``PTX_MATH``'s (interpret mode: jnp's)."""
     if not head.interpret:
         kernel = _with_ptx_math(kernel)
     return typed_call(kernel, inputs, out_shape, grid=grid, input_output_aliases=aliases,

@@ -63,8 +63,9 @@ LOGITS_SHARE = 1
 # One launch per pass. Program (r, s) takes row block r and column segment s (``seg_blocks``
 # blocks of ``block_v``). Pass 1 writes each segment's pass-1 carry, XLA merges them
 # (``jc.stats_merge``); pass 2 (0 < β < 1) writes each segment's K, J and ΣQ sums; pass 3 writes
-# dz (and then the segments' J, which pass 2 leaves out). Every segment starts on a live column (there are ⌈V / segment⌉ of them), so its running
-# maxima are finite after its first block and a masked block after it adds nothing.
+# dz (and then the segments' J, which pass 2 leaves out). Every segment starts on a live
+# column (there are ⌈V / segment⌉ of them), so its running maxima are finite after its first
+# block and a masked block after it adds nothing.
 _ROWS = 7  # the row values of ``jc.stats_finish`` (M_s, log s_a, M_t, log s_b, c, far, lsd)
 
 
