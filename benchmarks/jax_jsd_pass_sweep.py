@@ -10,13 +10,9 @@ from a ``jax.profiler`` trace of ``--calls`` calls. The passes do different work
 from __future__ import annotations
 
 import argparse
-import collections
-import glob
 import itertools
 import json
-import re
 import sys
-import tempfile
 from pathlib import Path
 
 if __package__ in (None, ""):
@@ -29,28 +25,13 @@ PASSES = ("logitless_linear_jsd_stats", "logitless_linear_jsd_sums",
 
 
 def kernel_ms(step, calls):
-    """GPU ms per call of each kernel whose name holds one of PASSES, from one trace."""
-    import jax
-    from jax.profiler import ProfileData
-    with tempfile.TemporaryDirectory() as d:
-        with jax.profiler.trace(d):
-            out = None
-            for _ in range(calls):
-                out = step()
-            jax.block_until_ready(out)
-        data = ProfileData.from_file(glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0])
-    per = collections.defaultdict(float)
-    for plane in data.planes:
-        if not plane.name.startswith("/device:"):
-            continue
-        for line in plane.lines:
-            if not line.name.startswith("Stream"):
-                continue
-            for ev in line.events:
-                for p in PASSES:
-                    if re.search(p, ev.name):
-                        per[p] += ev.duration_ns / 1e6 / calls
-    return dict(per)
+    """GPU ms per call of each of PASSES, from one trace of ``calls`` calls (the kernel table
+    of ``jax_jsd_profile``)."""
+    from benchmarks.jax_jsd_profile import kernel_table
+    prof = kernel_table(lambda: [step() for _ in range(calls)])
+    if prof is None:  # no trace written
+        return {}
+    return {p: sum(ms for name, ms, _ in prof["table"] if p in name) / calls for p in PASSES}
 
 
 def main():
