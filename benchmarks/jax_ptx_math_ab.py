@@ -24,16 +24,17 @@ CASES = [("ce", (16384, 4096, 128256)), ("ce", (8192, 2304, 256000)),
          ("jsd", (8192, 4096, 128256))]
 
 
-def _steps(op, n, h, v):
-    """(fwd+bwd of ``op`` taking no arguments as a jitted function of its inputs, the floor
-    step); inputs as the benchmarks make them (bf16, logits of std ~3)."""
+def _steps(op, n, h, v, tuning=None):
+    """(fwd+bwd of ``op`` as a function of (x, w), its arguments, the floor step); inputs as
+    the benchmarks make them (bf16, logits of std ~3); ``tuning``: keywords of the CE."""
     k = jax.random.split(jax.random.PRNGKey(0), 6)
     x = jax.random.normal(k[0], (n, h)).astype(jnp.bfloat16)
     w = (jax.random.normal(k[1], (v, h)) * 3.0 * h ** -0.5).astype(jnp.bfloat16)
     y = jax.random.randint(k[2], (n,), 0, v)
     g = jax.random.normal(k[3], (n, v)).astype(jnp.bfloat16)
     if op == "ce":
-        fn = lambda x, w: lj.linear_cross_entropy(x, w, y, backend="pallas")  # noqa: E731
+        fn = lambda x, w: lj.linear_cross_entropy(x, w, y, backend="pallas",  # noqa: E731
+                                                  **(tuning or {}))
         args = (x, w)
         floor = jax.jit(lambda x, w, g: (x @ w.T, g @ w, g.T @ x))
         floor_args = (x, w, g)

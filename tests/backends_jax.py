@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from harness import Backend, cached_jit, register
+from harness import Backend, cached_jit, crossing_cases, register
+from op_linear_cross_entropy import OP
 
 
 def _jax_inputs(case, inp):
@@ -125,3 +126,17 @@ def pallas_runner(case, inp):
 
 
 register(Backend("pallas", pallas_runner, naive="naive-jax", requires=("jax",)))
+
+
+# Rows split over 4 programs (column segments of 2 blocks: ragged ends, a segment past the
+# vocabulary's end at V < 128): on a GPU one launch whose programs wait for each other per row
+# (FUSED), interpreted the two-launch form (the same merge of the segments' partials).
+def pallas_split_runner(case, inp):
+    import jax
+    small = {} if jax.default_backend() == "gpu" else dict(block_rows=2, grid_size=3)
+    return jax_backend_runner("pallas", row_split=4, block_v=16, **small)(case, inp)
+
+
+register(Backend("pallas-split", pallas_split_runner, naive="naive-jax", requires=("jax",),
+                 takes=crossing_cases(OP, lambda c: c.masked or c.n == 1 or bool(
+                                      c.chunk_size and c.label_smoothing))))

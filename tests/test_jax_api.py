@@ -115,13 +115,17 @@ def test_ignored_tokens_get_zero_gradient_whatever_their_cotangent(backend, lse,
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKENDS + ["pallas-split"])
 def test_vmap_over_a_leading_batch_axis(backend):
     """vmap of value_and_grad over sequences sharing one weight: each sequence is its own
     mean (not one mean over the flattened batch), dW is per sequence."""
     x, w, y, _ = _problem(n=9, batch=(2,), salt=3)
-    # pallas: a persistent grid, so the batching rule's extra grid axis meets the row loop
-    tuning = dict(grid_size=2, block_rows=2, block_v=16) if backend == "pallas" else {}
+    # pallas: a persistent grid, so the batching rule's extra grid axis meets the row loop;
+    # split rows: on a GPU the tickets and row counters in memory, interpreted two launches
+    tuning = {"pallas": dict(grid_size=2, block_rows=2, block_v=16),
+              "pallas-split": dict(grid_size=3, block_rows=2, block_v=16, row_split=2)
+              }.get(backend, {})
+    backend = backend.split("-")[0]
     f = lambda x, w, y: lj.linear_cross_entropy(x, w, y, backend=backend, chunk_size=4, **tuning)
     loss, (dx, dw) = jax.jit(jax.vmap(jax.value_and_grad(f, argnums=(0, 1)),
                                       in_axes=(0, None, 0)))(x, w, y)
@@ -655,11 +659,16 @@ def test_pallas_lowers_to_triton_at_the_target_shapes(n, h, v):
     assert "xla.gpu.triton" in _lower_for_cuda(n, h, v, chunk_size=n)
 
 
-def test_pallas_lowers_to_triton_with_every_option():
+@pytest.mark.parametrize("split", [dict(), dict(row_split=2), dict(row_split=4, row_sync=False)],
+                         ids=str)
+def test_pallas_lowers_to_triton_with_every_option(split):
+    """Whole rows, rows split over programs that wait for each other (one launch per call),
+    and split rows in two launches per call."""
     hlo = _lower_for_cuda(300, 64, 1000, reduction="none", return_lse=True, z_loss=1e-3,
                           label_smoothing=0.1, softcap=30.0, chunk_size=128, block_rows=2,
-                          block_v=256, grid_size=7)
-    assert hlo.count("xla.gpu.triton") >= 4  # forward and gradient kernels, full and tail chunks
+                          block_v=256, grid_size=7, **split)
+    # forward and gradient kernels, full and tail chunks (twice as many launches unsynced)
+    assert hlo.count("xla.gpu.triton") >= (8 if split.get("row_sync") is False else 4)
     assert "xla.gpu.triton" in _lower_for_cuda(300, 64, 1000, chunk_size=128, fp32_logits=True)
 
 

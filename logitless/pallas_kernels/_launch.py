@@ -36,14 +36,20 @@ def default_grid_size(defaults: Dict[str, Any]) -> Optional[int]:
     return None if not sms else int(sms) * defaults["programs_per_sm"]
 
 
+def resolve_interpret(interpret) -> bool:
+    """``interpret`` checked; None: True off a GPU."""
+    if interpret is None:
+        return jax.default_backend() != "gpu"
+    if not isinstance(interpret, bool):
+        raise TypeError(f"interpret must be a bool or None, got {interpret!r}")
+    return interpret
+
+
 def resolve(defaults: Dict[str, Any], *, block_rows, block_v, num_warps, num_stages,
             fp32_logits, interpret) -> Dict[str, Any]:
     """The kernel's launch settings (the head's fields of those names), checked, with the GPU
     ``defaults`` for those not given; ``interpret`` defaults to True off a GPU."""
-    if interpret is None:
-        interpret = jax.default_backend() != "gpu"
-    elif not isinstance(interpret, bool):
-        raise TypeError(f"interpret must be a bool or None, got {interpret!r}")
+    interpret = resolve_interpret(interpret)
     if not isinstance(fp32_logits, bool):
         raise TypeError(f"fp32_logits must be a bool, got {fp32_logits!r}")
     return dict(
@@ -166,26 +172,29 @@ def call(head, kernel, inputs, out_shape, *, grid: tuple, aliases, name: str):
                                                            num_stages=head.num_stages))
 
 
-def store_grad_backwards(dz_ref, rows, rmask, v: int, block_v: int, grad_block) -> None:
+def store_grad_backwards(dz_ref, rows, rmask, v: int, block_v: int, grad_block,
+                         blocks=None, evict=None) -> None:
     """Inside a kernel, the gradient sweep of a row block: ``grad_block(j) -> (dz, cmask,
     span)`` for column blocks j of ``block_v`` columns from the last to the first (the previous
     sweep read the last ones last), each stored in ``dz_ref``'s dtype over the whole width of
     ``dz_ref``. Where that is wider than the vocabulary ``v`` (the padded classes of
-    ``_jax_common.VocabWeight``), the columns past ``v`` (``cmask`` false) get 0."""
+    ``_jax_common.VocabWeight``), the columns past ``v`` (``cmask`` false) get 0. ``blocks``:
+    (first, end) of the blocks to sweep (may be traced; default all of them); ``evict``: the
+    stores' L2 eviction policy."""
     width = dz_ref.shape[1]
-    n_vblocks = ceil_div(width, block_v)
+    first, end = blocks if blocks is not None else (I0, np.int32(ceil_div(width, block_v)))
 
     def sweep(t, carry):
-        j = n_vblocks - 1 - t
+        j = end - 1 - t
         dz, cmask, span = grad_block(j)
         if width > v:
             dz = jnp.where(cmask[None, :], dz, 0.0)
             cmask = (j * block_v + iota(block_v)) < width
         plgpu.store(dz_ref.at[rows, span], dz.astype(dz_ref.dtype),
-                    mask=rmask[:, None] & cmask[None, :])
+                    mask=rmask[:, None] & cmask[None, :], eviction_policy=evict)
         return carry
 
-    lax.fori_loop(I0, np.int32(n_vblocks), sweep, 0)
+    lax.fori_loop(I0, end - first, sweep, 0)
 
 
 def walk_row_blocks(row_block, n_rows: int, block_rows: int, grid_size: int) -> None:

@@ -36,63 +36,135 @@ from jax.experimental.pallas import triton as plgpu
 
 from .. import _jax_common as common
 from ..specs import linear_cross_entropy as spec
-from ..specs.tiling import ceil_div
+from ..specs.tiling import ceil_div, next_power_of_2
 from . import _launch as launch
 
 TUNING = ("chunk_size", "memory_budget", "block_rows", "block_v", "num_warps", "num_stages",
-          "grid_size", "fp32_logits", "interpret")
+          "grid_size", "row_split", "row_sync", "fp32_logits", "interpret")
 
 # Every GPU-specific default in one place. The chunk budget covers the one [chunk, V] logits
 # buffer; the float32 dW accumulator (V·H·4 bytes) comes on top of it. ``programs_per_sm``
-# sizes the persistent grid (grid_size = SMs × it): few rows in flight, so that sweep 2
-# re-reads its row from L2. Tuned on an H100 (benchmarks/jax_linear_cross_entropy.py, bf16):
-# 1 GiB / 16K-column blocks / 16 warps gave 78.5 ms at N=16384,H=4096,V=128256 (512 MiB / 4K /
-# 8 warps: 82.7) and 48.0 ms at N=8192,H=2304,V=256000 (56.5): fewer chunks mean fewer passes
-# over the fp32 dW accumulator, and long blocks stream the rows faster.
+# sizes the persistent grid (grid_size = SMs × it). Whole rows per program (``row_split=1``),
+# tuned on an H100 (benchmarks/jax_linear_cross_entropy.py, bf16): few rows in flight, so that
+# sweep 2 re-reads its row from L2; 1 GiB / 16K-column blocks / 16 warps gave 78.5 ms at
+# N=16384,H=4096,V=128256 (512 MiB / 4K / 8 warps: 82.7) and 48.0 ms at N=8192,H=2304,V=256000
+# (56.5): fewer chunks mean fewer passes over the fp32 dW accumulator, and long blocks stream
+# the rows faster.
 GPU_DEFAULTS = dict(memory_budget=1 << 30, block_rows=1, block_v=16384, num_warps=16,
                     num_stages=2, programs_per_sm=1)
+# By default a GPU splits rows of more than ROW_SEGMENT columns over programs of about that
+# many: such a kernel streams at a latency-bound ~50% of HBM's peak with whole rows (one
+# 16-warp program per SM, so that a row's re-read stays in L2), and with many small programs
+# a row's segments are read once between them and re-read from L2. Row kernels per fwd+bwd on
+# an H100 (benchmarks/jax_ce_split_probe.py, results/…-s25-jax-ce-split.jsonl): Llama
+# 5.12-5.18 -> 4.29 ms, Gemma 5.36-5.43 -> 4.35 ms with 2048-column blocks, 2 warps, 16
+# programs per SM (4096 columns: Gemma 4.25, Llama 4.81; 8-program SMs within 0.2 ms).
+ROW_SEGMENT = 16384
+SPLIT_DEFAULTS = dict(GPU_DEFAULTS, block_v=2048, num_warps=2, programs_per_sm=16)
+
+
+# How a call's programs meet the rows (``row_split`` k programs per row block, each on one of
+# k column segments, when k > 1):
+SINGLE = "single"  # k = 1: each program walks whole rows (a persistent grid), both sweeps
+FUSED = "fused"    # k > 1, one launch: the k programs of a row block exchange their sweep-1
+#                    partials through memory and wait for each other at a per-row counter
+STATS = "stats"    # k > 1, two launches (interpret mode, or row_sync=False): sweep 1 writes
+GRAD = "grad"      # the partials, then a second launch merges them and writes dz
+_NPART = 4         # sweep-1 partials per segment: max, Σexp, target logit, smoothing sum
+# polls of a row counter before a FUSED program gives up on its peers (then the row is NaN and
+# every later wait of the launch gives up at once): far beyond any real wait (~µs), it only
+# bounds a hang where fewer than k programs could be resident (another kernel holding SMs)
+MAX_SPIN = 1 << 22
+# L2 eviction hints (sweep 1's loads, sweep 2's loads, dz's stores): keep the row in L2 for
+# sweep 2's re-read
+EVICT = ("evict_last", "evict_first", "evict_first")
+
+
+def _wait_row(sync_ref, rb, target):
+    """FUSED: arrive at row block ``rb``'s counter and wait for ``target`` arrivals; True
+    unless timed out (or an earlier wait of the launch did). The barrier orders this
+    program's partial stores before its arrival; Pallas' atomics are acquire-release at GPU
+    scope, so the polls order the peers' stores before our (L1-bypassing) loads."""
+    plgpu.debug_barrier()
+    plgpu.atomic_add(sync_ref, 2 + rb, np.int32(1))
+    aborted = plgpu.atomic_add(sync_ref, 1, np.int32(0)) != 0
+    poll = lambda: plgpu.atomic_add(sync_ref, 2 + rb, np.int32(0))
+    count, _ = lax.while_loop(lambda c: (c[0] < target) & (c[1] < MAX_SPIN),
+                              lambda c: (poll(), c[1] + 1),
+                              (poll(), jnp.where(aborted, np.int32(MAX_SPIN), np.int32(0))))
+    ok = count >= target
+    plgpu.atomic_xchg(sync_ref, 1, np.int32(1), mask=~ok)
+    return ok & (plgpu.atomic_add(sync_ref, 1, np.int32(0)) == 0)
+
+
+def _merge_parts(parts_ref, rows, rmask, split, fused):
+    """The row block's sweep-1 state merged over its ``split`` segments' partials."""
+    def load(f):
+        kw = dict(volatile=True) if fused else {}  # past L1, which is not coherent across SMs
+        return plgpu.load(parts_ref.at[pl.ds(f * split, split), rows], mask=rmask[None, :],
+                          other=0.0, **kw)
+    m_p, s_p, c_y, wc = (load(f) for f in range(_NPART))
+    m = jnp.max(m_p, axis=0)
+    # as in sweep 1: a segment's sum is relative to its max, or to 0 while that is -inf
+    ref_p = jnp.where(m_p == -jnp.inf, 0.0, m_p)
+    ref = jnp.where(m == -jnp.inf, 0.0, m)
+    s = jnp.sum(s_p * jnp.exp(ref_p - ref[None, :]), axis=0)
+    return m, s, jnp.sum(c_y, axis=0), jnp.sum(wc, axis=0)
 
 
 def _rows_kernel(z_ref, y_ref, coef_ref, *refs, v, block_rows, block_v, grid_size, softcap,
-                 smoothing, has_bias, has_cw, write_grad):
-    """Program p handles row blocks p, p + grid_size, ... of ``block_rows`` rows each, and
-    walks each row's vocabulary in ``block_v`` columns: sweep 1 forward, sweep 2 (the gradient)
-    backward, so that it starts on the columns sweep 1 read last (still in cache).
+                 smoothing, has_bias, has_cw, write_grad, split, phase):
+    """SINGLE: program p handles row blocks p, p + grid_size, ... of ``block_rows`` rows each,
+    and walks each row's vocabulary in ``block_v`` columns: sweep 1 forward, sweep 2 (the
+    gradient) backward, so that it starts on the columns sweep 1 read last (still in cache).
+    Split (k = ``split`` > 1): the same two sweeps over one of k column segments of a row
+    block, the segments' sweep-1 partials merged in between (``phase``: FUSED takes
+    (row block, segment) tickets in order from a counter, so that at most one row block is
+    ever incomplete and k resident programs suffice; STATS / GRAD one launch each, program
+    (row block, segment)). A row's segments then stream it from HBM once between them, and
+    sweep 2 re-reads it from L2 with only k·grid_size segments in flight.
 
-    refs: [bias (V,)], [class weights (V,) f32], loss (C,) f32, lse (C,) f32, [dz (C, vp),
-    aliasing z unless z is float32 logits of half-precision inputs]. ``z`` and ``dz`` may be
-    wider than ``v`` (the padded vocabulary of ``_jax_common.VocabWeight``): columns past ``v``
-    are loaded (a mask bound such as 50257 would keep every load scalar; the padded width, a
-    multiple of 8, lets them vectorize) but masked out of every reduction, and their gradient
-    is written as 0. Every load is masked at the width, so ragged row / vocabulary ends never
-    read out of bounds; masked logits read as 0 (finite).
+    refs: [bias (V,)], [class weights (V,) f32], [sync (2 + row blocks,) int32 zeros: FUSED;
+    ticket, abort flag, one counter per row block], [partials (4·k, C) f32: GRAD]; outputs:
+    partials (STATS), else loss (C,) f32, lse (C,) f32, [dz (C, vp), aliasing z unless z is
+    float32 logits of half-precision inputs], and for FUSED the partials (scratch) and the sync
+    buffer. ``z`` and ``dz`` may be wider than ``v`` (the padded vocabulary of
+    ``_jax_common.VocabWeight``): columns past ``v`` are loaded (a mask bound such as 50257
+    would keep every load scalar; the padded width, a multiple of 8, lets them vectorize) but
+    masked out of every reduction, and their gradient is written as 0. Every load is masked
+    at the width, so ragged row / vocabulary ends never read out of bounds; masked logits read
+    as 0 (finite).
     """
     refs = list(refs)
     bias_ref = refs.pop(0) if has_bias else None
     cw_ref = refs.pop(0) if has_cw else None
-    loss_ref, lse_ref = refs[0], refs[1]
-    dz_ref = refs[2] if write_grad else None
-    n_rows = z_ref.shape[0]
+    if phase == FUSED:
+        refs.pop(0)  # the sync input, aliased to the last output
+        sync_ref, parts_ref = refs[-1], refs[-2]
+    elif phase == GRAD:
+        parts_ref = refs.pop(0)
+    elif phase == STATS:
+        parts_ref = refs[0]
+    if phase != STATS:
+        loss_ref, lse_ref = refs[0], refs[1]
+        dz_ref = refs[2] if write_grad else None
+    n_rows, width = z_ref.shape
     n_vblocks = ceil_div(v, block_v)
+    seg_blocks = ceil_div(ceil_div(width, block_v), split)
 
-    def row_block(r0):
+    def row_block(r0, seg):
         rmask = (r0 + launch.iota(block_rows)) < n_rows
         rows = pl.ds(r0, block_rows)
         y = plgpu.load(y_ref.at[rows], mask=rmask, other=-1)
-        # coef_ref is the (6, C) coefficient array flattened: row k of it starts at k·C
-        coef = [plgpu.load(coef_ref.at[pl.ds(k * n_rows + r0, block_rows)], mask=rmask,
-                           other=0.0) for k in range(common.NUM_COEFS)]
-        b, sm, smo, zw, g, h = (coef[k] for k in (common.B, common.SM, common.SMO, common.ZW,
-                                                   common.G, common.H))
 
-        def block(j):
+        def block(j, evict=None):
             """Capped logits of column block j (fp32), column mask, target indicator, w_v."""
             cols = j * block_v + launch.iota(block_v)
             cmask = cols < v
             span = pl.ds(j * block_v, block_v)
-            lmask = cols < z_ref.shape[1]  # the padding too: a bound of 8k vectorizes
+            lmask = cols < width  # the padding too: a bound of 8k vectorizes
             z = plgpu.load(z_ref.at[rows, span], mask=rmask[:, None] & lmask[None, :],
-                           other=0.0).astype(jnp.float32)
+                           other=0.0, eviction_policy=evict).astype(jnp.float32)
             if has_bias:
                 z = z + plgpu.load(bias_ref.at[span], mask=cmask,
                                    other=0.0).astype(jnp.float32)[None, :]
@@ -102,7 +174,7 @@ def _rows_kernel(z_ref, y_ref, coef_ref, *refs, v, block_rows, block_v, grid_siz
 
         def sweep1(j, carry):
             m, s, c_y, wc = carry
-            c, cmask, is_target, cw, _ = block(j)
+            c, cmask, is_target, cw, _ = block(j, EVICT[0])
             live = jnp.where(cmask[None, :], c, -jnp.inf)
             m_new = jnp.maximum(m, jnp.max(live, axis=1))
             # while the max is still -inf (a block of classes masked by a -inf bias) the sum's
@@ -115,24 +187,61 @@ def _rows_kernel(z_ref, y_ref, coef_ref, *refs, v, block_rows, block_v, grid_siz
                 wc = wc + jnp.sum(jnp.where(cmask[None, :], wterm, 0.0), axis=1)
             return m_new, s, c_y, wc
 
-        zeros = jnp.zeros((block_rows,), jnp.float32)
-        init = (jnp.full((block_rows,), -jnp.inf, jnp.float32), zeros, zeros, zeros)
-        m, s, c_y, wc = lax.fori_loop(launch.I0, np.int32(n_vblocks), sweep1, init)
+        j0 = seg * seg_blocks
+        if phase != GRAD:
+            zeros = jnp.zeros((block_rows,), jnp.float32)
+            init = (jnp.full((block_rows,), -jnp.inf, jnp.float32), zeros, zeros, zeros)
+            part = lax.fori_loop(j0, jnp.minimum(j0 + seg_blocks, n_vblocks), sweep1, init)
+        if phase in (STATS, FUSED):
+            for f, val in enumerate(part):
+                plgpu.store(parts_ref.at[pl.ds(f * split + seg, 1), rows], val[None, :],
+                            mask=rmask[None, :])
+        if phase == STATS:
+            return
+        if phase == SINGLE:
+            m, s, c_y, wc = part
+        else:
+            ok = _wait_row(sync_ref, r0 // block_rows, split) if phase == FUSED else None
+            m, s, c_y, wc = _merge_parts(parts_ref, rows, rmask, split, phase == FUSED)
+            if ok is not None:  # timed out: the row is NaN rather than garbage
+                m = jnp.where(ok, m, jnp.nan)
+        # coef_ref is the (6, C) coefficient array flattened: row k of it starts at k·C
+        coef = [plgpu.load(coef_ref.at[pl.ds(k * n_rows + r0, block_rows)], mask=rmask,
+                           other=0.0) for k in range(common.NUM_COEFS)]
+        b, sm, smo, zw, g, h = (coef[k] for k in (common.B, common.SM, common.SMO, common.ZW,
+                                                   common.G, common.H))
         lse = m + jnp.log(s)
         loss = common.token_loss(lse, c_y, wc if smoothing else None, b, sm, smo, zw)
-        plgpu.store(loss_ref.at[rows], loss, mask=rmask)
-        plgpu.store(lse_ref.at[rows], lse, mask=rmask)
+        first = rmask if split == 1 else rmask & (seg == 0)
+        plgpu.store(loss_ref.at[rows], loss, mask=first)
+        plgpu.store(lse_ref.at[rows], lse, mask=first)
 
         if write_grad:
             def sweep2(j):
-                c, cmask, is_target, cw, span = block(j)
+                c, cmask, is_target, cw, span = block(j, EVICT[1])
                 dz = common.grad_logits(c, lse, is_target, cw, b, sm, smo, zw, g, h,
                                         softcap=softcap, smoothing=smoothing)
                 return dz, cmask, span
 
-            launch.store_grad_backwards(dz_ref, rows, rmask, v, block_v, sweep2)
+            n_wblocks = ceil_div(width, block_v)
+            blocks = None if split == 1 else (j0, jnp.minimum(j0 + seg_blocks, n_wblocks))
+            launch.store_grad_backwards(dz_ref, rows, rmask, v, block_v, sweep2, blocks,
+                                        evict=EVICT[2])
 
-    launch.walk_row_blocks(row_block, n_rows, block_rows, grid_size)
+    if phase == SINGLE:
+        launch.walk_row_blocks(lambda r0: row_block(r0, launch.I0), n_rows, block_rows,
+                               grid_size)
+    elif phase == FUSED:
+        total = np.int32(ceil_div(n_rows, block_rows) * split)
+        ticket = lambda: plgpu.atomic_add(sync_ref, 0, np.int32(1))
+
+        def take(t):
+            row_block((t // split) * block_rows, t % split)
+            return ticket()
+
+        lax.while_loop(lambda t: t < total, take, ticket())
+    else:
+        row_block(pl.program_id(0) * block_rows, pl.program_id(1))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,6 +255,8 @@ class PallasHead(common.Head):
     grid_size: Optional[int]  # None: one program per row block
     interpret: bool
     fp32_logits: bool = False
+    row_split: int = 1        # programs per row block (column segments), a power of 2
+    row_sync: bool = True     # row_split > 1 on a GPU: one launch (else two)
     takes_padded_vocab = True  # (not a field) no trimmed copy of the logits for the kernel
 
     @property
@@ -165,13 +276,31 @@ class PallasHead(common.Head):
             out_shape.append(jax.ShapeDtypeStruct(z.shape, grad_dtype))
         # the gradient overwrites the logits buffer in place when their dtypes agree
         in_place = write_grad and jnp.dtype(grad_dtype) == z.dtype
+        aliases = {0: 2} if in_place else {}
+        n_row_blocks = ceil_div(n_rows, block_rows)
+        # no more segments than column blocks (each segment then holds at least one)
+        split = min(self.row_split, next_power_of_2(ceil_div(z.shape[1], block_v)))
         kernel = functools.partial(
             _rows_kernel, v=v, block_rows=block_rows, block_v=block_v, grid_size=grid_size,
             softcap=self.softcap, smoothing=self.smoothing, has_bias=bias is not None,
-            has_cw=has_cw, write_grad=write_grad)
-        return launch.call(self, kernel, inputs, tuple(out_shape), grid=(grid_size,),
-                           aliases={0: 2} if in_place else {},
-                           name="logitless_linear_cross_entropy_rows")
+            has_cw=has_cw, write_grad=write_grad, split=split)
+        name = "logitless_linear_cross_entropy_rows"
+        if split == 1:
+            return launch.call(self, functools.partial(kernel, phase=SINGLE), inputs,
+                               tuple(out_shape), grid=(grid_size,), aliases=aliases, name=name)
+        parts = jax.ShapeDtypeStruct((_NPART * split, n_rows), jnp.float32)
+        if self.row_sync and not self.interpret:
+            sync = jnp.zeros((2 + n_row_blocks,), jnp.int32)
+            grid = (min(self.grid_size or n_row_blocks * split, n_row_blocks * split),)
+            out = launch.call(self, functools.partial(kernel, phase=FUSED), inputs + [sync],
+                              tuple(out_shape) + (parts, sync), grid=grid,
+                              aliases={**aliases, len(inputs): len(out_shape) + 1}, name=name)
+            return out[:len(out_shape)]
+        grid = (n_row_blocks, split)
+        p = launch.call(self, functools.partial(kernel, phase=STATS), inputs, parts, grid=grid,
+                        aliases={}, name=name + "_stats")
+        return launch.call(self, functools.partial(kernel, phase=GRAD), inputs + [p],
+                           tuple(out_shape), grid=grid, aliases=aliases, name=name)
 
     def loss_lse(self, z, y, coefs, bias, cw, *, v):
         return self._call(z, y, coefs, bias, cw, v=v)
@@ -182,25 +311,39 @@ class PallasHead(common.Head):
 
 def linear_cross_entropy(p: common.Prepared, opts: spec.LinearCrossEntropyOptions, *,
                          chunk_size=None, memory_budget=None, block_rows=None, block_v=None,
-                         num_warps=None, num_stages=None, grid_size=None, fp32_logits=False,
-                         interpret=None):
+                         num_warps=None, num_stages=None, grid_size=None, row_split=None,
+                         row_sync=True, fp32_logits=False, interpret=None):
     """Returns ``(loss, lse)``: loss reduced per ``opts.reduction`` (flat for "none").
 
     Tuning: ``chunk_size`` / ``memory_budget`` (bytes of the one [chunk, V] logits buffer),
     ``block_rows`` × ``block_v`` (the kernel's tile, powers of two), ``num_warps``,
     ``num_stages`` (Triton), ``grid_size`` (programs of the persistent grid; default: SMs ×
     ``GPU_DEFAULTS["programs_per_sm"]`` on a GPU, one program per row block when interpreted),
+    ``row_split`` (programs per row, each on one of that many column segments, a power of 2;
+    default on a GPU: V / ``ROW_SEGMENT`` rounded up to a power of 2, with ``SPLIT_DEFAULTS``'
+    launch settings where that is > 1; interpreted: 1),
+    ``row_sync`` (with ``row_split`` > 1 on a GPU: True, one launch whose programs wait for
+    their row's other segments at a counter in memory; False, or interpreted, two launches,
+    the segments' partial sums passed between them),
     ``fp32_logits`` (the logits GEMM writes float32 and the kernel writes the bf16/fp16
     gradient to a second buffer: the loss math sees unrounded logits, for 3 bytes more per
     [chunk, V] element of memory and traffic; no effect for float32 inputs),
     ``interpret`` (default: True unless JAX's default backend is a GPU).
     """
-    settings = launch.resolve(GPU_DEFAULTS, block_rows=block_rows, block_v=block_v,
+    interpret = launch.resolve_interpret(interpret)
+    if not isinstance(row_sync, bool):
+        raise TypeError(f"row_sync must be a bool, got {row_sync!r}")
+    if row_split is None:
+        row_split = 1 if interpret else next_power_of_2(ceil_div(p.problem.v, ROW_SEGMENT))
+    row_split = common.check_tuning("row_split", row_split, power_of_2=True, hi=1024)
+    defaults = SPLIT_DEFAULTS if row_split > 1 else GPU_DEFAULTS
+    settings = launch.resolve(defaults, block_rows=block_rows, block_v=block_v,
                               num_warps=num_warps, num_stages=num_stages,
                               fp32_logits=fp32_logits, interpret=interpret)
     head = PallasHead(
         softcap=opts.softcap, smoothing=opts.uses_smoothing, **settings,
-        grid_size=launch.resolve_grid(GPU_DEFAULTS, grid_size, settings["interpret"]))
+        grid_size=launch.resolve_grid(defaults, grid_size, interpret),
+        row_split=row_split, row_sync=row_sync)
     bytes_per = p.x.dtype.itemsize + (4 if fp32_logits and p.x.dtype.itemsize < 4 else 0)
     plan = common.token_plan(p.problem.n, p.problem.v, bytes_per_element=bytes_per,
                              budget_bytes=launch.pick(GPU_DEFAULTS, memory_budget,
