@@ -94,12 +94,17 @@ def linear_cross_entropy(x, linear_weight, labels, *, linear_bias=None, weight=N
               from ``memory_budget``), ``memory_budget=None`` (1 GiB: bytes of one chunk's
               float32 logits and gradient, 8 bytes per [chunk, V] element).
             * ``backend="pallas"``: ``chunk_size=None``, ``memory_budget=None`` (1 GiB: the one
-              [chunk, V] logits buffer in the input dtype), ``block_rows=None`` (1) ×
-              ``block_v=None`` (16384, shrunk to V) the kernel's tile, powers of two;
-              ``num_warps=None`` (16), ``num_stages=None`` (2); ``grid_size=None`` (programs
-              of the persistent grid: SMs on a GPU, one per row block when interpreted);
-              ``fp32_logits=False`` (True: float32 logits, the gradient in a second buffer);
-              ``interpret=None`` (True unless JAX's default backend is a GPU).
+              [chunk, V] logits buffer in the input dtype), ``row_split=None`` (programs per
+              row, each on a column segment, a power of 2: on a GPU the power of 2 nearest
+              V / 16384, e.g. 8 at V = 128256, 16 at 256000, 1 below ~23K; interpreted 1),
+              ``row_sync=True`` (split rows in one launch, the programs of a row waiting for
+              each other; False: two launches), ``block_rows=None`` (1) × ``block_v=None``
+              (16384 for whole rows, 2048 for split ones; shrunk to V) the kernel's tile,
+              powers of two; ``num_warps=None`` (16; split rows 2), ``num_stages=None`` (2);
+              ``grid_size=None`` (programs of the persistent grid: on a GPU the SMs, 16 per SM
+              for split rows; one per row block when interpreted); ``fp32_logits=False``
+              (True: float32 logits, the gradient in a second buffer); ``interpret=None``
+              (True unless JAX's default backend is a GPU).
 
     Sharding: inside ``jax.shard_map`` (``check_vma`` on or off) data parallelism and
     ``axis_name=`` work; for data parallelism, as for any JAX op: a weight replicated over a data axis gets the sum of the shards' dW. With

@@ -137,6 +137,36 @@ def test_vmap_over_a_leading_batch_axis(backend):
         _assert_close(dw[i], ref["dw"])
 
 
+@pytest.mark.parametrize("fp32_logits", [False, True])
+def test_pallas_split_rows_where_every_logit_is_far_below_zero(fp32_logits):
+    """Rows split over programs (on a GPU one launch with waits, interpreted two launches):
+    with every logit ~ -100 and whole segments of classes masked by a -inf bias, the
+    segments' sums merge relative to the row's maximum (a segment with no live class adds 0,
+    not 0·e^100), as whole rows and the xla backend compute them; bf16 inputs, float32 logits
+    or not."""
+    x, w, y, _ = _problem(n=11, h=8, v=40, salt=14)
+    bias = jnp.full((40,), -100.0).at[16:32].set(-jnp.inf).astype(jnp.bfloat16)  # segs 2-3: none live
+    y = jnp.where((y >= 16) & (y < 32), 3, y)
+    x, w = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+
+    def run(backend, **kw):
+        f = lambda x, w: lj.linear_cross_entropy(x, w, y, linear_bias=bias, backend=backend,
+                                                 **kw)
+        return jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(x, w)
+    f32 = lambda a: np.asarray(a, np.float32)
+    whole = run("pallas", row_split=1, block_v=8, fp32_logits=fp32_logits)
+    split = run("pallas", row_split=4, block_v=8, fp32_logits=fp32_logits)
+    xla = run("xla")
+    assert np.isfinite(float(split[0])) and all(np.isfinite(f32(g)).all() for g in split[1])
+    # the same logits and their rounding: equal but for the order of the segments' sums
+    _assert_close(split[0], whole[0], 1e-6)
+    for g, r in zip(split[1], whole[1]):
+        assert np.abs(f32(g) - f32(r)).max() <= 2 ** -7 * np.abs(f32(r)).max()  # bf16 ulps
+    # near the xla backend's (its logits and bias are summed and rounded otherwise: bf16
+    # logits of ~-100 are 0.5 apart)
+    _assert_close(split[0], xla[0], 1e-3)
+
+
 @pytest.mark.parametrize("v", [40, 41])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_flax_hv_layout_uses_the_kernel_as_is(backend, v):
@@ -495,6 +525,8 @@ BAD = [
     (dict(backend="pallas", block_v=48), ValueError, "block_v must be a power of two"),
     (dict(backend="pallas", num_warps=64), ValueError, "num_warps must be a power of two"),
     (dict(backend="pallas", grid_size=0), ValueError, "grid_size must be an int"),
+    (dict(backend="pallas", row_split=3), ValueError, "row_split must be a power of two"),
+    (dict(backend="pallas", row_sync=1), TypeError, "row_sync must be a bool"),
     (dict(backend="pallas", interpret="yes"), TypeError, "interpret must be a bool"),
     (dict(backend="pallas", fp32_logits=1), TypeError, "fp32_logits must be a bool"),
     (dict(backend="xla", chunk_size=0), ValueError, "chunk_size must be a positive int"),
@@ -659,16 +691,21 @@ def test_pallas_lowers_to_triton_at_the_target_shapes(n, h, v):
     assert "xla.gpu.triton" in _lower_for_cuda(n, h, v, chunk_size=n)
 
 
-@pytest.mark.parametrize("split", [dict(), dict(row_split=2), dict(row_split=4, row_sync=False)],
-                         ids=str)
+@pytest.mark.parametrize("split", [dict(), dict(row_split=2), dict(row_split=4, row_sync=False),
+                                   dict(row_split=4, grid_size=3)], ids=str)
 def test_pallas_lowers_to_triton_with_every_option(split):
-    """Whole rows, rows split over programs that wait for each other (one launch per call),
-    and split rows in two launches per call."""
+    """Whole rows; rows split over programs that wait for each other (one launch per call, the
+    only kernel with atomics); split rows in two launches per call, asked for or because fewer
+    programs than segments could not all run at once (a wait would never end)."""
+    tuning = dict(chunk_size=128, block_rows=2, block_v=256, grid_size=7)
     hlo = _lower_for_cuda(300, 64, 1000, reduction="none", return_lse=True, z_loss=1e-3,
-                          label_smoothing=0.1, softcap=30.0, chunk_size=128, block_rows=2,
-                          block_v=256, grid_size=7, **split)
-    # forward and gradient kernels, full and tail chunks (twice as many launches unsynced)
-    assert hlo.count("xla.gpu.triton") >= (8 if split.get("row_sync") is False else 4)
+                          label_smoothing=0.1, softcap=30.0, **{**tuning, **split})
+    one_launch = split.get("row_split", 1) > 1 and split.get("row_sync", True) and \
+        split.get("grid_size", 7) >= split["row_split"]
+    two = split.get("row_split", 1) > 1 and not one_launch
+    # forward and gradient kernels, full and tail chunks (twice as many launches split in two)
+    assert hlo.count("xla.gpu.triton") >= (8 if two else 4)
+    assert ("atomic" in hlo) == one_launch
     assert "xla.gpu.triton" in _lower_for_cuda(300, 64, 1000, chunk_size=128, fp32_logits=True)
 
 

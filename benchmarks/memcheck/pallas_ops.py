@@ -1,5 +1,6 @@
 """The Pallas linear CE and JSD kernels on the GPU with ragged row blocks (N not a multiple of
-block_rows) and vocabulary ends, for compute-sanitizer memcheck (benchmarks/memcheck/README.md)."""
+block_rows) and vocabulary ends, for compute-sanitizer memcheck (benchmarks/memcheck/README.md);
+the CE also with rows split over programs (one launch with waits, and two launches)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,3 +22,11 @@ for br in (1, 4):
                                                       block_v=32), argnums=(0, 1))(xs, ws)
     jax.block_until_ready(g)
     print("ce block_rows", br, float(jnp.abs(g[0]).sum()))
+for br, sync in ((1, True), (4, True), (4, False)):
+    for fp32 in (False, True):
+        g = jax.grad(lambda a, b: lj.linear_cross_entropy(
+            a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), y, backend="pallas", block_rows=br,
+            block_v=16, row_split=4, row_sync=sync, fp32_logits=fp32), argnums=(0, 1))(xs, ws)
+        jax.block_until_ready(g)
+        print("ce split block_rows", br, "sync", sync, "fp32_logits", fp32,
+              float(jnp.abs(g[0].astype(jnp.float32)).sum()))

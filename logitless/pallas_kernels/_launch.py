@@ -30,10 +30,16 @@ def pick(defaults: Dict[str, Any], value, key: str):
     return defaults[key] if value is None else value
 
 
+def sm_count() -> Optional[int]:
+    """The default device's SMs (None where it has no core count: a CPU)."""
+    sms = getattr(jax.devices()[0], "core_count", None)
+    return int(sms) if sms else None
+
+
 def default_grid_size(defaults: Dict[str, Any]) -> Optional[int]:
     """SMs × ``defaults["programs_per_sm"]`` (None where the device has no core count)."""
-    sms = getattr(jax.devices()[0], "core_count", None)
-    return None if not sms else int(sms) * defaults["programs_per_sm"]
+    sms = sm_count()
+    return None if sms is None else sms * defaults["programs_per_sm"]
 
 
 def resolve_interpret(interpret) -> bool:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Optional
 
 import jax
@@ -52,14 +53,22 @@ TUNING = ("chunk_size", "memory_budget", "block_rows", "block_v", "num_warps", "
 # the rows faster.
 GPU_DEFAULTS = dict(memory_budget=1 << 30, block_rows=1, block_v=16384, num_warps=16,
                     num_stages=2, programs_per_sm=1)
-# By default a GPU splits rows of more than ROW_SEGMENT columns over programs of about that
-# many: such a kernel streams at a latency-bound ~50% of HBM's peak with whole rows (one
+# By default a GPU splits long rows over programs of about ROW_SEGMENT columns each
+# (``default_row_split``): such a kernel streams at a latency-bound ~50% of HBM's peak with whole rows (one
 # 16-warp program per SM, so that a row's re-read stays in L2), and with many small programs
 # a row's segments are read once between them and re-read from L2. Row kernels per fwd+bwd on
 # an H100 (benchmarks/jax_ce_split_probe.py, results/…-s25-jax-ce-split.jsonl): Llama
 # 5.12-5.18 -> 4.29 ms, Gemma 5.36-5.43 -> 4.35 ms with 2048-column blocks, 2 warps, 16
 # programs per SM (4096 columns: Gemma 4.25, Llama 4.81; 8-program SMs within 0.2 ms).
 ROW_SEGMENT = 16384
+
+
+def default_row_split(v: int) -> int:
+    """The power of 2 nearest V / ROW_SEGMENT (in log scale), at least 1: 8 at V = 128256 and
+    151936, 16 at 256000, 4 at 50257, 1 below ~23K."""
+    return 1 << max(0, round(math.log2(max(v, 1) / ROW_SEGMENT)))
+
+
 SPLIT_DEFAULTS = dict(GPU_DEFAULTS, block_v=2048, num_warps=2, programs_per_sm=16)
 
 
@@ -71,9 +80,10 @@ FUSED = "fused"    # k > 1, one launch: the k programs of a row block exchange t
 STATS = "stats"    # k > 1, two launches (interpret mode, or row_sync=False): sweep 1 writes
 GRAD = "grad"      # the partials, then a second launch merges them and writes dz
 _NPART = 4         # sweep-1 partials per segment: max, Σexp, target logit, smoothing sum
-# polls of a row counter before a FUSED program gives up on its peers (then the row is NaN and
-# every later wait of the launch gives up at once): far beyond any real wait (~µs), it only
-# bounds a hang where fewer than k programs could be resident (another kernel holding SMs)
+# polls of a row counter before a FUSED program gives up on its peers (then its row's loss or
+# gradient is NaN, and every later wait of the launch gives up at once): far beyond any real
+# wait (~µs), it only bounds a hang where fewer than k programs could be resident (another
+# kernel holding all SMs but a few; the head launches in one only where k <= programs, SMs)
 MAX_SPIN = 1 << 22
 # L2 eviction hints (sweep 1's loads, sweep 2's loads, dz's stores): keep the row in L2 for
 # sweep 2's re-read
@@ -97,19 +107,32 @@ def _wait_row(sync_ref, rb, target):
     return ok & (plgpu.atomic_add(sync_ref, 1, np.int32(0)) == 0)
 
 
-def _merge_parts(parts_ref, rows, rmask, split, fused):
-    """The row block's sweep-1 state merged over its ``split`` segments' partials."""
+def _merge_parts(parts_ref, rows, rmask, split, segs, fused):
+    """The row block's sweep-1 state merged over its ``segs`` segments' partials (``split``
+    rows per field: a power of 2, the rows past ``segs`` read as no classes at all)."""
+    live = (launch.iota(split) < segs)[:, None] & rmask[None, :]
+
     def load(f):
         kw = dict(volatile=True) if fused else {}  # past L1, which is not coherent across SMs
-        return plgpu.load(parts_ref.at[pl.ds(f * split, split), rows], mask=rmask[None, :],
-                          other=0.0, **kw)
+        return plgpu.load(parts_ref.at[pl.ds(f * split, split), rows], mask=live,
+                          other=-jnp.inf if f == 0 else 0.0, **kw)
     m_p, s_p, c_y, wc = (load(f) for f in range(_NPART))
     m = jnp.max(m_p, axis=0)
-    # as in sweep 1: a segment's sum is relative to its max, or to 0 while that is -inf
-    ref_p = jnp.where(m_p == -jnp.inf, 0.0, m_p)
+    # a segment's sum is relative to its max; where that is -inf (no live class) the sum is 0
+    # and so is its factor (a reference of 0 there would make it 0·e^(−m) = NaN at m < −88);
+    # the row's reference is 0 while m is −inf, as in sweep 1
     ref = jnp.where(m == -jnp.inf, 0.0, m)
-    s = jnp.sum(s_p * jnp.exp(ref_p - ref[None, :]), axis=0)
+    s = jnp.sum(s_p * jnp.exp(m_p - ref[None, :]), axis=0)
     return m, s, jnp.sum(c_y, axis=0), jnp.sum(wc, axis=0)
+
+
+def segments(width: int, block_v: int, split: int):
+    """(blocks per segment, segments) of rows ``width`` columns wide split ``split`` ways: the
+    last segment holds the ragged end; where the blocks do not divide, fewer than ``split``
+    segments hold any (e.g. 75 blocks 16 ways: 5 each, 15 segments)."""
+    n_blocks = ceil_div(width, block_v)
+    seg_blocks = ceil_div(n_blocks, split)
+    return seg_blocks, ceil_div(n_blocks, seg_blocks)
 
 
 def _rows_kernel(z_ref, y_ref, coef_ref, *refs, v, block_rows, block_v, grid_size, softcap,
@@ -150,7 +173,7 @@ def _rows_kernel(z_ref, y_ref, coef_ref, *refs, v, block_rows, block_v, grid_siz
         dz_ref = refs[2] if write_grad else None
     n_rows, width = z_ref.shape
     n_vblocks = ceil_div(v, block_v)
-    seg_blocks = ceil_div(ceil_div(width, block_v), split)
+    seg_blocks, segs = segments(width, block_v, split)
 
     def row_block(r0, seg):
         rmask = (r0 + launch.iota(block_rows)) < n_rows
@@ -201,8 +224,8 @@ def _rows_kernel(z_ref, y_ref, coef_ref, *refs, v, block_rows, block_v, grid_siz
         if phase == SINGLE:
             m, s, c_y, wc = part
         else:
-            ok = _wait_row(sync_ref, r0 // block_rows, split) if phase == FUSED else None
-            m, s, c_y, wc = _merge_parts(parts_ref, rows, rmask, split, phase == FUSED)
+            ok = _wait_row(sync_ref, r0 // block_rows, segs) if phase == FUSED else None
+            m, s, c_y, wc = _merge_parts(parts_ref, rows, rmask, split, segs, phase == FUSED)
             if ok is not None:  # timed out: the row is NaN rather than garbage
                 m = jnp.where(ok, m, jnp.nan)
         # coef_ref is the (6, C) coefficient array flattened: row k of it starts at k·C
@@ -232,11 +255,11 @@ def _rows_kernel(z_ref, y_ref, coef_ref, *refs, v, block_rows, block_v, grid_siz
         launch.walk_row_blocks(lambda r0: row_block(r0, launch.I0), n_rows, block_rows,
                                grid_size)
     elif phase == FUSED:
-        total = np.int32(ceil_div(n_rows, block_rows) * split)
+        total = np.int32(ceil_div(n_rows, block_rows) * segs)
         ticket = lambda: plgpu.atomic_add(sync_ref, 0, np.int32(1))
 
         def take(t):
-            row_block((t // split) * block_rows, t % split)
+            row_block((t // segs) * block_rows, t % segs)
             return ticket()
 
         lax.while_loop(lambda t: t < total, take, ticket())
@@ -278,25 +301,29 @@ class PallasHead(common.Head):
         in_place = write_grad and jnp.dtype(grad_dtype) == z.dtype
         aliases = {0: 2} if in_place else {}
         n_row_blocks = ceil_div(n_rows, block_rows)
-        # no more segments than column blocks (each segment then holds at least one)
         split = min(self.row_split, next_power_of_2(ceil_div(z.shape[1], block_v)))
+        segs = segments(z.shape[1], block_v, split)[1]
         kernel = functools.partial(
             _rows_kernel, v=v, block_rows=block_rows, block_v=block_v, grid_size=grid_size,
             softcap=self.softcap, smoothing=self.smoothing, has_bias=bias is not None,
             has_cw=has_cw, write_grad=write_grad, split=split)
         name = "logitless_linear_cross_entropy_rows"
-        if split == 1:
-            return launch.call(self, functools.partial(kernel, phase=SINGLE), inputs,
+        if segs == 1:
+            return launch.call(self, functools.partial(kernel, phase=SINGLE, split=1), inputs,
                                tuple(out_shape), grid=(grid_size,), aliases=aliases, name=name)
         parts = jax.ShapeDtypeStruct((_NPART * split, n_rows), jnp.float32)
-        if self.row_sync and not self.interpret:
+        tickets = n_row_blocks * segs
+        grid = min(self.grid_size or tickets, tickets)
+        # one launch only where a row's segments are sure to run at once: no more of them than
+        # programs, nor than SMs (every SM holds at least one program); else two launches
+        sms = launch.sm_count()
+        if self.row_sync and not self.interpret and segs <= grid and (sms is None or segs <= sms):
             sync = jnp.zeros((2 + n_row_blocks,), jnp.int32)
-            grid = (min(self.grid_size or n_row_blocks * split, n_row_blocks * split),)
             out = launch.call(self, functools.partial(kernel, phase=FUSED), inputs + [sync],
-                              tuple(out_shape) + (parts, sync), grid=grid,
+                              tuple(out_shape) + (parts, sync), grid=(grid,),
                               aliases={**aliases, len(inputs): len(out_shape) + 1}, name=name)
             return out[:len(out_shape)]
-        grid = (n_row_blocks, split)
+        grid = (n_row_blocks, segs)
         p = launch.call(self, functools.partial(kernel, phase=STATS), inputs, parts, grid=grid,
                         aliases={}, name=name + "_stats")
         return launch.call(self, functools.partial(kernel, phase=GRAD), inputs + [p],
@@ -320,11 +347,12 @@ def linear_cross_entropy(p: common.Prepared, opts: spec.LinearCrossEntropyOption
     ``num_stages`` (Triton), ``grid_size`` (programs of the persistent grid; default: SMs ×
     ``GPU_DEFAULTS["programs_per_sm"]`` on a GPU, one program per row block when interpreted),
     ``row_split`` (programs per row, each on one of that many column segments, a power of 2;
-    default on a GPU: V / ``ROW_SEGMENT`` rounded up to a power of 2, with ``SPLIT_DEFAULTS``'
-    launch settings where that is > 1; interpreted: 1),
+    at most one per ``block_v`` block; default on a GPU ``default_row_split(V)``, with
+    ``SPLIT_DEFAULTS``' launch settings where that is > 1; interpreted: 1),
     ``row_sync`` (with ``row_split`` > 1 on a GPU: True, one launch whose programs wait for
-    their row's other segments at a counter in memory; False, or interpreted, two launches,
-    the segments' partial sums passed between them),
+    their row's other segments at a counter in memory, where a row's segments can all run at
+    once: no more of them than ``grid_size`` or the SMs; False, interpreted, or else: two
+    launches, the segments' partial sums passed between them),
     ``fp32_logits`` (the logits GEMM writes float32 and the kernel writes the bf16/fp16
     gradient to a second buffer: the loss math sees unrounded logits, for 3 bytes more per
     [chunk, V] element of memory and traffic; no effect for float32 inputs),
@@ -334,7 +362,7 @@ def linear_cross_entropy(p: common.Prepared, opts: spec.LinearCrossEntropyOption
     if not isinstance(row_sync, bool):
         raise TypeError(f"row_sync must be a bool, got {row_sync!r}")
     if row_split is None:
-        row_split = 1 if interpret else next_power_of_2(ceil_div(p.problem.v, ROW_SEGMENT))
+        row_split = 1 if interpret else default_row_split(p.problem.v)
     row_split = common.check_tuning("row_split", row_split, power_of_2=True, hi=1024)
     defaults = SPLIT_DEFAULTS if row_split > 1 else GPU_DEFAULTS
     settings = launch.resolve(defaults, block_rows=block_rows, block_v=block_v,
