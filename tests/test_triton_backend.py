@@ -587,7 +587,11 @@ def test_long_rows_in_every_dtype_and_option_launch(dtype, options):
         kw["weight"] = torch.rand(v, generator=g).to(DEV)
     got = _loss_and_grads(x, w, y, backend="triton", **kw)
     ref = _loss_and_grads(x, w, y, backend="torch", **kw)
-    torch.testing.assert_close(got[0], ref[0], rtol=1e-4, atol=1e-5)
+    # half-precision logits: the two backends' GEMMs (different token chunks) may round a
+    # logit differently, and the target logit's rounding does not average out over 48 tokens
+    # (bf16 + bias + smoothing + class weights, seed 660776903: 1.37e-4 on the H100)
+    rtol = {torch.float32: 1e-4, torch.float16: 2e-4, torch.bfloat16: 1e-3}[dtype]
+    torch.testing.assert_close(got[0], ref[0], rtol=rtol, atol=1e-5)
     for a, r in zip(got[1:], ref[1:]):
         rel = ((a.float() - r.float()).norm() / r.float().norm()).item()
         assert rel < (1e-4 if dtype == torch.float32 else 1e-2), rel
