@@ -1,6 +1,8 @@
 """The Pallas linear CE and JSD kernels on the GPU with ragged row blocks (N not a multiple of
 block_rows) and vocabulary ends, for compute-sanitizer memcheck (benchmarks/memcheck/README.md);
 the CE also with rows split over programs (one launch with waits, and two launches)."""
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,7 +24,10 @@ for br in (1, 4):
                                                       block_v=32), argnums=(0, 1))(xs, ws)
     jax.block_until_ready(g)
     print("ce block_rows", br, float(jnp.abs(g[0]).sum()))
-for br, sync in ((1, True), (4, True), (4, False)):
+# argv[1]: "two" for the split CE in two launches only, "one" for the one-launch form only
+which = sys.argv[1] if len(sys.argv) > 1 else "both"
+for br, sync in [(b, sy) for b, sy in ((1, True), (4, True), (4, False))
+                 if which == "both" or sy == (which == "one")]:
     for fp32 in (False, True):
         g = jax.grad(lambda a, b: lj.linear_cross_entropy(
             a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), y, backend="pallas", block_rows=br,
