@@ -129,6 +129,15 @@ def _cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+def emit_json(record: Dict[str, Any], out=None) -> None:
+    """Print ``record`` as one JSON line, and append it to the open file ``out`` (if any)."""
+    line = json.dumps(record)
+    print(line, flush=True)
+    if out:
+        out.write(line + "\n")
+        out.flush()
+
+
 def slug(text: str) -> str:
     """'NVIDIA H100 80GB HBM3' -> 'nvidia-h100-80gb-hbm3'."""
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "unknown"

@@ -19,6 +19,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks import common  # noqa: E402
 from benchmarks.jax_jsd_profile import kernel_table  # noqa: E402
 
 SWEEP = [{"row_split": k} for k in (2, 4, 8)]
@@ -65,10 +66,7 @@ def main():
                     kernels_ms=round(t["kernels_ms"] / a.calls, 3),
                     max_rel_diff_loss_dx_dw=diff, loss=float(loss),
                     finite=bool(all(np.isfinite(g).all() for g in got)))
-        print(json.dumps(line), flush=True)
-        if out:
-            out.write(json.dumps(line) + "\n")
-            out.flush()
+        common.emit_json(line, out)
 
 
 if __name__ == "__main__":

@@ -33,9 +33,7 @@ def main():
     out = open(a.out, "a") if a.out else None
     head = {"about": __doc__.split("\n\n")[0], "gpu": str(jax.devices()[0]),
             "jax": jax.__version__, "git": common.git_provenance(), "a": kw["a"], "b": kw["b"]}
-    for line in [head]:
-        print(json.dumps(line), flush=True)
-        out and out.write(json.dumps(line) + "\n")
+    common.emit_json(head, out)
     for shape in a.shapes.split(","):
         n, h, v = map(int, shape.split("x"))
         fns, args, floor = {}, None, None
@@ -54,8 +52,7 @@ def main():
                    b_over_a_ci95=common.paired_ratio_ci(t_b.times_ms, t_a.times_ms),
                    loss_a=float(res["a"][0]), loss_b=float(res["b"][0]),
                    dx_max_rel_diff=float(jnp.max(jnp.abs(dx_b - dx_a)) / jnp.max(jnp.abs(dx_a))))
-        print(json.dumps(rec), flush=True)
-        out and out.write(json.dumps(rec) + "\n")
+        common.emit_json(rec, out)
 
 
 if __name__ == "__main__":

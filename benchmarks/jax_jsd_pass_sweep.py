@@ -46,6 +46,7 @@ def main():
     a = ap.parse_args()
     import jax
     import jax.numpy as jnp
+    from benchmarks import common
     from logitless.pallas_kernels import linear_jsd as pj
     grid = dict(GRID, **json.loads(a.grid)) if a.grid else GRID
     k = jax.random.split(jax.random.PRNGKey(0), 3)
@@ -72,10 +73,7 @@ def main():
         rec["total"] = round(sum(ms.values()), 4)
         rec["loss_sum"] = float(jnp.sum(loss))
         rec["dz_abs_sum"] = float(jnp.sum(jnp.abs(dz.astype(jnp.float32))))
-        print(json.dumps(rec), flush=True)
-        if out:
-            out.write(json.dumps(rec) + "\n")
-            out.flush()
+        common.emit_json(rec, out)
 
 
 if __name__ == "__main__":
