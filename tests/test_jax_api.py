@@ -145,7 +145,8 @@ def test_pallas_split_rows_where_every_logit_is_far_below_zero(fp32_logits):
     not 0·e^100), as whole rows and the xla backend compute them; bf16 inputs, float32 logits
     or not."""
     x, w, y, _ = _problem(n=11, h=8, v=40, salt=14)
-    bias = jnp.full((40,), -100.0).at[16:32].set(-jnp.inf).astype(jnp.bfloat16)  # segs 2-3: none live
+    # 5 blocks of 8 columns split 4 ways make 3 segments of 2 blocks: the second has no live class
+    bias = jnp.full((40,), -100.0).at[16:32].set(-jnp.inf).astype(jnp.bfloat16)
     y = jnp.where((y >= 16) & (y < 32), 3, y)
     x, w = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
 

@@ -54,11 +54,11 @@ TUNING = ("chunk_size", "memory_budget", "block_rows", "block_v", "num_warps", "
 GPU_DEFAULTS = dict(memory_budget=1 << 30, block_rows=1, block_v=16384, num_warps=16,
                     num_stages=2, programs_per_sm=1)
 # By default a GPU splits long rows over programs of about ROW_SEGMENT columns each
-# (``default_row_split``): such a kernel streams at a latency-bound ~50% of HBM's peak with whole rows (one
-# 16-warp program per SM, so that a row's re-read stays in L2), and with many small programs
-# a row's segments are read once between them and re-read from L2. Row kernels per fwd+bwd on
-# an H100 (benchmarks/jax_ce_split_probe.py, results/…-s25-jax-ce-split.jsonl): Llama
-# 5.12-5.18 -> 4.29 ms, Gemma 5.36-5.43 -> 4.35 ms with 2048-column blocks, 2 warps, 16
+# (``default_row_split``): with whole rows (one 16-warp program per SM, so that a row's re-read
+# stays in L2) the kernel streams at a latency-bound ~50% of HBM's peak; with many small
+# programs a row's segments are read once between them and re-read from L2. Row kernels per
+# fwd+bwd on an H100 (benchmarks/jax_ce_split_probe.py, results/…-s25-jax-ce-split.jsonl):
+# Llama 5.12-5.18 -> 4.29 ms, Gemma 5.36-5.43 -> 4.35 ms with 2048-column blocks, 2 warps, 16
 # programs per SM (4096 columns: Gemma 4.25, Llama 4.81; 8-program SMs within 0.2 ms).
 ROW_SEGMENT = 16384
 
