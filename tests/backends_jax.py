@@ -128,9 +128,9 @@ def pallas_runner(case, inp):
 register(Backend("pallas", pallas_runner, naive="naive-jax", requires=("jax",)))
 
 
-# Rows split over 4 programs (column segments of 2 blocks: ragged ends, a segment past the
-# vocabulary's end at V < 128): on a GPU one launch whose programs wait for each other per row
-# (FUSED), interpreted the two-launch form (the same merge of the segments' partials).
+# Rows split over 4 programs (16-column blocks: at V = 97, 7 blocks make 4 segments of 2, 2, 2
+# and 1 ragged block; at V = 61, 4 of 1): on a GPU one launch whose programs wait for each
+# other per row (FUSED), interpreted the two-launch form (the same merge of the partials).
 def pallas_split_runner(case, inp):
     import jax
     small = {} if jax.default_backend() == "gpu" else dict(block_rows=2, grid_size=3)
