@@ -168,6 +168,79 @@ def test_pallas_split_rows_where_every_logit_is_far_below_zero(fp32_logits):
     _assert_close(split[0], xla[0], 1e-3)
 
 
+def test_pallas_split_rows_fewer_segments_than_programs_max_in_the_last():
+    """36 classes (padded to 40) in 4-column blocks split 8 ways: 5 segments of 2 blocks, the
+    last one a live block and a block of padding only. The merge reads the 3 partial rows no
+    segment wrote as no classes (Σ w_v c_v included: label smoothing, class weights); its
+    reference is the row's max, here in the last segment and 100 above the others (e^100
+    overflows float32); the padding block's gradient is written 0 (float32 logits: dz is a
+    fresh buffer, and dX = dz·W sees the padding). Against whole rows."""
+    x, w, y, _ = _problem(n=11, h=8, v=36, salt=15)
+    x, w = x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+    bias = jnp.zeros((36,), jnp.bfloat16).at[32:].set(100.0)
+    cw = jnp.asarray(np.random.default_rng([SEED, 15]).random(36) + 0.5, jnp.float32)
+
+    def run(row_split):
+        def f(x, w, b):
+            out = lj.linear_cross_entropy(x, w, y, linear_bias=b, weight=cw, reduction="none",
+                                          label_smoothing=0.1, return_lse=True, backend="pallas",
+                                          block_v=4, row_split=row_split, fp32_logits=True)
+            return out[0].sum() + 0.5 * out[1].sum(), out
+        return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))(x, w, bias)
+    f32 = lambda a: np.asarray(a, np.float32)
+    (_, split), gs = run(8)
+    (_, whole), gw = run(1)
+    for a, r in zip(split, whole):
+        _assert_close(a, r, 1e-6)
+    for g, r in zip(gs, gw):
+        assert np.isfinite(f32(g)).all()
+        assert np.abs(f32(g) - f32(r)).max() <= 2 ** -7 * np.abs(f32(r)).max()  # bf16 ulps
+
+
+def test_pallas_default_row_split_and_its_launch_settings():
+    """On a GPU rows split default_row_split(V) ways (the power of 2 nearest V / ROW_SEGMENT)
+    with SPLIT_DEFAULTS' launch settings (2 warps), whole rows below ~23K classes with
+    GPU_DEFAULTS' (16); interpreted, whole rows. Traced only: interpret=False traces on a CPU."""
+    from logitless.pallas_kernels.linear_cross_entropy import default_row_split
+    assert [default_row_split(v) for v in (1, 23170, 23171, 50257, 128256, 151936, 256000)] \
+        == [1, 1, 2, 4, 8, 8, 16]
+
+    def kernels(v, interpret):
+        f = lambda x, w: lj.linear_cross_entropy(x, w, jnp.zeros((64,), jnp.int32),  # noqa
+                                                 backend="pallas", interpret=interpret)
+        s = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16)  # noqa: E731
+        jaxpr = jax.make_jaxpr(jax.grad(f, argnums=(0, 1)))(s(64, 16), s(v, 16)).jaxpr
+        ks = [e for e in jaxpr_eqns(jaxpr) if e.primitive.name == "pallas_call"]
+        # the partials (4 per segment, float32) pass from the stats to the merge: the split
+        split = {o.aval.shape[0] // 4 for k in ks for o in k.outvars
+                 if o.aval.ndim == 2 and o.aval.dtype == jnp.float32}
+        return split, {k.params["compiler_params"].num_warps for k in ks}
+    assert kernels(50257, False) == ({4}, {2})
+    assert kernels(20000, False) == (set(), {16})
+    assert kernels(50257, True) == (set(), {16})
+
+
+def test_pallas_store_grad_backwards_stores_only_the_given_blocks():
+    """``blocks=(first, end)`` (one row segment): column blocks first..end-1 get the gradient
+    (0 past the vocabulary), every other block keeps what it held: on a GPU dz overwrites the
+    logits in place, and another segment's program may still read its blocks."""
+    from jax.experimental import pallas as pl
+
+    from logitless.pallas_kernels import _launch as launch
+
+    def kernel(z_ref, dz_ref):
+        def grad_block(j):
+            cols = j * 4 + launch.iota(4)
+            return jnp.full((2, 4), 1.0, jnp.float32) * (j + 1), cols < 14, pl.ds(j * 4, 4)
+        launch.store_grad_backwards(dz_ref, pl.ds(0, 2), launch.iota(2) < 2, 14, 4, grad_block,
+                                    blocks=(np.int32(1), np.int32(4)))
+    out = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((2, 16), jnp.float32),
+                         input_output_aliases={0: 0}, interpret=True)(jnp.full((2, 16), -1.0))
+    want = np.repeat([-1.0, 2, 3, 4], 4)
+    want[14:] = 0.0
+    np.testing.assert_array_equal(np.asarray(out), np.broadcast_to(want, (2, 16)))
+
+
 @pytest.mark.parametrize("v", [40, 41])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_flax_hv_layout_uses_the_kernel_as_is(backend, v):
@@ -710,7 +783,8 @@ def test_pallas_lowers_to_triton_with_every_option(split):
     assert "xla.gpu.triton" in _lower_for_cuda(300, 64, 1000, chunk_size=128, fp32_logits=True)
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(fp32_logits=True), dict(block_v=4)], ids=str)
+@pytest.mark.parametrize("kw", [dict(), dict(fp32_logits=True), dict(block_v=4),
+                                dict(block_v=16, row_split=128)], ids=str)
 def test_pallas_lowers_to_triton_at_an_odd_vocabulary(kw):
     """V = 1001: the padded logits (1008 wide) with the gradient stored over the whole width."""
     hlo = _lower_for_cuda(300, 64, 1001, chunk_size=128, **kw)
