@@ -109,6 +109,13 @@ register(Backend("triton-blocks", torch_backend_runner("triton", block_v=32), na
                  requires=("torch", "triton"), takes=blocks_takes))
 
 
+# Rows split over programs (segment_size): 32-column segments of 16-column blocks, 4 segments
+# at V = 97 (the last of 1 column). On a GPU the segments wait for each other in one launch;
+# interpreted they run as two launches (the partials' merge), on blocks_takes' cases.
+register(Backend("triton-split", torch_backend_runner("triton", block_v=16, segment_size=32),
+                 naive="naive-torch", requires=("torch", "triton"), takes=blocks_takes))
+
+
 def own_gemm_takes(case):
     """The cases the statistics-epilogue GEMM can take: half precision, no label smoothing,
     rows of a multiple of 8 elements (TMA alignment). The parity suite runs it on every case,

@@ -171,6 +171,11 @@ def test_triton_argument_errors():
         lt.linear_cross_entropy(x.double(), w.double(), y, backend="triton")
     with pytest.raises(TypeError, match="unexpected keyword argument 'blocksize'"):
         lt.linear_cross_entropy(x, w, y, backend="triton", blocksize=3)
+    for bad in (0, -8, 2.5, True):
+        with pytest.raises(ValueError, match="segment_size"):
+            lt.linear_cross_entropy(x, w, y, backend="triton", segment_size=bad)
+    with pytest.raises(TypeError, match="row_sync"):
+        lt.linear_cross_entropy(x, w, y, backend="triton", row_sync=1)
 
 
 def test_no_grad_forward_matches():
@@ -529,6 +534,97 @@ def test_cuda_graph_training_step(backend, low_memory):
     check_cuda_graph_training(head, lambda w, hidden, y: lt.linear_cross_entropy(
         hidden, w, y, backend=backend, z_loss=1e-4, **tuning),
         graph_batches(n, h, v, dtype=torch.float32, generator=g))
+
+
+def test_split_row_wait_timeout_poisons_instead_of_hanging():
+    """A one-launch split whose segments can never meet (one program, two segments per row)
+    comes back after MAX_SPIN polls with every loss, lse and gradient entry NaN (later rows
+    see the abort flag and give up at once), over partials that would give finite results:
+    never a hang, never finite and wrong. Also a row's segment 1 taken before its segment 0
+    after an abort. CPU: the Triton interpreter, which runs programs one after another."""
+    from logitless.triton_kernels import cross_entropy_rows as rows_mod
+    rows, v, seg = 2, 64, 32
+    g = torch.Generator().manual_seed(SEED)
+    z = torch.randn(rows, v, generator=g).to(DEV)
+    y = torch.tensor([3, 40], device=DEV)
+    one = torch.ones(1, device=DEV)
+
+    def launch(n_rows, buf, lse, loss, sync, write_grad):
+        part = torch.zeros(n_rows, 2, rows_mod.NUM_PARTS, device=DEV)
+        part[:, :, 1] = 1.0  # Σexp 1 at max 0: plausible stale statistics
+        rows_mod.cross_entropy_rows_kernel[(1,)](
+            buf, v, one, y, one, one, lse, loss, one, 0, one, n_rows, v, v, 0, v, -100,
+            0.0, 0.0, 1.0, one, one, 0, part, sync, seg, COMPUTE_LSE=True,
+            WRITE_GRAD=write_grad, FROM_TILES=False, HAS_CW=False, SMOOTH=False, HAS_Z=False,
+            HAS_SOFTCAP=False, HAS_H=False, HAS_BIAS=False, BLOCK_V=16, SEGS=2, SEGS_P2=2,
+            PHASE=rows_mod.FUSED, MAX_SPIN=1000)
+
+    buf = z.clone()
+    lse, loss = torch.zeros(rows, device=DEV), torch.zeros(rows, device=DEV)
+    sync = torch.zeros(2 + rows, dtype=torch.int32, device=DEV)
+    launch(rows, buf, lse, loss, sync, True)
+    assert torch.isnan(loss).all() and torch.isnan(lse).all() and torch.isnan(buf).all()
+    assert sync[1].item() == 1  # the abort flag
+
+    lse, loss = torch.zeros(1, device=DEV), torch.zeros(1, device=DEV)
+    sync = torch.tensor([1, 1, 0], dtype=torch.int32, device=DEV)  # next: (row 0, segment 1)
+    launch(1, z.clone(), lse, loss, sync, False)
+    sync[0] = 0  # then (row 0, segment 0), which stores the loss
+    launch(1, z.clone(), lse, loss, sync, False)
+    assert torch.isnan(loss).all() and torch.isnan(lse).all(), (loss, lse)
+
+
+def test_split_row_kernel_compiles_for_sm90():
+    """The interpreter neither compiles nor runs the one-launch split's waits (two launches
+    there): compile every form of the row kernel for an H100 (no GPU needed; the interpreter
+    accepted module globals and names bound in constexpr branches that the compiler refuses),
+    in a clean process (no TRITON_INTERPRET)."""
+    import os
+    import subprocess
+    import sys
+    code = (
+        "from logitless.triton_kernels.cross_entropy_rows import compile_variants\n"
+        "print(compile_variants(90))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("variant")]
+    assert len(lines) >= 8 and all(ln.endswith(" ok") for ln in lines), r.stdout
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("options", [{}, dict(label_smoothing=0.1, class_weights=True,
+                                              bias=True, softcap=20.0, z_loss=1e-3)])
+def test_gpu_split_rows_one_launch_equals_two_and_whole_rows(options):
+    """Long rows split over programs: the one-launch form (segments waiting for each other)
+    gives exactly what two launches give (the same partials, merged alike), and the whole-row
+    kernel's results up to the order of the sums; the default (GPU) splits V = 50257 into 7
+    segments, 4 given; fp32 logits and bf16 ones, several chunks."""
+    n, h, v = 300, 64, 50257
+    for dtype in (torch.float32, torch.bfloat16):
+        x, w, y = _data(n, h, v, dtype=dtype, seed=61)
+        g = torch.Generator().manual_seed(SEED + 62)
+        kw = dict(backend="triton", chunk_size=128, label_smoothing=options.get(
+            "label_smoothing", 0.0), z_loss=options.get("z_loss", 0.0),
+            softcap=options.get("softcap"))
+        if options.get("bias"):
+            kw["linear_bias"] = torch.randn(v, generator=g).to(DEV, dtype)
+        if options.get("class_weights"):
+            kw["weight"] = torch.rand(v, generator=g).to(DEV)
+        one = _loss_and_grads(x, w, y, **kw)
+        two = _loss_and_grads(x, w, y, row_sync=False, **kw)
+        for a, b in zip(one, two):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        four = _loss_and_grads(x, w, y, segment_size=16384, **kw)
+        whole = _loss_and_grads(x, w, y, segment_size=v, **kw)
+        for got in (one, four):
+            torch.testing.assert_close(got[0], whole[0], rtol=1e-5, atol=1e-6)
+            for a, r in zip(got[1:], whole[1:]):
+                rel = ((a.float() - r.float()).norm() / r.float().norm()).item()
+                assert rel < (1e-5 if dtype == torch.float32 else 5e-3), rel
 
 
 def test_row_stages_fall_back_where_their_buffers_do_not_fit(monkeypatch):

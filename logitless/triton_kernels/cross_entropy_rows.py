@@ -16,7 +16,15 @@ slice of V starting at ``col_offset``) it can
 The buffer holds the GEMM product x·Wᵀ without the bias, rounded once to the input dtype; the
 kernel adds the bias in fp32 as it reads (``_logit``).
 
-A persistent grid keeps only ~#SMs rows in flight, so pass 2 re-reads the row from L2.
+A persistent grid keeps only ~#SMs rows in flight, so pass 2 re-reads the row from L2. Long
+rows are split into segments (``SEGS``), one program per (row, segment), whose pass-1
+partials (max, Σexp, target logit, smoothing sum) meet in memory: in one launch (``PHASE``
+FUSED: the segments of a row wait for each other at a counter; tickets handed out in order
+leave at most one row incomplete, so the launch cannot deadlock while a row's segments can
+all be resident, and a wait past ``MAX_SPIN`` polls makes the row NaN instead of hanging) or
+in two (STATS, GRAD: the interpreter, which runs programs one after another). Many small
+programs per SM keep more bytes in flight than one whole-row program each, and each segment
+is short enough to stay in L2 until pass 2.
 All math is fp32; loads are upcast at once (the Triton interpreter mis-computes bf16 math).
 """
 from __future__ import annotations
@@ -57,14 +65,15 @@ def _finite_ref(m):
 
 
 @triton.jit
-def _logit(base, bias_ptr, col_offset, cols, lmask, mask, HAS_BIAS: tl.constexpr):
+def _logit(base, bias_ptr, col_offset, cols, lmask, mask, HAS_BIAS: tl.constexpr,
+           EVICT: tl.constexpr = ""):
     """Logits ``cols`` of a row as fp32: the stored GEMM product (loaded where ``lmask``, which
     may reach into the row's padding: past ``mask`` the values are junk for the caller to
     mask) plus, with a bias, its entry added here in fp32. cuBLAS (H100, torch 2.11) rounds
     twice when it adds a bias into a strided output whose width is a multiple of 8 (our
     buffers are column views): round(round(xWᵀ) + b) in ~30% of the entries; here it is
     round(xWᵀ) + b, with nothing rounded after the bias is in."""
-    z = tl.load(base + cols, mask=lmask, other=0.0).to(tl.float32)
+    z = tl.load(base + cols, mask=lmask, other=0.0, eviction_policy=EVICT).to(tl.float32)
     if HAS_BIAS:
         z += tl.load(bias_ptr + col_offset + cols, mask=mask, other=0.0).to(tl.float32)
     return z
@@ -121,54 +130,104 @@ def _logit_grad(c, lse, coef_p, coef_y, coef_w, is_y, wv, softcap, SMOOTH: tl.co
     return d
 
 
-@triton.jit
-def cross_entropy_rows_kernel(
-    logits_ptr, stride_row, bias_ptr,
-    y_ptr, cw_ptr, omega_sum_ptr,
-    lse_ptr, loss_ptr,
-    g_ptr, g_stride, h_ptr,
-    n_rows, n_cols, n_load, col_offset, V, ignore_index,
-    eps, z_loss, softcap, stat_m_ptr, stat_s_ptr, n_tiles,
-    COMPUTE_LSE: tl.constexpr, WRITE_GRAD: tl.constexpr, FROM_TILES: tl.constexpr,
-    HAS_CW: tl.constexpr, SMOOTH: tl.constexpr, HAS_Z: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, HAS_H: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_V: tl.constexpr, ROUND_BF16: tl.constexpr = False, STAGES: tl.constexpr = 1,
-):
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
-    offs = tl.arange(0, BLOCK_V)
-    if HAS_CW:
-        omega_sum = tl.load(omega_sum_ptr).to(tl.float32)
-    else:
-        omega_sum = V * 1.0
-    for row in range(pid, n_rows, nprog):
-        row64 = tl.cast(row, tl.int64)
-        base = logits_ptr + row64 * stride_row
-        y = tl.load(y_ptr + row64).to(tl.int64)
-        valid, in_range, y_safe, omega, mask_f = _target(y, ignore_index, V, cw_ptr, HAS_CW)
-        y_local = y_safe - col_offset  # the target's column inside this buffer, if it is here
+# Sweep-1 partials per (row, segment) where rows are split (SEGS > 1), fp32: the segment's max,
+# its Σexp relative to that max, the target's capped logit (0 outside the target's segment),
+# the smoothing sum.
+NUM_PARTS = 4
+# How the segments of a row meet (SEGS > 1): FUSED, one launch whose programs wait for their
+# row's other segments at a counter in memory; STATS then GRAD, two launches (the interpreter,
+# which runs programs one after another, or row_sync off).
+FUSED, STATS, GRAD = 0, 1, 2
+# (a jit function reads module globals only as constexprs)
+_NP, _FUSED, _STATS, _GRAD = (tl.constexpr(c) for c in (NUM_PARTS, FUSED, STATS, GRAD))
 
-        if COMPUTE_LSE:
-            # scalar fp32 tensors (not Python floats) so the loop-carried types are stable
-            zero = tl.sum(tl.zeros([BLOCK_V], dtype=tl.float32), 0)
-            m = zero - float("inf")
-            s = zero
-            wc = zero
+
+@triton.jit
+def _wait_row(cnt_ptr, abort_ptr, target, MAX_SPIN: tl.constexpr):
+    """Arrive at a row's counter and wait for ``target`` arrivals: True unless timed out (or
+    an earlier wait of the launch did). The barrier orders this program's partial stores
+    before its release; the acquire polls order the other segments' stores before our
+    (L1-bypassing) loads of them. A timeout raises the launch's abort flag, so later rows give
+    up at once instead of each waiting MAX_SPIN polls."""
+    tl.debug_barrier()
+    tl.atomic_add(cnt_ptr, 1, sem="release", scope="gpu")
+    c = tl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")
+    spins = tl.where(tl.atomic_add(abort_ptr, 0, sem="relaxed", scope="gpu") != 0, MAX_SPIN, 0)
+    while (c < target) & (spins < MAX_SPIN):
+        c = tl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")
+        spins += 1
+    ok = c >= target
+    if not ok:
+        tl.atomic_xchg(abort_ptr, 1, sem="relaxed", scope="gpu")
+    return ok & (tl.atomic_add(abort_ptr, 0, sem="acquire", scope="gpu") == 0)
+
+
+@triton.jit
+def _merge_parts(part, SEGS: tl.constexpr, SEGS_P2: tl.constexpr):
+    """(max, Σexp, target logit, smoothing sum) of a row from its segments' partials."""
+    idx = tl.arange(0, SEGS_P2)
+    smask = idx < SEGS
+    pm = tl.load(part + idx * _NP, mask=smask, other=-float("inf"), cache_modifier=".cg")
+    ps = tl.load(part + idx * _NP + 1, mask=smask, other=0.0, cache_modifier=".cg")
+    py = tl.load(part + idx * _NP + 2, mask=smask, other=0.0, cache_modifier=".cg")
+    pw = tl.load(part + idx * _NP + 3, mask=smask, other=0.0, cache_modifier=".cg")
+    m = tl.max(pm, 0)
+    # a segment with no live class (max −inf) has a sum of 0 and a factor e^(−inf) = 0
+    s = tl.sum(ps * tl.exp(pm - _finite_ref(m)), 0)
+    return m, s, tl.sum(py, 0), tl.sum(pw, 0)
+
+
+@triton.jit
+def _ce_row(row, seg, logits_ptr, stride_row, bias_ptr, y_ptr, cw_ptr, omega_sum,
+            lse_ptr, loss_ptr, g_ptr, g_stride, h_ptr, part_ptr, sync_ptr,
+            n_cols, n_load, seg_cols, col_offset, V, ignore_index, eps, z_loss, softcap,
+            stat_m_ptr, stat_s_ptr, n_tiles,
+            COMPUTE_LSE: tl.constexpr, WRITE_GRAD: tl.constexpr, FROM_TILES: tl.constexpr,
+            HAS_CW: tl.constexpr, SMOOTH: tl.constexpr, HAS_Z: tl.constexpr,
+            HAS_SOFTCAP: tl.constexpr, HAS_H: tl.constexpr, HAS_BIAS: tl.constexpr,
+            BLOCK_V: tl.constexpr, ROUND_BF16: tl.constexpr, STAGES: tl.constexpr,
+            SEGS: tl.constexpr, SEGS_P2: tl.constexpr, PHASE: tl.constexpr,
+            MAX_SPIN: tl.constexpr, EVICT1: tl.constexpr, EVICT2: tl.constexpr):
+    """Segment ``seg`` (columns [seg·seg_cols, (seg + 1)·seg_cols)) of one row; with SEGS = 1
+    the whole row."""
+    offs = tl.arange(0, BLOCK_V)
+    row64 = tl.cast(row, tl.int64)
+    base = logits_ptr + row64 * stride_row
+    y = tl.load(y_ptr + row64).to(tl.int64)
+    valid, in_range, y_safe, omega, mask_f = _target(y, ignore_index, V, cw_ptr, HAS_CW)
+    y_local = y_safe - col_offset  # the target's column inside this buffer, if it is here
+    col0 = seg * seg_cols
+    col1 = tl.minimum(col0 + seg_cols, n_cols)
+    split = SEGS > 1
+    part = part_ptr + row64 * (SEGS * _NP)
+
+    if COMPUTE_LSE:
+        # scalar fp32 tensors (not Python floats) so the loop-carried types are stable
+        zero = tl.sum(tl.zeros([BLOCK_V], dtype=tl.float32), 0)
+        m = zero - float("inf")
+        s = zero
+        wc = zero
+        c_y = zero
+        ok = zero == 0.0  # (names bound inside a constexpr branch do not leave it)
+        here = (y_local >= col0) & (y_local < col1) & valid
+        if PHASE != _GRAD:
             if FROM_TILES:  # fold the GEMM epilogue's per-tile max / Σexp
                 for start in range(0, n_tiles, BLOCK_V):
                     t = start + offs
                     tmask = t < n_tiles
-                    tm = tl.load(stat_m_ptr + row64 * n_tiles + t, mask=tmask, other=-float("inf"))
+                    tm = tl.load(stat_m_ptr + row64 * n_tiles + t, mask=tmask,
+                                 other=-float("inf"))
                     ts = tl.load(stat_s_ptr + row64 * n_tiles + t, mask=tmask, other=0.0)
                     m_new = tl.maximum(m, tl.max(tm, 0))
                     m_ref = _finite_ref(m_new)
                     s = s * tl.exp(m - m_ref) + tl.sum(ts * tl.exp(tm - m_ref), 0)
                     m = m_new
             else:
-                for start in tl.range(0, n_cols, BLOCK_V, num_stages=STAGES):
+                for start in tl.range(col0, col1, BLOCK_V, num_stages=STAGES):
                     cols = start + offs
-                    cmask = cols < n_cols
-                    z = _logit(base, bias_ptr, col_offset, cols, cols < n_load, cmask, HAS_BIAS)
+                    cmask = cols < col1
+                    z = _logit(base, bias_ptr, col_offset, cols, cols < n_load, cmask, HAS_BIAS,
+                               EVICT1)
                     c = _cap(z, softcap, HAS_SOFTCAP)  # junk (even NaN) in the row's padding
                     if SMOOTH:
                         if HAS_CW:
@@ -182,11 +241,23 @@ def cross_entropy_rows_kernel(
                     m_ref = _finite_ref(m_new)
                     s = s * tl.exp(m - m_ref) + tl.sum(tl.exp(c - m_ref), 0)
                     m = m_new
-            lse = m + tl.log(s)
-            here = (y_local >= 0) & (y_local < n_cols) & valid
+            # read before any segment of the row writes dz over it (after the wait below)
             z_y = _logit(base, bias_ptr, col_offset, tl.where(here, y_local, 0), here, here,
-                         HAS_BIAS)
-            c_y = _cap(z_y, softcap, HAS_SOFTCAP)
+                         HAS_BIAS, "")
+            c_y = tl.where(here, _cap(z_y, softcap, HAS_SOFTCAP), 0.0)
+            if split:
+                mine = part + seg * _NP
+                tl.store(mine, m)
+                tl.store(mine + 1, s)
+                tl.store(mine + 2, c_y)
+                tl.store(mine + 3, wc)
+        if PHASE != _STATS:
+            if split:
+                if PHASE == _FUSED:
+                    ok = _wait_row(sync_ptr + 2 + row64, sync_ptr + 1, SEGS, MAX_SPIN)
+                m, s, c_y, wc = _merge_parts(part, SEGS, SEGS_P2)
+                m = tl.where(ok, m, float("nan"))  # timed out: NaN, never garbage
+            lse = m + tl.log(s)
             loss = (1.0 - eps) * omega * (lse - c_y)
             if SMOOTH:
                 # selected, not times the mask: an ignored token's wc may be −inf (0·inf)
@@ -195,35 +266,126 @@ def cross_entropy_rows_kernel(
                 loss += z_loss * omega * lse * lse
             # an out-of-range target poisons its loss: an error, never silent garbage
             loss = tl.where(valid & (~in_range), float("nan"), loss)
-            tl.store(lse_ptr + row64, lse)
-            tl.store(loss_ptr + row64, loss)
-        else:
-            lse = tl.load(lse_ptr + row64).to(tl.float32)
+            if seg == 0:
+                tl.store(lse_ptr + row64, lse)
+                tl.store(loss_ptr + row64, loss)
+    else:
+        lse = tl.load(lse_ptr + row64).to(tl.float32)
 
-        if WRITE_GRAD:
-            # an ignored token's gradient is 0 whatever its upstream g (F.cross_entropy's rule):
-            # selected, as g·0 would turn an inf or NaN g into NaN in every dW row
-            g = tl.where(valid, tl.load(g_ptr + row64 * g_stride).to(tl.float32), 0.0)
-            h = 0.0
-            if HAS_H:
-                h = tl.load(h_ptr + row64).to(tl.float32)
-            coef_p, coef_y, coef_w = _grad_coefs(g, h, lse, omega, mask_f, omega_sum, V, eps,
-                                                 z_loss, HAS_Z, SMOOTH, HAS_H)
-            # Backwards over the row: its most recently read tail is the likeliest to be in L2.
-            n_blocks = tl.cdiv(n_cols, BLOCK_V)
-            for i in tl.range(0, n_blocks, num_stages=STAGES):
-                cols = (n_blocks - 1 - i) * BLOCK_V + offs
-                cmask = cols < n_cols
-                lmask = cols < n_load
-                z = _logit(base, bias_ptr, col_offset, cols, lmask, cmask, HAS_BIAS)
-                c = _cap(z, softcap, HAS_SOFTCAP)
-                wv = 0.0
-                if SMOOTH and HAS_CW:
-                    wv = tl.load(cw_ptr + col_offset + cols, mask=cmask, other=0.0).to(tl.float32)
-                d = _logit_grad(c, lse, coef_p, coef_y, coef_w, cols == y_local, wv, softcap,
-                                SMOOTH, HAS_CW, HAS_SOFTCAP)
-                if ROUND_BF16:  # the interpreter's cast truncates; the GPU rounds
-                    d = round_bf16_bits(d)
-                # the padding too (junk there, read by no GEMM): a bound that is a multiple
-                # of 16 lets the store vectorize, as the loads
-                tl.store(base + cols, d.to(logits_ptr.dtype.element_ty), mask=lmask)
+    if WRITE_GRAD and PHASE != _STATS:
+        # an ignored token's gradient is 0 whatever its upstream g (F.cross_entropy's rule):
+        # selected, as g·0 would turn an inf or NaN g into NaN in every dW row
+        g = tl.where(valid, tl.load(g_ptr + row64 * g_stride).to(tl.float32), 0.0)
+        h = 0.0
+        if HAS_H:
+            h = tl.load(h_ptr + row64).to(tl.float32)
+        coef_p, coef_y, coef_w = _grad_coefs(g, h, lse, omega, mask_f, omega_sum, V, eps,
+                                             z_loss, HAS_Z, SMOOTH, HAS_H)
+        # Backwards over the segment: its most recently read tail is the likeliest in L2.
+        n_blocks = tl.cdiv(col1 - col0, BLOCK_V)
+        for i in tl.range(0, n_blocks, num_stages=STAGES):
+            cols = col0 + (n_blocks - 1 - i) * BLOCK_V + offs
+            cmask = cols < col1
+            lmask = cols < n_load
+            z = _logit(base, bias_ptr, col_offset, cols, lmask, cmask, HAS_BIAS,
+                       EVICT2)
+            c = _cap(z, softcap, HAS_SOFTCAP)
+            wv = 0.0
+            if SMOOTH and HAS_CW:
+                wv = tl.load(cw_ptr + col_offset + cols, mask=cmask, other=0.0).to(tl.float32)
+            d = _logit_grad(c, lse, coef_p, coef_y, coef_w, cols == y_local, wv, softcap,
+                            SMOOTH, HAS_CW, HAS_SOFTCAP)
+            if ROUND_BF16:  # the interpreter's cast truncates; the GPU rounds
+                d = round_bf16_bits(d)
+            # the padding too (junk there, read by no GEMM): a bound that is a multiple
+            # of 16 lets the store vectorize, as the loads
+            tl.store(base + cols, d.to(logits_ptr.dtype.element_ty), mask=lmask,
+                     eviction_policy=EVICT2)
+
+
+@triton.jit
+def cross_entropy_rows_kernel(
+    logits_ptr, stride_row, bias_ptr,
+    y_ptr, cw_ptr, omega_sum_ptr,
+    lse_ptr, loss_ptr,
+    g_ptr, g_stride, h_ptr,
+    n_rows, n_cols, n_load, col_offset, V, ignore_index,
+    eps, z_loss, softcap, stat_m_ptr, stat_s_ptr, n_tiles,
+    part_ptr, sync_ptr, seg_cols,
+    COMPUTE_LSE: tl.constexpr, WRITE_GRAD: tl.constexpr, FROM_TILES: tl.constexpr,
+    HAS_CW: tl.constexpr, SMOOTH: tl.constexpr, HAS_Z: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_H: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_V: tl.constexpr, ROUND_BF16: tl.constexpr = False, STAGES: tl.constexpr = 1,
+    SEGS: tl.constexpr = 1, SEGS_P2: tl.constexpr = 2, PHASE: tl.constexpr = 0,
+    MAX_SPIN: tl.constexpr = 1 << 22, EVICT1: tl.constexpr = "", EVICT2: tl.constexpr = "",
+):
+    """Rows [0, n_rows) of the buffer, each in ``SEGS`` segments of ``seg_cols`` columns (the
+    last one ragged). SEGS = 1: a persistent grid walks whole rows. SEGS > 1 (only with
+    ``COMPUTE_LSE`` from the logits): ``PHASE`` FUSED takes (row, segment) tickets in order
+    from an atomic counter, so at most one row is ever incomplete and SEGS resident programs
+    suffice, and a row's segments wait for each other between the sweeps (``sync_ptr``: int32
+    [2 + n_rows] zeros: the ticket counter, the abort flag, one counter per row); STATS
+    writes the partials (``part_ptr``: fp32 [n_rows, SEGS, NUM_PARTS]), GRAD merges them and
+    finishes (loss, lse, dz) in a second launch. ``EVICT1`` / ``EVICT2``: L2 eviction hints
+    of sweep 1's loads / sweep 2's loads and stores ("": none)."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    if HAS_CW:
+        omega_sum = tl.load(omega_sum_ptr).to(tl.float32)
+    else:
+        omega_sum = V * 1.0
+    if SEGS > 1 and PHASE == _FUSED:
+        total = n_rows * SEGS
+        ticket = tl.atomic_add(sync_ptr, 1, sem="relaxed")
+        while ticket < total:
+            _ce_row(ticket // SEGS, ticket % SEGS, logits_ptr, stride_row, bias_ptr, y_ptr,
+                    cw_ptr, omega_sum, lse_ptr, loss_ptr, g_ptr, g_stride, h_ptr, part_ptr,
+                    sync_ptr, n_cols, n_load, seg_cols, col_offset, V, ignore_index, eps,
+                    z_loss, softcap, stat_m_ptr, stat_s_ptr, n_tiles, COMPUTE_LSE, WRITE_GRAD,
+                    FROM_TILES, HAS_CW, SMOOTH, HAS_Z, HAS_SOFTCAP, HAS_H, HAS_BIAS, BLOCK_V,
+                    ROUND_BF16, STAGES, SEGS, SEGS_P2, PHASE, MAX_SPIN, EVICT1, EVICT2)
+            ticket = tl.atomic_add(sync_ptr, 1, sem="relaxed")
+    else:
+        for t in range(pid, n_rows * SEGS, nprog):
+            _ce_row(t // SEGS, t % SEGS, logits_ptr, stride_row, bias_ptr, y_ptr,
+                    cw_ptr, omega_sum, lse_ptr, loss_ptr, g_ptr, g_stride, h_ptr, part_ptr,
+                    sync_ptr, n_cols, n_load, seg_cols, col_offset, V, ignore_index, eps,
+                    z_loss, softcap, stat_m_ptr, stat_s_ptr, n_tiles, COMPUTE_LSE, WRITE_GRAD,
+                    FROM_TILES, HAS_CW, SMOOTH, HAS_Z, HAS_SOFTCAP, HAS_H, HAS_BIAS, BLOCK_V,
+                    ROUND_BF16, STAGES, SEGS, SEGS_P2, PHASE, MAX_SPIN, EVICT1, EVICT2)
+
+
+# ----------------------------------------------------------------------------- diagnostics
+def compile_variants(arch: int = 90) -> str:
+    """Compile the kernel's forms (whole rows, split in one launch or two, every option, the
+    tiles' statistics, the gradient alone) for a CUDA ``arch`` without a GPU, one
+    ``variant ... ok`` line each (the interpreter never compiles); raises on a refusal. Run it
+    without TRITON_INTERPRET."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig = dict(logits_ptr="*bf16", stride_row="i32", bias_ptr="*fp32", y_ptr="*i64",
+               cw_ptr="*fp32", omega_sum_ptr="*fp32", lse_ptr="*fp32", loss_ptr="*fp32",
+               g_ptr="*fp32", g_stride="i32", h_ptr="*fp32", n_rows="i32", n_cols="i32",
+               n_load="i32", col_offset="i32", V="i32", ignore_index="i64", eps="fp32",
+               z_loss="fp32", softcap="fp32", stat_m_ptr="*fp32", stat_s_ptr="*fp32",
+               n_tiles="i32", part_ptr="*fp32", sync_ptr="*i32", seg_cols="i32")
+    base = dict(COMPUTE_LSE=True, WRITE_GRAD=True, FROM_TILES=False, HAS_CW=False,
+                SMOOTH=False, HAS_Z=False, HAS_SOFTCAP=False, HAS_H=False, HAS_BIAS=False,
+                BLOCK_V=2048, ROUND_BF16=False, STAGES=3, SEGS=16, SEGS_P2=16, PHASE=FUSED,
+                MAX_SPIN=1 << 22, EVICT1="evict_last", EVICT2="evict_first")
+    every = dict(HAS_CW=True, SMOOTH=True, HAS_Z=True, HAS_SOFTCAP=True, HAS_BIAS=True)
+    whole = dict(SEGS=1, SEGS_P2=2, BLOCK_V=4096, EVICT1="", EVICT2="", num_warps=8)
+    variants = [dict(), every, dict(WRITE_GRAD=False), dict(PHASE=STATS, WRITE_GRAD=False),
+                dict(PHASE=GRAD), dict(PHASE=GRAD, **every), whole, dict(whole, **every),
+                dict(whole, FROM_TILES=True), dict(whole, COMPUTE_LSE=False, HAS_H=True)]
+    lines = []
+    for v in variants:
+        cons = {**base, **v}
+        num_warps = cons.pop("num_warps", 2)  # the split's default (whole rows: 32 x 32768,
+        # which takes minutes to compile: the form is the same)
+        src = ASTSource(fn=cross_entropy_rows_kernel,
+                        signature={**sig, **{k: "constexpr" for k in cons}}, constexprs=cons)
+        triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
+        lines.append(f"variant {v} ok")
+    return "\n".join(lines)

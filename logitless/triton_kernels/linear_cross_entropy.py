@@ -39,12 +39,12 @@ from .. import _torch_common as common
 from ..specs import linear_cross_entropy as spec
 from ..specs.tiling import next_power_of_2, plan_token_chunks
 from . import logits_gemm as stats_gemm
-from .cross_entropy_rows import cross_entropy_rows_kernel
+from .cross_entropy_rows import FUSED, GRAD, NUM_PARTS, STATS, cross_entropy_rows_kernel
 from .narrow_cast import (accumulate_split_, accumulator_pair, finish_, hand_over_once,
                           scale_cast, scale_cast_op, scale_op)
 
 TUNING = ("low_memory", "chunk_size", "vocab_chunk_size", "memory_budget", "grad_accum_dtype",
-          "block_v", "num_warps", "logits_gemm")
+          "block_v", "num_warps", "logits_gemm", "segment_size", "row_sync")
 # the target range check runs in the forward op (_fwd_op), as in torch_chunked (see there)
 CHECKS_TARGETS = True
 # backward finishes the forward's saved gradients in place (narrow_cast.hand_over_once): one
@@ -85,6 +85,23 @@ PROGRAMS_PER_SM = 4
 # stages, 16K blocks or 2 programs/SM x 16 warps no better. Where its shared-memory buffers
 # do not fit (fp32 rows, class weights; smaller GPUs), _rows falls back to 1.
 ROW_STAGES = 3
+# Rows split over programs (cross_entropy_rows' SEGS) where lse is computed from the logits:
+# each program streams one ROW_SEGMENT-column segment of a row (sweep 1, then sweep 2 re-reads
+# it from L2), the segments' partial sums meet in memory, in one launch on a GPU. Whole rows
+# (one 32-warp program per SM) leave the kernel latency-bound. Row kernel per bf16 chunk on an
+# H100 (benchmarks/lce_split_probe.py, results/…-s26-lce-split-*.jsonl): 3584 x 128256 0.88 ->
+# 0.77 ms, 4096 x 256000 2.12 -> 1.71, 1024 x 128256 0.275 -> 0.243 with 8192-column segments
+# of 2048-column blocks, 2 warps, 16 programs per SM (16384 x 4096 x 4 warps within 2%; 32768
+# and 1-warp programs slower; two launches 18-30% slower than whole rows; without the L2
+# hints +4-6%). Whole fwd+bwd, interleaved A/B against whole rows (row_stages_ab.py): Llama
+# 0.997x, Gemma 0.991x, low-memory 0.983x (only the last interval excludes 1).
+ROW_SEGMENT = 8192
+SPLIT_BLOCK = 2048
+SPLIT_WARPS = 2
+SPLIT_PROGRAMS_PER_SM = 16
+# L2 eviction hints of split rows: sweep 1's loads stay for sweep 2's re-read, whose loads and
+# stores need not
+SPLIT_EVICT = ("evict_last", "evict_first")
 _ROW_STAGES_FITTING = {}  # launch key -> 1 where ROW_STAGES' buffers did not fit (see _rows)
 
 # grad_mode of the forward op
@@ -102,6 +119,8 @@ class Config:
     block_v: int        # 0 = pick from the row length
     num_warps: int      # 0 = pick from the block
     logits_gemm: int = LOGITS_GEMM["cublas"]  # who computes the logits (LOGITS_GEMM)
+    segment: int = 0    # row-kernel columns per program (0: ROW_SEGMENT on a GPU)
+    row_sync: bool = True  # split rows: one launch whose segments wait for each other
 
 
 # Triton decides interpreter-or-GPU when kernels are decorated (import time); read it once too,
@@ -114,6 +133,16 @@ def _interpret() -> bool:
 
 
 # ----------------------------------------------------------------------------- launching
+def _split(cfg, n_cols, compute_lse, stats, cuda):
+    """(segment columns, segments) of the rows: whole rows (one segment) unless ``cfg``'s
+    segment (0: ``ROW_SEGMENT`` on a GPU, whole rows interpreted) is shorter than the row and
+    the kernel computes lse from the logits (the split is for that sweep's re-read)."""
+    seg = cfg.segment or (ROW_SEGMENT if cuda and not _interpret() else 0)
+    if not seg or seg >= n_cols or not compute_lse or stats is not None:
+        return n_cols, 1
+    return seg, triton.cdiv(n_cols, seg)
+
+
 def _rows(buf, bias, n_rows, n_cols, col_offset, y, cw, omega_sum, lse, loss, g, h, opts_t, v,
           cfg, compute_lse, write_grad, stats=None):
     """Run the row kernel over ``buf[:n_rows, :n_cols]`` (see cross_entropy_rows), which holds
@@ -122,23 +151,43 @@ def _rows(buf, bias, n_rows, n_cols, col_offset, y, cw, omega_sum, lse, loss, g,
     ignore_index, eps, z_loss, softcap = opts_t
     if n_rows == 0:
         return
+    dev = buf.device
+    seg_cols, segs = _split(cfg, n_cols, compute_lse, stats, buf.is_cuda)
     long_row = n_cols >= LONG_ROW
-    block = cfg.block_v or min(LONG_ROW_BLOCK if long_row else 4096, next_power_of_2(n_cols))
-    num_warps = cfg.num_warps or (LONG_ROW_WARPS if long_row else max(1, min(8, block // 256)))
-    if buf.is_cuda:
-        sms = torch.cuda.get_device_properties(buf.device).multi_processor_count
+    if segs > 1:
+        block = cfg.block_v or SPLIT_BLOCK
+        num_warps = cfg.num_warps or SPLIT_WARPS
+        per_sm = SPLIT_PROGRAMS_PER_SM
+    else:
+        block = cfg.block_v or min(LONG_ROW_BLOCK if long_row else 4096, next_power_of_2(n_cols))
+        num_warps = cfg.num_warps or (LONG_ROW_WARPS if long_row else max(1, min(8, block // 256)))
         per_sm = LONG_ROW_PROGRAMS_PER_SM if long_row else PROGRAMS_PER_SM
-        grid = (min(n_rows, max(1, int(sms * per_sm))),)
+    if buf.is_cuda and not _interpret():
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count
+        grid = min(n_rows * segs, max(1, int(sms * per_sm)))
     else:  # interpreter: programs run one after another; small blocks only cost Python time
-        grid = (n_rows,)
+        sms = None
+        grid = n_rows * segs
         block = cfg.block_v or min(1024, next_power_of_2(n_cols))
+    if segs > 1:
+        seg_cols = max(block, -(-seg_cols // block) * block)  # whole blocks
+        segs = triton.cdiv(n_cols, seg_cols)
+    # one launch only where a row's segments are sure to run at once (no more of them than
+    # programs, nor than SMs: every SM holds at least one program); else two
+    fused = segs > 1 and cfg.row_sync and sms is not None and segs <= min(grid, sms)
     dummy = lse  # any fp32 tensor stands in for absent optional pointers
+    part = (torch.empty(n_rows, segs, NUM_PARTS, dtype=torch.float32, device=dev)
+            if segs > 1 else dummy)
+    # int32 even when unused: Triton type-checks the (dead) waiting code's atomics
+    sync = torch.zeros(2 + n_rows if fused else 1, dtype=torch.int32, device=dev)
     flags = dict(COMPUTE_LSE=compute_lse, WRITE_GRAD=write_grad, FROM_TILES=stats is not None,
                  HAS_CW=cw is not None, SMOOTH=eps > 0, HAS_Z=z_loss > 0,
                  HAS_SOFTCAP=softcap is not None, HAS_H=h is not None, HAS_BIAS=bias is not None,
-                 BLOCK_V=block, ROUND_BF16=_interpret() and buf.dtype == torch.bfloat16)
+                 BLOCK_V=block, ROUND_BF16=_interpret() and buf.dtype == torch.bfloat16,
+                 SEGS=segs, SEGS_P2=max(2, next_power_of_2(segs)),
+                 **(dict(zip(("EVICT1", "EVICT2"), SPLIT_EVICT)) if segs > 1 else {}))
     launch = functools.partial(
-        cross_entropy_rows_kernel[grid],
+        cross_entropy_rows_kernel[(grid,)],
         buf, buf.stride(0), dummy if bias is None else bias,
         y, dummy if cw is None else cw, dummy if omega_sum is None else omega_sum,
         lse, dummy if loss is None else loss,
@@ -147,20 +196,29 @@ def _rows(buf, bias, n_rows, n_cols, col_offset, y, cw, omega_sum, lse, loss, g,
         n_rows, n_cols, common.load_cols(n_cols, buf), col_offset, v, ignore_index,
         eps, z_loss, 1.0 if softcap is None else softcap,
         dummy if stats is None else stats[0], dummy if stats is None else stats[1],
-        0 if stats is None else stats[0].shape[1], num_warps=num_warps, **flags)
+        0 if stats is None else stats[0].shape[1], part, sync, seg_cols,
+        num_warps=num_warps, **flags)
     key = (buf.device, buf.dtype, None if bias is None else bias.dtype,
            None if cw is None else cw.dtype, num_warps, tuple(flags.values()))
+    if segs == 1 or fused:
+        _launch_rows(launch, key, PHASE=FUSED)
+    else:
+        _launch_rows(launch, key + (STATS,), PHASE=STATS, WRITE_GRAD=False)
+        _launch_rows(launch, key + (GRAD,), PHASE=GRAD)
+
+
+def _launch_rows(launch, key, **meta):
     stages = 1 if _interpret() else _ROW_STAGES_FITTING.get(key, ROW_STAGES)
     if stages > 1:
         try:
-            launch(STAGES=stages)
+            launch(STAGES=stages, **meta)
             return
         except OutOfResources:
             # the pipeline's shared-memory buffers ((stages - 1) x the block's loads: 256 KiB
             # for fp32 rows of 32K columns, more with class weights) exceed this GPU's; Triton
             # refuses before launching anything
             _ROW_STAGES_FITTING[key] = 1
-    launch(STAGES=1)
+    launch(STAGES=1, **meta)
 
 
 def _logits(x_c, w, out):
@@ -309,7 +367,8 @@ def _fwd_op(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], y: t
             cw: Optional[torch.Tensor], reduction: int, ignore_index: int, label_smoothing: float,
             z_loss: float, softcap: float, grad_mode: int, need_dx: bool, need_dw: bool,
             need_db: bool, low_memory: bool, chunk: int, vocab_chunk: int, block_v: int,
-            num_warps: int, accum_fp32: bool, gemm: int
+            num_warps: int, accum_fp32: bool, gemm: int, segment: int,
+            row_sync: bool
             ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                        torch.Tensor, torch.Tensor]:
     """-> (loss, lse, Σω or 1, dX, dW part a, dW part b, db): the gradients (for an upstream
@@ -320,7 +379,7 @@ def _fwd_op(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], y: t
     common.check_targets(y, w.shape[0], ignore_index)
     with common.on_device(x):
         cfg = Config(chunk, vocab_chunk, block_v, num_warps,
-                     _resolve_gemm(gemm, x, w, bias, low_memory))
+                     _resolve_gemm(gemm, x, w, bias, low_memory), segment, row_sync)
         opts_t = _opts_tuple(ignore_index, label_smoothing, z_loss, softcap)
         denom = torch.ones((), dtype=torch.float32, device=x.device)
         if reduction == REDUCTIONS["mean"]:
@@ -386,7 +445,7 @@ def _accum_dtype(dtype, n, chunk, accum_fp32):
 @_fwd_op.register_fake
 def _(x, w, bias, y, cw, reduction, ignore_index, label_smoothing, z_loss, softcap, grad_mode,
       need_dx, need_dw, need_db, low_memory, chunk, vocab_chunk, block_v, num_warps, accum_fp32,
-      gemm):
+      gemm, segment, row_sync):
     n, hdim = x.shape
     v = w.shape[0]
     f32 = dict(dtype=torch.float32, device=x.device)
@@ -406,14 +465,15 @@ def _bwd_op(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], y: t
             h: Optional[torch.Tensor], post_scale: Optional[torch.Tensor], ignore_index: int,
             label_smoothing: float, z_loss: float, softcap: float, need_dx: bool, need_dw: bool,
             need_db: bool, low_memory: bool, chunk: int, vocab_chunk: int, block_v: int,
-            num_warps: int, accum_fp32: bool, gemm: int
+            num_warps: int, accum_fp32: bool, gemm: int, segment: int,
+            row_sync: bool
             ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Recomputing backward. ``g``: per-token upstream gradient (N,) or a uniform one (1,);
     ``h``: upstream gradient of lse; ``post_scale`` multiplies the vocabulary-sweep results;
     ``gemm``: the forward's ``LOGITS_GEMM`` code, resolved as there."""
     with common.on_device(x):
         cfg = Config(chunk, vocab_chunk, block_v, num_warps,
-                     _resolve_gemm(gemm, x, w, bias, low_memory))
+                     _resolve_gemm(gemm, x, w, bias, low_memory), segment, row_sync)
         opts_t = _opts_tuple(ignore_index, label_smoothing, z_loss, softcap)
         v, hdim = w.shape
         omega_sum = _omega_sum(cw)
@@ -444,7 +504,7 @@ def _bwd_op(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], y: t
 @_bwd_op.register_fake
 def _(x, w, bias, y, cw, lse, g, h, post_scale, ignore_index, label_smoothing, z_loss, softcap,
       need_dx, need_dw, need_db, low_memory, chunk, vocab_chunk, block_v, num_warps, accum_fp32,
-      gemm):
+      gemm, segment, row_sync):
     need_db = need_db and bias is not None
     return (x.new_empty(x.shape) if need_dx else x.new_empty(0),
             w.new_empty(w.shape) if need_dw else x.new_empty(0),
@@ -462,14 +522,14 @@ def _cast(acc, scale, dtype, out=None):
 def _setup_context(ctx, inputs, output):
     (x, w, bias, y, cw, reduction, ignore_index, label_smoothing, z_loss, softcap, grad_mode,
      _need_dx, _need_dw, _need_db, low_memory, chunk, vocab_chunk, block_v, num_warps,
-     accum_fp32, gemm) = inputs
+     accum_fp32, gemm, segment, row_sync) = inputs
     loss, lse, denom, dx, dw_a, dw_b, db = output
     ctx.save_for_backward(x, w, bias, y, cw, lse, denom, dx, dw_a, dw_b, db)
     ctx.args = dict(reduction=reduction, ignore_index=ignore_index,
                     label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
                     grad_mode=grad_mode, low_memory=low_memory, chunk=chunk,
                     vocab_chunk=vocab_chunk, block_v=block_v, num_warps=num_warps,
-                    accum_fp32=accum_fp32, gemm=gemm)
+                    accum_fp32=accum_fp32, gemm=gemm, segment=segment, row_sync=row_sync)
     ctx.set_materialize_grads(False)
 
 
@@ -479,7 +539,7 @@ def _backward(ctx, g_loss, g_lse, _g_denom, _g_dx, _g_dwa, _g_dwb, _g_db):
     if torch.is_grad_enabled():
         raise RuntimeError(common.NO_DOUBLE_BACKWARD.format(op="linear_cross_entropy"))
     grads = _gradients(ctx, g_loss, g_lse)
-    return tuple(None if t is None else t.detach() for t in grads) + (None,) * 18
+    return tuple(None if t is None else t.detach() for t in grads) + (None,) * 20
 
 
 def _gradients(ctx, g_loss, g_lse):
@@ -520,7 +580,8 @@ def _gradients(ctx, g_loss, g_lse):
                             None if fold else scale, a["ignore_index"],
                             a["label_smoothing"], a["z_loss"], a["softcap"], False, need_w,
                             need_b, True, a["chunk"], a["vocab_chunk"], a["block_v"],
-                            a["num_warps"], a["accum_fp32"], a["gemm"])
+                            a["num_warps"], a["accum_fp32"], a["gemm"], a["segment"],
+                            a["row_sync"])
         return gx, gw if need_w else None, gb if (need_b and bias is not None) else None
     # Per-token upstream (reduction="none") or a gradient on lse: recompute.
     if g_loss is None:
@@ -531,7 +592,8 @@ def _gradients(ctx, g_loss, g_lse):
     gx, gw, gb = _bwd_op(x, w, bias, y, cw, lse, g, h, None, a["ignore_index"],
                          a["label_smoothing"], a["z_loss"], a["softcap"], need_x, need_w,
                          need_b, low_memory, a["chunk"], a["vocab_chunk"], a["block_v"],
-                         a["num_warps"], a["accum_fp32"], a["gemm"])
+                         a["num_warps"], a["accum_fp32"], a["gemm"], a["segment"],
+                         a["row_sync"])
     return (gx if need_x else None, gw if need_w else None,
             gb if (need_b and bias is not None) else None)
 
@@ -544,7 +606,8 @@ torch.library.register_autograd("logitless::linear_cross_entropy_fwd", _backward
 def linear_cross_entropy(p: common.Prepared, opts: spec.LinearCrossEntropyOptions, *,
                          low_memory=False, chunk_size=None, vocab_chunk_size=None,
                          memory_budget=None, grad_accum_dtype=torch.float32, block_v=None,
-                         num_warps=None, logits_gemm="auto"):
+                         num_warps=None, logits_gemm="auto", segment_size=None,
+                         row_sync=True):
     """Returns ``(loss, lse)``; see the module docstring for the two operating points.
 
     Tuning (defaults in parentheses): ``low_memory`` (False), ``chunk_size`` (None: from
@@ -561,7 +624,13 @@ def linear_cross_entropy(p: common.Prepared, opts: spec.LinearCrossEntropyOption
     accumulates in fp32 regardless, as its sums are not yet scaled by the upstream gradient
     and could overflow fp16), ``block_v`` (None: from the row length, 32768 for rows of
     16384 or more, else up to 4096; the row-kernel block, a power of 2),
-    ``num_warps`` (None: 32 for long rows, else block/256 capped to [1, 8]),
+    ``num_warps`` (None: 32 for long rows, else block/256 capped to [1, 8]; 2 for split
+    rows), ``segment_size`` (None: 8192 on a GPU, whole rows interpreted; columns of a row per
+    program where the kernel computes lse from the logits: rows longer than this are split
+    over programs, each streaming one segment, with 2048-column blocks by default),
+    ``row_sync`` (True: a row's segments meet in one launch, waiting for each other at a
+    counter in memory, where they can all run at once; False, interpreted, or else: two
+    launches, the segments' partial sums passed between them; slower),
     ``logits_gemm`` (``"auto"``; who computes the logits: ``"cublas"``, or ``"triton"``: a
     GEMM of ours whose epilogue also leaves the softmax statistics, saving the row kernel one
     of its two passes over the logits, and whose recomputing sweeps (low-memory backward,
@@ -593,6 +662,10 @@ def linear_cross_entropy(p: common.Prepared, opts: spec.LinearCrossEntropyOption
     if num_warps is not None and (not common.is_int(num_warps) or
                                   num_warps not in (1, 2, 4, 8, 16, 32)):
         raise ValueError(f"num_warps must be a power of 2 in [1, 32], got {num_warps!r}")
+    if segment_size is not None and (not common.is_int(segment_size) or segment_size < 1):
+        raise ValueError(f"segment_size must be a positive int, got {segment_size!r}")
+    if not isinstance(row_sync, bool):
+        raise TypeError(f"row_sync must be a bool, got {row_sync!r}")
     if not isinstance(logits_gemm, str) or logits_gemm not in LOGITS_GEMM:
         raise ValueError(f"logits_gemm must be one of {list(LOGITS_GEMM)}, got {logits_gemm!r}")
     why = logits_gemm != "cublas" and stats_gemm.unsupported_options(x.dtype,
@@ -631,5 +704,6 @@ def linear_cross_entropy(p: common.Prepared, opts: spec.LinearCrossEntropyOption
         x, p.w, p.bias, y, p.class_weight, REDUCTIONS[opts.reduction], opts.ignore_index,
         float(opts.label_smoothing), float(opts.z_loss), float(opts.softcap or 0.0), grad_mode,
         need_dx, need_dw, need_db, low_memory, chunk, vocab_chunk, block_v or 0, num_warps or 0,
-        grad_accum_dtype == torch.float32, LOGITS_GEMM[logits_gemm])
+        grad_accum_dtype == torch.float32, LOGITS_GEMM[logits_gemm], segment_size or 0,
+        row_sync)
     return loss, lse
