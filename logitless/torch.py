@@ -58,7 +58,8 @@ def _check_backend(backend):
 # imported to read them): a GPU script's keywords are then still known, warned about and
 # dropped on CPU. tests/test_torch_errors.py checks it against the module's TUNING.
 _TRITON_TUNING = ("low_memory", "chunk_size", "vocab_chunk_size", "memory_budget",
-                  "grad_accum_dtype", "block_v", "num_warps", "logits_gemm")
+                  "grad_accum_dtype", "block_v", "num_warps", "logits_gemm", "segment_size",
+                  "row_sync")
 
 
 def _tuning_names(backend: Optional[str]):
@@ -135,7 +136,9 @@ def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weig
       logits block; ``grad_accum_dtype`` (``torch.float32``, or the input dtype);
       ``block_v`` (None: from the row length), ``num_warps`` (None: from the block);
       ``logits_gemm`` (``"auto"``: ``"triton"`` for ``low_memory=True`` on a Hopper GPU
-      where that GEMM can run, else ``"cublas"``; or either explicitly).
+      where that GEMM can run, else ``"cublas"``; or either explicitly);
+      ``segment_size`` (None: 8192 on a GPU), columns of a row per row-kernel program (longer
+      rows are split over programs); ``row_sync`` (True: a row's segments meet in one launch).
     * ``backend="pallas"``: the keywords of :func:`logitless.jax.linear_cross_entropy`'s
       ``"pallas"`` backend (``logitless.pallas_kernels.linear_cross_entropy.TUNING``).
     * with ``process_group``: ``chunk_size``, ``memory_budget`` (as ``"torch"``).
