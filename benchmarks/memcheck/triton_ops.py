@@ -14,7 +14,8 @@ for dt, h in ((torch.float32, 33), (torch.bfloat16, 33), (torch.bfloat16, 40)):
     cw = torch.rand(v, device=dev)
     xt, wt = torch.randn(n, 20, device=dev, dtype=dt), (torch.randn(v, 20, device=dev) / 5).to(dt)
     modes = [dict(), dict(low_memory=True), dict(block_v=16), dict(reduction="none"),
-             dict(chunk_size=16)]
+             dict(chunk_size=16), dict(block_v=16, segment_size=32),  # split rows: one launch
+             dict(block_v=16, segment_size=32, row_sync=False)]     # and two
     if dt != torch.float32 and dev == "cuda" and h % 8 == 0:  # TMA: 16-byte rows
         modes += [dict(logits_gemm="triton"), dict(logits_gemm="triton", low_memory=True)]
     for kw in modes:
