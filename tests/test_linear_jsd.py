@@ -788,6 +788,28 @@ def _rel(a, b):
     return ((a - b).norm() / b.norm()).item()
 
 
+def test_triton_first_logits_gemms_are_queued_before_the_small_kernels(monkeypatch):
+    """The fused forward queues the first logits GEMMs before the target check and the
+    "mean" divisor's small kernels, whose launches then overlap them on a GPU (the CE's
+    test_first_logits_gemm_is_queued_before_the_small_kernels)."""
+    pytest.importorskip("triton")
+    from logitless import _torch_common as common
+    from logitless.triton_kernels import linear_jsd as tjsd
+    order = []
+    for mod, name in ((tjsd, "_logits"), (common, "check_targets")):
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _n=name, _f=real, **k: (
+            order.append(_n), _f(*a, **k))[1])
+    xs, ws, xt, wt, y = _data(40, 16, 12, 50, seed=17)
+    got = _loss_and_grads(xs, ws, xt, wt, y, backend="triton", chunk_size=16,
+                          logits_chunk_size=16)
+    assert order[:3] == ["_logits", "_logits", "check_targets"], order
+    assert order.count("check_targets") == 1 and order.count("_logits") == 6, order
+    ref = _loss_and_grads(xs, ws, xt, wt, y, backend="torch")
+    for a, r in zip(got, ref):
+        assert _rel(a, r) < 1e-4
+
+
 TRITON_TUNINGS = {
     "sub-chunks": dict(chunk_size=24, logits_chunk_size=10),
     "three-launches": dict(chunk_size=32, block_v=64, segment_size=128, row_sync=False),

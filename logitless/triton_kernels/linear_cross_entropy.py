@@ -250,10 +250,12 @@ def _ones(like):
 
 
 # ----------------------------------------------------------------------------- sweeps
-def _forward(x, w, bias, y, cw, omega_sum, opts_t, cfg, grad_mode, needs, accum_dtype, g):
+def _forward(x, w, bias, y, cw, opts_t, cfg, grad_mode, needs, accum_dtype, scalars):
     """Token sweep: per-token loss and lse; with ``grad_mode`` also those of dX (and dW, db)
     that ``needs`` (need_dx, need_dw, need_db) asks for, for the uniform upstream gradient
-    ``g`` (a (1,) device tensor). A frozen head costs neither its GEMM nor its accumulator."""
+    ``g``. ``scalars()`` -> (Σ class weights or None, g as a (1,) device tensor), called once,
+    after the first chunk's logits GEMM is queued. A frozen head costs neither its GEMM nor
+    its accumulator."""
     n, hdim = x.shape
     v = w.shape[0]
     dev = x.device
@@ -288,12 +290,16 @@ def _forward(x, w, bias, y, cw, omega_sum, opts_t, cfg, grad_mode, needs, accum_
                                           _interpret(), sms)
         else:
             blk = _logits(x[s:e], w, buf[: e - s])
+        if s == 0:
+            omega_sum, g = scalars()
         _rows(blk, bias, e - s, v, 0, y[s:e], cw, omega_sum, lse[s:e], token_loss[s:e],
               g, None, opts_t, v, cfg, compute_lse=True,
               write_grad=need_dx or need_dw or need_db, stats=stats)
         if need_dx:
             common.mm_over_vocab(blk, w, dx[s:e])
         _accumulate(dw, db, blk, x[s:e], first=s == 0)
+    if n == 0:
+        scalars()
     return token_loss, lse, dx, dw, db
 
 
@@ -376,19 +382,29 @@ def _fwd_op(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], y: t
     the accumulator pair of :func:`.narrow_cast.accumulator_pair` (part b empty unless split).
     ``low_memory`` is for backward (the fast forward never sees it); ``gemm``: a
     ``LOGITS_GEMM`` code."""
-    common.check_targets(y, w.shape[0], ignore_index)
     with common.on_device(x):
         cfg = Config(chunk, vocab_chunk, block_v, num_warps,
                      _resolve_gemm(gemm, x, w, bias, low_memory), segment, row_sync)
         opts_t = _opts_tuple(ignore_index, label_smoothing, z_loss, softcap)
-        denom = torch.ones((), dtype=torch.float32, device=x.device)
-        if reduction == REDUCTIONS["mean"]:
-            denom = common.mean_denominator(
-                common.token_weight_total(y, cw, ignore_index, torch.float32))
-        g = (1.0 / denom).reshape(1) if common.folds_mean(reduction, x.dtype) else _ones(x)
+        found = {}
+
+        def scalars():
+            """(Σ class weights, upstream g) and the target check, once the first logits GEMM
+            is queued: the GPU runs it while the host launches these ~15 small kernels
+            (H100: the first GEMM used to start ~1.4 ms into a call at the Llama shape)."""
+            common.check_targets(y, w.shape[0], ignore_index)
+            denom = torch.ones((), dtype=torch.float32, device=x.device)
+            if reduction == REDUCTIONS["mean"]:
+                denom = common.mean_denominator(
+                    common.token_weight_total(y, cw, ignore_index, torch.float32))
+            found["denom"] = denom
+            g = (1.0 / denom).reshape(1) if common.folds_mean(reduction, x.dtype) else _ones(x)
+            return _omega_sum(cw), g
+
         accum = _accum_dtype(x.dtype, x.shape[0], chunk, accum_fp32)
-        token_loss, lse, dx, dw, db = _forward(x, w, bias, y, cw, _omega_sum(cw), opts_t, cfg,
-                                               grad_mode, (need_dx, need_dw, need_db), accum, g)
+        token_loss, lse, dx, dw, db = _forward(x, w, bias, y, cw, opts_t, cfg, grad_mode,
+                                               (need_dx, need_dw, need_db), accum, scalars)
+        denom = found["denom"]
         if reduction == REDUCTIONS["none"]:
             loss = token_loss
         else:

@@ -166,7 +166,8 @@ def _sweep(xs, ws, xt, wt, y, g, opts_t, cfg: Config, want_loss, want_grad, accu
            need_dx=True, need_dw=True):
     """One pass over the tokens: per-token losses (fp32, when ``want_loss``) and, when
     ``want_grad``, dX (if ``need_dx``) and dW (if ``need_dw``: a frozen head costs neither its
-    GEMM nor its accumulator) for the upstream gradient ``g`` ((1,) uniform or (N,) per token).
+    GEMM nor its accumulator) for the upstream gradient ``g`` ((1,) uniform or (N,) per token;
+    or a function returning it, called once, after the first logits GEMMs are queued).
     ``accum``: "fp32" (dW in a split fp32 accumulator, to be narrowed in place) or "input"
     (dW in the input dtype); ``dx_fp32``: dX kept in fp32 the same way (the fast mode, whose
     backward still applies the upstream scalar: rounding once, then). Returns
@@ -194,6 +195,8 @@ def _sweep(xs, ws, xt, wt, y, g, opts_t, cfg: Config, want_loss, want_grad, accu
             ee = min(ss + cfg.sub_chunk, e)
             zs = _logits(xs[ss:ee], ws, zs_buf[: ee - ss], cfg.fp32_logits)
             zt = _logits(xt[ss:ee], wt, zt_buf[: ee - ss], cfg.fp32_logits)
+            if callable(g):
+                g = g()
             _row_kernel(zs, zt, None if dz_buf is None else dz_buf[ss - s: ee - s],
                         None if y is None else y[ss:ee],
                         None if not want_grad else (g if g.numel() == 1 else g[ss:ee]),
@@ -207,6 +210,8 @@ def _sweep(xs, ws, xt, wt, y, g, opts_t, cfg: Config, want_loss, want_grad, accu
                 common.mm_over_vocab(dz, ws, dx[0][s:e])
         if want_grad and need_dw:
             accumulate_split_(dw, dz, xs[s:e], first=s == 0)
+    if callable(g):  # no tokens
+        g()
     return (token_loss,) + dx + dw
 
 
@@ -243,21 +248,29 @@ def _fwd_op(xs: torch.Tensor, ws: torch.Tensor, xt: torch.Tensor, wt: torch.Tens
     """-> (loss, Σm or 1, dX part a, dX part b, dW part a, dW part b): the gradients (for an
     upstream 1, with 1/Σm folded in unless fp16) only with ``grad_mode`` (mean/sum) and only
     those needed, in fp32 split pairs for half-precision inputs (see :func:`_sweep`)."""
-    if y is not None:
-        common.check_targets(y, ws.shape[0], ignore_index)
     with common.on_device(xs):
         cfg = _cfg(chunk, sub_chunk, fp32_logits, block, segment, num_warps, grid, row_sync)
         n = xs.shape[0]
         opts_t = _opts_tuple(beta, temperature, ignore_index, hard_w)
-        denom = torch.ones((), dtype=torch.float32, device=xs.device)
-        if reduction == REDUCTIONS["mean"]:
-            denom = jsd_common.mean_denominator(y, n, ignore_index, xs)
-        g = (1.0 / denom).reshape(1) if common.folds_mean(reduction, xs.dtype) else \
-            torch.ones(1, dtype=torch.float32, device=xs.device)
+        found = {}
+
+        def upstream():
+            """g, and the target check, once the first logits GEMMs are queued: the GPU runs
+            them while the host launches these small kernels (see the CE's ``scalars``)."""
+            if y is not None:
+                common.check_targets(y, ws.shape[0], ignore_index)
+            denom = torch.ones((), dtype=torch.float32, device=xs.device)
+            if reduction == REDUCTIONS["mean"]:
+                denom = jsd_common.mean_denominator(y, n, ignore_index, xs)
+            found["denom"] = denom
+            return (1.0 / denom).reshape(1) if common.folds_mean(reduction, xs.dtype) else \
+                torch.ones(1, dtype=torch.float32, device=xs.device)
+
         token_loss, dx_a, dx_b, dw_a, dw_b = _sweep(
-            xs, ws, xt, wt, y, g, opts_t, cfg, True, grad_mode == FULL_GRAD,
+            xs, ws, xt, wt, y, upstream, opts_t, cfg, True, grad_mode == FULL_GRAD,
             _accum(xs.dtype, accum_fp32, fused=True), xs.dtype != torch.float32, need_dx,
             need_dw)
+        denom = found["denom"]
         loss = token_loss if reduction == REDUCTIONS["none"] else token_loss.sum() / denom
         return loss, denom, dx_a, dx_b, dw_a, dw_b
 
