@@ -1,7 +1,8 @@
 """Steady-state timing of the Triton fast linear CE, its three-GEMM floor and torch.compile at
 the Llama shape (TARGETS): each alone (back-to-back calls, CUDA events), interleaved as the
 benchmark times them, the host's launch time per call, and the GPU's busy time and idle gaps
-in a profile of 3 back-to-back calls (is the gap to the floor kernel time or host time?).
+in a profile of 3 back-to-back calls (is the gap to the floor kernel time or host time?), and
+how far into a call (GPU time from its start) our first logits GEMM is queued.
 
     PYTHONPATH=. python3 benchmarks/lce_steady_state_probe.py
 """
@@ -54,6 +55,35 @@ for rnd in range(3):  # back-to-back calls of each step alone, CUDA events
 t = common.time_interleaved(list(steps.values()), device=dev, reps=15, warmup_s=2)
 print("interleaved:", {k: round(v.median_ms, 2) for k, v in zip(steps, t)})
 print("host ms per call (launch only, no sync):", {k: round(host(s), 2) for k, s in steps.items()})
+
+
+def first_gemm_delay(reps=10):
+    """Median GPU ms from a call's start (after a sync) to our first logits GEMM's launch: the
+    GPU idles there but for the small kernels queued before it."""
+    from logitless.triton_kernels import linear_cross_entropy as lce
+    real, marks, delays = lce._logits, [], []
+
+    def spy(*a, **k):
+        if not marks:
+            marks.append(torch.cuda.Event(enable_timing=True))
+            marks[0].record()
+        return real(*a, **k)
+    lce._logits = spy
+    try:
+        for _ in range(reps):
+            marks.clear()
+            torch.cuda.synchronize()
+            e0 = torch.cuda.Event(enable_timing=True)
+            e0.record()
+            ours()
+            torch.cuda.synchronize()
+            delays.append(e0.elapsed_time(marks[0]))
+    finally:
+        lce._logits = real
+    return statistics.median(delays)
+
+
+print("ours: GPU ms from a call's start to its first logits GEMM:", round(first_gemm_delay(), 3))
 for name in ("ours", "floor"):
     s = steps[name]
     torch.cuda.synchronize()
