@@ -790,8 +790,8 @@ def _rel(a, b):
 
 def test_triton_first_logits_gemms_are_queued_before_the_small_kernels(monkeypatch):
     """The fused forward queues the first logits GEMMs before the target check and the
-    "mean" divisor's small kernels, whose launches then overlap them on a GPU (the CE's
-    test_first_logits_gemm_is_queued_before_the_small_kernels)."""
+    "mean" divisor's small kernels, whose launches then overlap them on a GPU where a call
+    starts on an idle one (the CE's test_first_logits_gemm_is_queued_before_the_small_kernels)."""
     pytest.importorskip("triton")
     from logitless import _torch_common as common
     from logitless.triton_kernels import linear_jsd as tjsd
