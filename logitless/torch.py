@@ -138,7 +138,8 @@ def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weig
       ``logits_gemm`` (``"auto"``: ``"triton"`` for ``low_memory=True`` on a Hopper GPU
       where that GEMM can run, else ``"cublas"``; or either explicitly);
       ``segment_size`` (None: 8192 on a GPU), columns of a row per row-kernel program (longer
-      rows are split over programs); ``row_sync`` (True: a row's segments meet in one launch).
+      rows are split over programs where lse is computed from cuBLAS's logits);
+      ``row_sync`` (True: a row's segments meet in one launch).
     * ``backend="pallas"``: the keywords of :func:`logitless.jax.linear_cross_entropy`'s
       ``"pallas"`` backend (``logitless.pallas_kernels.linear_cross_entropy.TUNING``).
     * with ``process_group``: ``chunk_size``, ``memory_budget`` (as ``"torch"``).

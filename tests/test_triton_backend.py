@@ -595,6 +595,72 @@ def test_split_row_wait_timeout_poisons_instead_of_hanging():
     assert torch.isnan(loss).all() and torch.isnan(lse).all(), (loss, lse)
 
 
+def test_split_rows_one_launch_merges_what_its_segments_left():
+    """The one-launch form's way through (the GPU's default), run by the interpreter: one
+    program takes every (row, segment) ticket in order, each row's counter preset one arrival
+    short so that no segment waits (the partials of the others come from a first STATS
+    launch, as the segments running beside it on a GPU would leave them). Loss, lse and dz
+    match torch's, with the target in a middle segment, one in the last (ragged) one, an
+    ignored row, and the row max in the last segment."""
+    if CUDA:
+        pytest.skip("the preset counters stand for the interpreter's one-at-a-time programs")
+    import torch.nn.functional as F
+    from logitless.triton_kernels import cross_entropy_rows as rows_mod
+    rows, v, seg, segs = 4, 70, 32, 3
+    g = torch.Generator().manual_seed(SEED + 3)
+    z = torch.randn(rows, v, generator=g)
+    z[3, 69] = 9.0
+    y = torch.tensor([40, 69, -100, 5])
+    one = torch.ones(1)
+    lse, loss = torch.zeros(rows), torch.zeros(rows)
+    part = torch.full((rows, segs, rows_mod.NUM_PARTS), float("nan"))
+    buf = z.clone()
+
+    def launch(phase, sync, write_grad):
+        rows_mod.cross_entropy_rows_kernel[(1,)](
+            buf, v, one, y, one, one, lse, loss, one, 0, one, rows, v, v, 0, v, -100,
+            0.0, 0.0, 1.0, one, one, 0, part, sync, seg, COMPUTE_LSE=True,
+            WRITE_GRAD=write_grad, FROM_TILES=False, HAS_CW=False, SMOOTH=False, HAS_Z=False,
+            HAS_SOFTCAP=False, HAS_H=False, HAS_BIAS=False, BLOCK_V=16, SEGS=segs, SEGS_P2=4,
+            PHASE=phase, MAX_SPIN=10)
+
+    launch(rows_mod.STATS, torch.zeros(1, dtype=torch.int32), False)
+    sync = torch.zeros(2 + rows, dtype=torch.int32)
+    sync[2:] = segs - 1
+    launch(rows_mod.FUSED, sync, True)
+    assert sync[1].item() == 0 and sync[0].item() >= rows * segs  # no abort; every ticket
+    ref = z.double().requires_grad_()
+    ref_loss = F.cross_entropy(ref, y, reduction="none", ignore_index=-100)
+    ref_loss.sum().backward()
+    torch.testing.assert_close(loss.double(), ref_loss.detach(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(lse.double(), torch.logsumexp(z.double(), 1), rtol=1e-6,
+                               atol=1e-6)
+    torch.testing.assert_close(buf.double(), ref.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_split_layout_follows_block_v_and_caps_segments():
+    """Launch settings of split rows: a given block_v sets the segments (whole blocks) and the
+    warps (one per 1024 columns, at least 2); a split that rounds to one segment takes the
+    whole-row settings; tiny segments are capped at MAX_SEGMENTS per row; never with the own
+    GEMM's statistics, nor for a gradient pass."""
+    import logitless.triton_kernels.linear_cross_entropy as lce
+    cfg = lambda **k: lce.Config(chunk=1, vocab_chunk=1, **{"block_v": 0, "num_warps": 0, **k})
+    v = 128256
+    assert lce._layout(cfg(), v, True, None, True) == (
+        lce.SPLIT_BLOCK, lce.ROW_SEGMENT, -(-v // lce.ROW_SEGMENT), lce.SPLIT_WARPS,
+        lce.SPLIT_PROGRAMS_PER_SM)
+    assert lce._layout(cfg(block_v=32768), v, True, None, True)[1:4] == (32768, 4, 32)
+    assert lce._layout(cfg(block_v=4096, num_warps=8), v, True, None, True)[1:4] == (8192, 16, 8)
+    whole = lce._layout(cfg(block_v=16384), 10000, True, None, True)
+    assert whole == (16384, 10000, 1, 32 if 10000 >= lce.LONG_ROW else 8, lce.PROGRAMS_PER_SM)
+    block, seg, segs, _, _ = lce._layout(cfg(block_v=16, segment=16), v, True, None, True)
+    assert segs <= lce.MAX_SEGMENTS and seg % block == 0 and seg * segs >= v
+    for args in ((v, True, (None, None), True), (v, False, None, True), (v, True, None, False)):
+        assert lce._layout(cfg(), *args)[2] == 1, args  # tiles, gradient pass, interpreted
+    assert lce._layout(cfg(segment=32, block_v=16), 97, True, None, False)[1:3] == (32, 4)
+    assert lce._layout(cfg(segment=32), 97, True, None, False)[2] == 1  # 128-column block
+
+
 def test_split_row_kernel_compiles_for_sm90():
     """The interpreter neither compiles nor runs the one-launch split's waits (two launches
     there): compile every form of the row kernel for an H100 (no GPU needed; the interpreter
@@ -615,15 +681,29 @@ def test_split_row_kernel_compiles_for_sm90():
     assert len(lines) >= 8 and all(ln.endswith(" ok") for ln in lines), r.stdout
 
 
+def _spy_row_phases(monkeypatch):
+    """The PHASE of every split row-kernel launch (whole rows not recorded)."""
+    import logitless.triton_kernels.linear_cross_entropy as lce
+    phases, real = [], lce._launch_rows
+
+    def spy(launch, key, **meta):
+        if launch.keywords["SEGS"] > 1:
+            phases.append(meta["PHASE"])
+        return real(launch, key, **meta)
+    monkeypatch.setattr(lce, "_launch_rows", spy)
+    return phases
+
+
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("options", [{}, dict(label_smoothing=0.1, class_weights=True,
                                               bias=True, softcap=20.0, z_loss=1e-3)])
-def test_gpu_split_rows_one_launch_equals_two_and_whole_rows(options):
+def test_gpu_split_rows_one_launch_equals_two_and_whole_rows(monkeypatch, options):
     """Long rows split over programs: the one-launch form (segments waiting for each other)
     gives exactly what two launches give (the same partials, merged alike), and the whole-row
     kernel's results up to the order of the sums; the default (GPU) splits V = 50257 into 7
     segments, 4 given; fp32 logits and bf16 ones, several chunks."""
+    from logitless.triton_kernels import cross_entropy_rows as rows_mod
     n, h, v = 300, 64, 50257
     for dtype in (torch.float32, torch.bfloat16):
         x, w, y = _data(n, h, v, dtype=dtype, seed=61)
@@ -635,8 +715,12 @@ def test_gpu_split_rows_one_launch_equals_two_and_whole_rows(options):
             kw["linear_bias"] = torch.randn(v, generator=g).to(DEV, dtype)
         if options.get("class_weights"):
             kw["weight"] = torch.rand(v, generator=g).to(DEV)
+        phases = _spy_row_phases(monkeypatch)
         one = _loss_and_grads(x, w, y, **kw)
+        assert phases and set(phases) == {rows_mod.FUSED}, phases  # one launch each
+        phases.clear()
         two = _loss_and_grads(x, w, y, row_sync=False, **kw)
+        assert {rows_mod.STATS, rows_mod.GRAD} <= set(phases), phases
         for a, b in zip(one, two):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
         four = _loss_and_grads(x, w, y, segment_size=16384, **kw)

@@ -328,6 +328,9 @@ def cross_entropy_rows_kernel(
     writes the partials (``part_ptr``: fp32 [n_rows, SEGS, NUM_PARTS]), GRAD merges them and
     finishes (loss, lse, dz) in a second launch. ``EVICT1`` / ``EVICT2``: L2 eviction hints
     of sweep 1's loads / sweep 2's loads and stores ("": none)."""
+    # split rows merge pass-1 partials of the logits: tile statistics would be folded whole by
+    # every segment, and a gradient pass has nothing to merge
+    tl.static_assert(SEGS == 1 or (COMPUTE_LSE and not FROM_TILES))
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     if HAS_CW:

@@ -94,11 +94,16 @@ ROW_STAGES = 3
 # of 2048-column blocks, 2 warps, 16 programs per SM (16384 x 4096 x 4 warps within 2%; 32768
 # and 1-warp programs slower; two launches 18-30% slower than whole rows; without the L2
 # hints +4-6%). Whole fwd+bwd, interleaved A/B against whole rows (row_stages_ab.py): Llama
-# 0.997x, Gemma 0.991x, low-memory 0.983x (only the last interval excludes 1).
+# 0.997x, Gemma 0.991x (intervals include 1; the kernel's gain, ~0.5 / 0.9 ms, is within the
+# calls' spread). The low-memory setting on Hopper never splits (its lse comes from the own
+# GEMM's statistics): its "0.983x" in that run (0.963-0.997) compared identical code.
 ROW_SEGMENT = 8192
 SPLIT_BLOCK = 2048
 SPLIT_WARPS = 2
 SPLIT_PROGRAMS_PER_SM = 16
+# segments per row at most (the partials, 16 bytes per segment and row, and the merge's vector
+# grow with them): tiny segment_size / block_v settings get longer segments
+MAX_SEGMENTS = 256
 # L2 eviction hints of split rows: sweep 1's loads stay for sweep 2's re-read, whose loads and
 # stores need not
 SPLIT_EVICT = ("evict_last", "evict_first")
@@ -133,14 +138,30 @@ def _interpret() -> bool:
 
 
 # ----------------------------------------------------------------------------- launching
-def _split(cfg, n_cols, compute_lse, stats, cuda):
-    """(segment columns, segments) of the rows: whole rows (one segment) unless ``cfg``'s
-    segment (0: ``ROW_SEGMENT`` on a GPU, whole rows interpreted) is shorter than the row and
-    the kernel computes lse from the logits (the split is for that sweep's re-read)."""
-    seg = cfg.segment or (ROW_SEGMENT if cuda and not _interpret() else 0)
-    if not seg or seg >= n_cols or not compute_lse or stats is not None:
-        return n_cols, 1
-    return seg, triton.cdiv(n_cols, seg)
+def _layout(cfg, n_cols, compute_lse, stats, gpu):
+    """(block, segment columns, segments, num_warps, programs per SM) of a row-kernel launch.
+    Rows are split where ``cfg``'s segment (0: ``ROW_SEGMENT`` on a GPU, whole rows
+    interpreted) rounded up to whole blocks is shorter than the row and the kernel computes
+    lse from the logits (the split is for that sweep's re-read; never from the own GEMM's
+    tile statistics, nor for a gradient pass), in at most ``MAX_SEGMENTS`` segments. A given
+    ``block_v`` sets the split's warps too (one per 1024 columns, at least ``SPLIT_WARPS``),
+    and a split that rounds to one segment takes the whole-row settings."""
+    seg = cfg.segment or (ROW_SEGMENT if gpu else 0)
+    if seg and seg < n_cols and compute_lse and stats is None:
+        block = cfg.block_v or (SPLIT_BLOCK if gpu else min(1024, next_power_of_2(n_cols)))
+        fewest = -(-n_cols // MAX_SEGMENTS)
+        seg = -(-max(seg, fewest, block) // block) * block  # whole blocks
+        segs = triton.cdiv(n_cols, seg)
+        if segs > 1:
+            warps = cfg.num_warps or max(SPLIT_WARPS, min(32, block // 1024))
+            return block, seg, segs, warps, SPLIT_PROGRAMS_PER_SM
+    long_row = n_cols >= LONG_ROW
+    if gpu:
+        block = cfg.block_v or min(LONG_ROW_BLOCK if long_row else 4096, next_power_of_2(n_cols))
+    else:  # interpreter: programs run one after another; small blocks only cost Python time
+        block = cfg.block_v or min(1024, next_power_of_2(n_cols))
+    warps = cfg.num_warps or (LONG_ROW_WARPS if long_row else max(1, min(8, block // 256)))
+    return block, n_cols, 1, warps, LONG_ROW_PROGRAMS_PER_SM if long_row else PROGRAMS_PER_SM
 
 
 def _rows(buf, bias, n_rows, n_cols, col_offset, y, cw, omega_sum, lse, loss, g, h, opts_t, v,
@@ -152,26 +173,11 @@ def _rows(buf, bias, n_rows, n_cols, col_offset, y, cw, omega_sum, lse, loss, g,
     if n_rows == 0:
         return
     dev = buf.device
-    seg_cols, segs = _split(cfg, n_cols, compute_lse, stats, buf.is_cuda)
-    long_row = n_cols >= LONG_ROW
-    if segs > 1:
-        block = cfg.block_v or SPLIT_BLOCK
-        num_warps = cfg.num_warps or SPLIT_WARPS
-        per_sm = SPLIT_PROGRAMS_PER_SM
-    else:
-        block = cfg.block_v or min(LONG_ROW_BLOCK if long_row else 4096, next_power_of_2(n_cols))
-        num_warps = cfg.num_warps or (LONG_ROW_WARPS if long_row else max(1, min(8, block // 256)))
-        per_sm = LONG_ROW_PROGRAMS_PER_SM if long_row else PROGRAMS_PER_SM
-    if buf.is_cuda and not _interpret():
-        sms = torch.cuda.get_device_properties(dev).multi_processor_count
-        grid = min(n_rows * segs, max(1, int(sms * per_sm)))
-    else:  # interpreter: programs run one after another; small blocks only cost Python time
-        sms = None
-        grid = n_rows * segs
-        block = cfg.block_v or min(1024, next_power_of_2(n_cols))
-    if segs > 1:
-        seg_cols = max(block, -(-seg_cols // block) * block)  # whole blocks
-        segs = triton.cdiv(n_cols, seg_cols)
+    gpu = buf.is_cuda and not _interpret()
+    block, seg_cols, segs, num_warps, per_sm = _layout(cfg, n_cols, compute_lse, stats, gpu)
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count if gpu else None
+    # persistent on a GPU; interpreted, one program per (row, segment), run one after another
+    grid = min(n_rows * segs, max(1, int(sms * per_sm))) if gpu else n_rows * segs
     # one launch only where a row's segments are sure to run at once (no more of them than
     # programs, nor than SMs: every SM holds at least one program); else two
     fused = segs > 1 and cfg.row_sync and sms is not None and segs <= min(grid, sms)
@@ -179,7 +185,8 @@ def _rows(buf, bias, n_rows, n_cols, col_offset, y, cw, omega_sum, lse, loss, g,
     part = (torch.empty(n_rows, segs, NUM_PARTS, dtype=torch.float32, device=dev)
             if segs > 1 else dummy)
     # int32 even when unused: Triton type-checks the (dead) waiting code's atomics
-    sync = torch.zeros(2 + n_rows if fused else 1, dtype=torch.int32, device=dev)
+    sync = (torch.zeros(2 + n_rows, dtype=torch.int32, device=dev) if fused
+            else torch.empty(1, dtype=torch.int32, device=dev))
     flags = dict(COMPUTE_LSE=compute_lse, WRITE_GRAD=write_grad, FROM_TILES=stats is not None,
                  HAS_CW=cw is not None, SMOOTH=eps > 0, HAS_Z=z_loss > 0,
                  HAS_SOFTCAP=softcap is not None, HAS_H=h is not None, HAS_BIAS=bias is not None,
@@ -641,11 +648,14 @@ def linear_cross_entropy(p: common.Prepared, opts: spec.LinearCrossEntropyOption
     some accuracy cost; fast mode only; fp16's fused forward
     accumulates in fp32 regardless, as its sums are not yet scaled by the upstream gradient
     and could overflow fp16), ``block_v`` (None: from the row length, 32768 for rows of
-    16384 or more, else up to 4096; the row-kernel block, a power of 2),
-    ``num_warps`` (None: 32 for long rows, else block/256 capped to [1, 8]; 2 for split
-    rows), ``segment_size`` (None: 8192 on a GPU, whole rows interpreted; columns of a row per
-    program where the kernel computes lse from the logits: rows longer than this are split
-    over programs, each streaming one segment, with 2048-column blocks by default),
+    16384 or more, else up to 4096; 2048 where rows are split; the row-kernel block, a power of
+    2),
+    ``num_warps`` (None: 32 for long rows, else block/256 capped to [1, 8]; for split rows
+    block/1024, at least 2), ``segment_size`` (None: 8192 on a GPU, whole rows interpreted;
+    columns of a row per program, rounded up to whole blocks, where the kernel computes lse
+    from the logits: such rows longer than this are split over programs, each streaming one
+    segment; at most 256 segments; not where lse comes from ``logits_gemm="triton"``'s
+    statistics, nor in gradient-only passes),
     ``row_sync`` (True: a row's segments meet in one launch, waiting for each other at a
     counter in memory, where they can all run at once; False, interpreted, or else: two
     launches, the segments' partial sums passed between them; slower),
