@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from .narrow_cast import round_bf16_bits
+from .row_sync import wait_row as _wait_row
 
 @triton.jit
 def _tanh(u):
@@ -140,26 +141,6 @@ NUM_PARTS = 4
 FUSED, STATS, GRAD = 0, 1, 2
 # (a jit function reads module globals only as constexprs)
 _NP, _FUSED, _STATS, _GRAD = (tl.constexpr(c) for c in (NUM_PARTS, FUSED, STATS, GRAD))
-
-
-@triton.jit
-def _wait_row(cnt_ptr, abort_ptr, target, MAX_SPIN: tl.constexpr):
-    """Arrive at a row's counter and wait for ``target`` arrivals: True unless timed out (or
-    an earlier wait of the launch did). The barrier orders this program's partial stores
-    before its release; the acquire polls order the other segments' stores before our
-    (L1-bypassing) loads of them. A timeout raises the launch's abort flag, so later rows give
-    up at once instead of each waiting MAX_SPIN polls."""
-    tl.debug_barrier()
-    tl.atomic_add(cnt_ptr, 1, sem="release", scope="gpu")
-    c = tl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")
-    spins = tl.where(tl.atomic_add(abort_ptr, 0, sem="relaxed", scope="gpu") != 0, MAX_SPIN, 0)
-    while (c < target) & (spins < MAX_SPIN):
-        c = tl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")
-        spins += 1
-    ok = c >= target
-    if not ok:
-        tl.atomic_xchg(abort_ptr, 1, sem="relaxed", scope="gpu")
-    return ok & (tl.atomic_add(abort_ptr, 0, sem="acquire", scope="gpu") == 0)
 
 
 @triton.jit

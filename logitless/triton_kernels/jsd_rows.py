@@ -52,6 +52,7 @@ import triton.language as tl
 
 from ..specs import linear_jsd as spec
 from .narrow_cast import round_bf16_bits
+from .row_sync import wait_row as _wait_row
 
 # Partial sums per (row, segment), fp32: pass-1 stats then the three pass-2 sums.
 NUM_FIELDS = 14
@@ -407,31 +408,6 @@ def _zero_seg(dz_row, col0, col1, BLOCK: tl.constexpr):
         cols = start + offs
         tl.store(dz_row + cols, tl.zeros([BLOCK], dtype=tl.float32).to(dz_row.dtype.element_ty),
                  mask=cols < col1)
-
-
-@triton.jit
-def _wait_row(cnt_ptr, abort_ptr, target, MAX_SPIN: tl.constexpr):
-    """Arrive at a row's counter and wait until ``target`` arrivals: True unless timed out.
-    The barrier orders this program's partial stores before the release; the acquire polls
-    (one thread each, result broadcast: the loop condition is uniform) order the other
-    segments' stores before our loads. A timeout raises the launch's abort flag, so that
-    later rows give up at once instead of each waiting MAX_SPIN polls."""
-    tl.debug_barrier()
-    tl.atomic_add(cnt_ptr, 1, sem="release", scope="gpu")
-    c = tl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")
-    spins = tl.where(tl.atomic_add(abort_ptr, 0, sem="relaxed", scope="gpu") != 0, MAX_SPIN, 0)
-    while (c < target) & (spins < MAX_SPIN):
-        c = tl.atomic_add(cnt_ptr, 0, sem="acquire", scope="gpu")
-        spins += 1
-    ok = c >= target
-    if not ok:
-        tl.atomic_xchg(abort_ptr, 1, sem="relaxed", scope="gpu")
-    # Once any wait of the launch has timed out, every later result is poisoned too: a row's
-    # two barriers share one counter, so a timed-out segment's second arrival can complete a
-    # peer's first barrier over partials that were never written (finite, wrong results).
-    # The timed-out program raises the flag before its release arrival, so a peer whose
-    # acquire saw that arrival sees the flag.
-    return ok & (tl.atomic_add(abort_ptr, 0, sem="acquire", scope="gpu") == 0)
 
 
 @triton.jit
