@@ -601,7 +601,8 @@ def test_split_rows_one_launch_merges_what_its_segments_left():
     short so that no segment waits (the partials of the others come from a first STATS
     launch, as the segments running beside it on a GPU would leave them). Loss, lse and dz
     match torch's, with the target in a middle segment, one in the last (ragged) one, an
-    ignored row, and the row max in the last segment."""
+    ignored row of very negative logits (e^(-150) underflows fp32: the merge's reference
+    point is the row max, never 0), and the row max in the last segment."""
     if CUDA:
         pytest.skip("the preset counters stand for the interpreter's one-at-a-time programs")
     import torch.nn.functional as F
@@ -610,6 +611,7 @@ def test_split_rows_one_launch_merges_what_its_segments_left():
     g = torch.Generator().manual_seed(SEED + 3)
     z = torch.randn(rows, v, generator=g)
     z[3, 69] = 9.0
+    z[2] -= 150.0  # e^(-150) underflows fp32: the merge's reference is the row max, never 0
     y = torch.tensor([40, 69, -100, 5])
     one = torch.ones(1)
     lse, loss = torch.zeros(rows), torch.zeros(rows)
@@ -627,7 +629,8 @@ def test_split_rows_one_launch_merges_what_its_segments_left():
     launch(rows_mod.STATS, torch.zeros(1, dtype=torch.int32), False)
     sync = torch.zeros(2 + rows, dtype=torch.int32)
     sync[2:] = segs - 1
-    launch(rows_mod.FUSED, sync, True)
+    with np.errstate(over="ignore", invalid="ignore"):  # masked lanes of row 2: e^(0 + 150)
+        launch(rows_mod.FUSED, sync, True)
     assert sync[1].item() == 0 and sync[0].item() >= rows * segs  # no abort; every ticket
     ref = z.double().requires_grad_()
     ref_loss = F.cross_entropy(ref, y, reduction="none", ignore_index=-100)
@@ -659,6 +662,56 @@ def test_split_layout_follows_block_v_and_caps_segments():
         assert lce._layout(cfg(), *args)[2] == 1, args  # tiles, gradient pass, interpreted
     assert lce._layout(cfg(segment=32, block_v=16), 97, True, None, False)[1:3] == (32, 4)
     assert lce._layout(cfg(segment=32), 97, True, None, False)[2] == 1  # 128-column block
+
+
+def test_split_rows_launch_plan_on_a_faked_gpu(monkeypatch):
+    """_rows' choice between one launch and two, which the interpreter never makes (it has
+    no SM count): on a GPU one launch (FUSED, a zeroed ticket / abort / per-row counter
+    buffer) only with row_sync and no more segments than SMs, else STATS (no gradient) then
+    GRAD; the partials sized to the segments, SEGS_P2 their power of 2. The kernel is faked
+    (it records its arguments), and so is the GPU: a CPU tensor that says it is on CUDA."""
+    import types
+    import logitless.triton_kernels.linear_cross_entropy as lce
+    launches = []
+
+    class Kernel:
+        def __getitem__(self, grid):
+            def run(*args, STAGES, **meta):
+                part, sync, seg_cols = args[-3:]
+                launches.append(((meta["PHASE"], meta["WRITE_GRAD"], meta["SEGS"],
+                                  meta["SEGS_P2"], seg_cols), tuple(part.shape), sync.tolist()))
+            return run
+
+    class FakeCuda(torch.Tensor):
+        is_cuda = property(lambda self: True)
+
+    sms = [4]
+    monkeypatch.setattr(lce, "cross_entropy_rows_kernel", Kernel())
+    monkeypatch.setattr(lce, "_interpret", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda dev: types.SimpleNamespace(multi_processor_count=sms[0]))
+    n, v = 3, 40
+    buf = torch.zeros(n, v).as_subclass(FakeCuda)
+
+    def plan(segment, row_sync=True):
+        launches.clear()
+        cfg = lce.Config(chunk=n, vocab_chunk=v, block_v=8, num_warps=0, segment=segment,
+                         row_sync=row_sync)
+        lce._rows(buf, None, n, v, 0, torch.zeros(n, dtype=torch.long), None, None,
+                  torch.zeros(n), torch.zeros(n), torch.ones(1), None, (-100, 0.0, 0.0, None),
+                  v, cfg, True, True)
+        return [k[0] for k in launches]
+
+    F, S, G = lce.FUSED, lce.STATS, lce.GRAD
+    assert plan(12) == [(F, True, 3, 4, 16)]  # 12 -> two 8-column blocks; 3 segments
+    assert launches[0][1:] == ((n, 3, lce.NUM_PARTS), [0] * (2 + n))
+    assert plan(12, row_sync=False) == [(S, False, 3, 4, 16), (G, True, 3, 4, 16)]
+    assert launches[0][1] == (n, 3, lce.NUM_PARTS)
+    sms[0] = 2  # 3 segments of a row, 2 SMs: they might never all run at once
+    assert plan(12) == [(S, False, 3, 4, 16), (G, True, 3, 4, 16)]
+    sms[0] = 4
+    assert plan(24) == [(F, True, 2, 2, 24)] and launches[0][2] == [0] * (2 + n)
+    assert plan(0) == [(F, True, 1, 2, v)]  # 8192-column default: whole rows
 
 
 def test_split_row_kernel_compiles_for_sm90():
