@@ -574,7 +574,7 @@ def test_split_row_wait_timeout_poisons_instead_of_hanging():
         part = torch.zeros(n_rows, 2, rows_mod.NUM_PARTS, device=DEV)
         part[:, :, 1] = 1.0  # Σexp 1 at max 0: plausible stale statistics
         rows_mod.cross_entropy_rows_kernel[(1,)](
-            buf, v, one, y, one, one, lse, loss, one, 0, one, n_rows, v, v, 0, v, -100,
+            buf, v, one, y.to(DEV), one, one, lse, loss, one, 0, one, n_rows, v, v, 0, v, -100,
             0.0, 0.0, 1.0, one, one, 0, part, sync, seg, COMPUTE_LSE=True,
             WRITE_GRAD=write_grad, FROM_TILES=False, HAS_CW=False, SMOOTH=False, HAS_Z=False,
             HAS_SOFTCAP=False, HAS_H=False, HAS_BIAS=False, BLOCK_V=16, SEGS=2, SEGS_P2=2,
@@ -596,15 +596,13 @@ def test_split_row_wait_timeout_poisons_instead_of_hanging():
 
 
 def test_split_rows_one_launch_merges_what_its_segments_left():
-    """The one-launch form's way through (the GPU's default), run by the interpreter: one
-    program takes every (row, segment) ticket in order, each row's counter preset one arrival
+    """The one-launch form's way through (the GPU's default), with one program (interpreted
+    or on a GPU), which takes every (row, segment) ticket in order, each row's counter preset one arrival
     short so that no segment waits (the partials of the others come from a first STATS
     launch, as the segments running beside it on a GPU would leave them). Loss, lse and dz
     match torch's, with the target in a middle segment, one in the last (ragged) one, an
     ignored row of very negative logits (e^(-150) underflows fp32: the merge's reference
     point is the row max, never 0), and the row max in the last segment."""
-    if CUDA:
-        pytest.skip("the preset counters stand for the interpreter's one-at-a-time programs")
     import torch.nn.functional as F
     from logitless.triton_kernels import cross_entropy_rows as rows_mod
     rows, v, seg, segs = 4, 70, 32, 3
@@ -613,21 +611,21 @@ def test_split_rows_one_launch_merges_what_its_segments_left():
     z[3, 69] = 9.0
     z[2] -= 150.0  # e^(-150) underflows fp32: the merge's reference is the row max, never 0
     y = torch.tensor([40, 69, -100, 5])
-    one = torch.ones(1)
-    lse, loss = torch.zeros(rows), torch.zeros(rows)
-    part = torch.full((rows, segs, rows_mod.NUM_PARTS), float("nan"))
-    buf = z.clone()
+    one = torch.ones(1, device=DEV)
+    lse, loss = torch.zeros(rows, device=DEV), torch.zeros(rows, device=DEV)
+    part = torch.full((rows, segs, rows_mod.NUM_PARTS), float("nan"), device=DEV)
+    buf = z.clone().to(DEV)  # (on CPU .to would return z itself)
 
     def launch(phase, sync, write_grad):
         rows_mod.cross_entropy_rows_kernel[(1,)](
-            buf, v, one, y, one, one, lse, loss, one, 0, one, rows, v, v, 0, v, -100,
+            buf, v, one, y.to(DEV), one, one, lse, loss, one, 0, one, rows, v, v, 0, v, -100,
             0.0, 0.0, 1.0, one, one, 0, part, sync, seg, COMPUTE_LSE=True,
             WRITE_GRAD=write_grad, FROM_TILES=False, HAS_CW=False, SMOOTH=False, HAS_Z=False,
             HAS_SOFTCAP=False, HAS_H=False, HAS_BIAS=False, BLOCK_V=16, SEGS=segs, SEGS_P2=4,
             PHASE=phase, MAX_SPIN=10)
 
-    launch(rows_mod.STATS, torch.zeros(1, dtype=torch.int32), False)
-    sync = torch.zeros(2 + rows, dtype=torch.int32)
+    launch(rows_mod.STATS, torch.zeros(1, dtype=torch.int32, device=DEV), False)
+    sync = torch.zeros(2 + rows, dtype=torch.int32, device=DEV)
     sync[2:] = segs - 1
     with np.errstate(over="ignore", invalid="ignore"):  # masked lanes of row 2: e^(0 + 150)
         launch(rows_mod.FUSED, sync, True)
@@ -635,10 +633,10 @@ def test_split_rows_one_launch_merges_what_its_segments_left():
     ref = z.double().requires_grad_()
     ref_loss = F.cross_entropy(ref, y, reduction="none", ignore_index=-100)
     ref_loss.sum().backward()
-    torch.testing.assert_close(loss.double(), ref_loss.detach(), rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(lse.double(), torch.logsumexp(z.double(), 1), rtol=1e-6,
+    torch.testing.assert_close(loss.cpu().double(), ref_loss.detach(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(lse.cpu().double(), torch.logsumexp(z.double(), 1), rtol=1e-6,
                                atol=1e-6)
-    torch.testing.assert_close(buf.double(), ref.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(buf.cpu().double(), ref.grad, rtol=1e-5, atol=1e-6)
 
 
 def test_split_layout_follows_block_v_and_caps_segments():
