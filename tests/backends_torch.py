@@ -96,13 +96,21 @@ register(Backend("triton", torch_backend_runner("triton"), naive="naive-torch",
 def blocks_takes(case):
     """The row kernel's online max / rescale across column blocks (32-column blocks: 4 per
     row at V = 97), which the default block (one per row at these V) never runs: every case on
-    a GPU; in the interpreter (CI time: ~2.5 s a case) the every-option cases and the masked
-    ones (-inf bias over whole leading blocks)."""
+    a GPU; in the interpreter (CI time: ~5 s a case) the masked ones (-inf bias over whole
+    leading blocks) and the every-option one in three dtype / reduction pairs (as
+    ``split_takes``: the blocks' rescale does not depend on them)."""
     import torch
     if torch.cuda.is_available():
         return True
-    return case.v == 97 and case.ignore != "all" and (
-        bool(case.softcap and case.z_loss and case.label_smoothing) or case.masked)
+    return case.v == 97 and case.ignore != "all" and (case.masked or _every_option_triple(case))
+
+
+def _every_option_triple(case):
+    """The every-option case in (bf16, mean), (fp32, none), (fp16, sum): each dtype and each
+    reduction once."""
+    return bool(case.softcap and case.z_loss and case.label_smoothing) and (
+        case.dtype, case.reduction) in (("bfloat16", "mean"), ("float32", "none"),
+                                        ("float16", "sum"))
 
 
 register(Backend("triton-blocks", torch_backend_runner("triton", block_v=32), naive="naive-torch",
@@ -111,15 +119,16 @@ register(Backend("triton-blocks", torch_backend_runner("triton", block_v=32), na
 
 def split_takes(case):
     """Rows split over programs: every case on a GPU (one launch, the segments waiting for
-    each other); interpreted (two launches: the partials' merge; CI time ~5 s a case) the
-    masked cases and the every-option one in three dtype / reduction pairs."""
+    each other); interpreted (two launches: the partials' merge; CI time ~5-13 s a case) the
+    masked cases (fp32 and bf16) and the every-option one in fp32 with per-token upstream
+    gradients ("none", an lse gradient): the merge does not depend on the dtype, and
+    test_triton_backend's split tests run the one-launch form."""
     import torch
     if torch.cuda.is_available():
         return True
     every = bool(case.softcap and case.z_loss and case.label_smoothing)
     return case.v == 97 and case.ignore != "all" and (case.masked or every and (
-        case.dtype, case.reduction) in (("bfloat16", "mean"), ("float32", "none"),
-                                        ("float16", "sum")))
+        case.dtype, case.reduction) == ("float32", "none"))
 
 
 # Rows split over programs (segment_size): 32-column segments of 16-column blocks, 4 segments
@@ -161,13 +170,21 @@ def low_memory_runner(**tuning):
 
 
 def low_memory_takes(case):
-    """Every case on a GPU; interpreted (CI time: ~2 s a case) all but the one-option and the
-    no-option 37 x 33 ones: the every-option cases carry those options, every dtype and
-    reduction through the same sweeps (the row kernel's math per option is backend
-    "triton"'s)."""
+    """Every case on a GPU; interpreted (CI time: ~2 s a case, 6-15 s at 130 x 48 x 509) all
+    but the one-option and the no-option 37 x 33 ones: the every-option cases carry those
+    options, every dtype and reduction through the same sweeps (the row kernel's math per
+    option is backend "triton"'s). Of the many-chunk 130 x 48 x 509 cases two: per-token
+    upstream gradients ("none": the recomputing token sweep) and the mean's forward dX over
+    several chunks (bf16, every option); fp16 sums and lse gradients take the same sweeps in
+    the smaller cases, and the one without smoothing is for the own GEMM."""
     import torch
+    if torch.cuda.is_available():
+        return True
     plain = op.options_on(case) == 0 and not case.masked and case.n == 37
-    return torch.cuda.is_available() or not (op.single_option(case) or plain)
+    if case.n == 130:
+        return case.reduction == "none" or (case.dtype == "bfloat16" and bool(
+            case.label_smoothing) and not case.lse_grad)
+    return not (op.single_option(case) or plain)
 
 
 # cuBLAS pinned: the default ("auto") takes our GEMMs on a Hopper GPU where they can run, the
