@@ -461,6 +461,11 @@ def run_all(args) -> int:
     cuda = device == "cuda"
     seed = args.seed if args.seed is not None else secrets.randbits(31)
     out_dir = Path(args.out_dir)
+    # on a GPU each op's script writes its own file (results/<gpu>-<op>.json + .png) unless
+    # --out-dir names another folder: then every file goes there
+    gpu_out = None
+    if cuda and out_dir.resolve() != common.RESULTS_DIR.resolve():
+        gpu_out = lambda key: out_dir / f"{common.device_slug(common.environment(device))}-{key}.json"  # noqa: E731
     wanted = [k.strip() for k in args.ops.split(",")] if args.ops else None
     sections = [s for s in SECTIONS if cuda or s.key in CPU_SECTIONS]
     if wanted is not None:
@@ -483,7 +488,8 @@ def run_all(args) -> int:
             bar.set_description("linear cross-entropy")
         if cuda:
             result = run_gpu(reps=args.reps, seed=seed, plot=not args.no_plot,
-                             warmup_s=args.warmup_s)
+                             warmup_s=args.warmup_s,
+                             out=gpu_out and gpu_out("linear-cross-entropy"))
             reports.append(lce.format_report(result))
             rows += summary_rows("linear cross-entropy", result, {"torch": "naive"})
         else:
@@ -499,7 +505,7 @@ def run_all(args) -> int:
     for sec in sections:
         if bar is not None:
             bar.set_description(sec.title)
-        out = None if cuda else out_dir / f"demo-cpu.{sec.key}.json"
+        out = (gpu_out and gpu_out(sec.key)) if cuda else out_dir / f"demo-cpu.{sec.key}.json"
         rec = run_section(sec, device=device, out=out, timeout=args.timeout * 4, seed=seed,
                           reps=args.reps, warmup_s=args.warmup_s, bar=bar)
         if rec["status"] == "ok":
@@ -567,11 +573,12 @@ def resummarize(path: Path, plot: bool) -> int:
     return 0
 
 
-def run_gpu(*, reps: Optional[int], seed: int, plot: bool, warmup_s: Optional[float] = None):
+def run_gpu(*, reps: Optional[int], seed: int, plot: bool, warmup_s: Optional[float] = None,
+            out: Optional[Path] = None):
     shapes = lce.parse_shapes("targets")
     cands = lce.parse_candidates(None, "cuda")
     return lce.run_benchmark(shapes, cands, device="cuda", reps=reps or 10, warmup=2,
-                             seed=seed, merge=True, plot=plot, warmup_s=warmup_s)
+                             seed=seed, out=out, merge=True, plot=plot, warmup_s=warmup_s)
 
 
 def main(argv=None):
@@ -593,7 +600,8 @@ def main(argv=None):
                    "(x4 per section)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--no-plot", action="store_true")
-    p.add_argument("--out-dir", default=str(common.RESULTS_DIR))
+    p.add_argument("--out-dir", default=str(common.RESULTS_DIR),
+                   help="folder of every result file (default benchmarks/results/)")
     p.add_argument("--interpreted", action="store_true",
                    help="CPU: also run the Triton and Pallas linear-CE kernels under their "
                         "interpreters (minutes per call; try a smaller --shape)")
