@@ -18,8 +18,6 @@ from logitless.triton_kernels import linear_cross_entropy as tl_lce  # noqa: E40
 from logitless.triton_kernels import logits_gemm as sg  # noqa: E402
 
 TILES = [
-    dict(bm=128, bn=256, bk=64, group_m=16, stages=3, warps=8, subtile=True),
-    dict(bm=128, bn=256, bk=64, group_m=16, stages=4, warps=8, subtile=True),
     dict(bm=128, bn=256, bk=64, group_m=8, stages=3, warps=8, ws=True),
     dict(bm=128, bn=128, bk=64, group_m=8, stages=4, warps=4, ws=True),
     dict(bm=128, bn=256, bk=64, group_m=8, stages=4, warps=8, ws=True),
@@ -92,8 +90,6 @@ def each_tiling(tilings, base, measure, out):
 
 GRAD_TILES = [
     dict(bm=128, bn=256, bk=64, group_m=16, stages=3, warps=8),
-    dict(bm=128, bn=256, bk=64, group_m=16, stages=3, warps=8, subtile=True),
-    dict(bm=128, bn=256, bk=64, group_m=16, stages=4, warps=8, subtile=True),
     dict(bm=128, bn=256, bk=64, group_m=8, stages=4, warps=8),
     dict(bm=128, bn=128, bk=64, group_m=8, stages=4, warps=4),
     dict(bm=128, bn=128, bk=64, group_m=8, stages=4, warps=8),

@@ -61,23 +61,11 @@ def _tile_product(x_desc, w_desc, om, on, k_tiles, BM: tl.constexpr, BN: tl.cons
 
 
 @triton.jit
-def _store_tile(desc, om, on, tile, BN: tl.constexpr, SUBTILE: tl.constexpr):
-    """Store a [BM, BN] tile through ``desc``: whole, or (``SUBTILE``, the descriptor's block
-    [BM, BN / 2]) as two halves, so that the epilogue's staging buffer is half as large."""
-    if SUBTILE:
-        a, b = tile.reshape(tile.shape[0], 2, BN // 2).permute(0, 2, 1).split()
-        desc.store([om, on], a)
-        desc.store([om, on + BN // 2], b)
-    else:
-        desc.store([om, on], tile)
-
-
-@triton.jit
 def logits_stats_kernel(x_desc, w_desc, z_desc, bias_ptr, stat_m_ptr, stat_s_ptr, M, N, K,
                         softcap, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                         GROUP_M: tl.constexpr, num_programs, INTERPRET: tl.constexpr,
-                        WS: tl.constexpr = False, SUBTILE: tl.constexpr = False):
+                        WS: tl.constexpr = False):
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BM)
     num_pid_n = tl.cdiv(N, BN)
@@ -93,7 +81,7 @@ def logits_stats_kernel(x_desc, w_desc, z_desc, bias_ptr, stat_m_ptr, stat_s_ptr
         if INTERPRET and z_desc.dtype == tl.bfloat16:
             acc = round_bf16_bits(acc)  # the interpreter's cast truncates; the GPU rounds
         zq = acc.to(z_desc.dtype)
-        _store_tile(z_desc, om, on, zq, BN, SUBTILE)
+        z_desc.store([om, on], zq)
         z = zq.to(tl.float32)
         if HAS_BIAS:  # stored without it, as the cuBLAS path: the row kernel adds it in fp32
             z += tl.load(bias_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
@@ -115,7 +103,7 @@ def logits_grad_kernel(x_desc, w_desc, dz_desc, bias_ptr, y_ptr, cw_ptr, omega_s
                        SMOOTH: tl.constexpr, HAS_Z: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                        HAS_H: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                        BK: tl.constexpr, GROUP_M: tl.constexpr, INTERPRET: tl.constexpr,
-                       WS: tl.constexpr = False, SUBTILE: tl.constexpr = False):
+                       WS: tl.constexpr = False):
     """dz of rows ``[0, M)`` and classes ``[col_offset, col_offset + N)`` straight from the
     GEMM's accumulator, the log-sum-exp being known (a recomputing backward): the logits are
     rounded to the input dtype as the forward's were, the bias joins in fp32, and the tile is
@@ -164,7 +152,7 @@ def logits_grad_kernel(x_desc, w_desc, dz_desc, bias_ptr, y_ptr, cw_ptr, omega_s
                         HAS_SOFTCAP)
         if INTERPRET and dz_desc.dtype == tl.bfloat16:
             d = round_bf16_bits(d)
-        _store_tile(dz_desc, om, on, d.to(dz_desc.dtype), BN, SUBTILE)
+        dz_desc.store([om, on], d.to(dz_desc.dtype))
 
 
 def logit_grads(x: torch.Tensor, w: torch.Tensor, col_offset: int, out: torch.Tensor, bias, y,
@@ -185,8 +173,8 @@ def logit_grads(x: torch.Tensor, w: torch.Tensor, col_offset: int, out: torch.Te
         ignore_index, eps, z_loss, 1.0 if softcap is None else softcap, programs,
         HAS_BIAS=bias is not None, HAS_CW=cw is not None, SMOOTH=eps > 0, HAS_Z=z_loss > 0,
         HAS_SOFTCAP=softcap is not None, HAS_H=h is not None, BM=t["bm"], BN=t["bn"], BK=t["bk"],
-        GROUP_M=t["group_m"], INTERPRET=interpret, WS=t.get("ws", False),
-        SUBTILE=t.get("subtile", False), num_stages=t["stages"], num_warps=t["warps"])
+        GROUP_M=t["group_m"], INTERPRET=interpret, WS=t.get("ws", False), num_stages=t["stages"],
+        num_warps=t["warps"])
 
 
 def _persistent_launch(x, w, out, interpret: bool, num_sms: int):
@@ -197,7 +185,7 @@ def _persistent_launch(x, w, out, interpret: bool, num_sms: int):
     n_tiles = triton.cdiv(out.shape[0], bm) * triton.cdiv(out.shape[1], bn)
     return t, max(1, min(num_sms, n_tiles)), (
         TensorDescriptor.from_tensor(x, [bm, bk]), TensorDescriptor.from_tensor(w, [bn, bk]),
-        TensorDescriptor.from_tensor(out, [bm, bn // 2 if t.get("subtile") else bn]))
+        TensorDescriptor.from_tensor(out, [bm, bn]))
 
 
 def tiles(interpret: bool) -> dict:
@@ -244,8 +232,7 @@ def logits_with_stats(x_c: torch.Tensor, w: torch.Tensor, bias, out: torch.Tenso
         stat_m, stat_s, m, n, k, 1.0 if softcap is None else softcap,
         HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, BM=t["bm"], BN=t["bn"],
         BK=t["bk"], GROUP_M=t["group_m"], num_programs=programs, INTERPRET=interpret,
-        WS=t.get("ws", False), SUBTILE=t.get("subtile", False), num_stages=t["stages"],
-        num_warps=t["warps"])
+        WS=t.get("ws", False), num_stages=t["stages"], num_warps=t["warps"])
 
 
 def stat_tiles(v: int, interpret: bool) -> int:
