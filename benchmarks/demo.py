@@ -465,7 +465,10 @@ def run_all(args) -> int:
     # --out-dir names another folder: then every file goes there
     gpu_out = None
     if cuda and out_dir.resolve() != common.RESULTS_DIR.resolve():
-        gpu_out = lambda key: out_dir / f"{common.device_slug(common.environment(device))}-{key}.json"  # noqa: E731
+        slug = common.device_slug(common.environment(device))
+
+        def gpu_out(key: str) -> Path:
+            return out_dir / f"{slug}-{key}.json"
     wanted = [k.strip() for k in args.ops.split(",")] if args.ops else None
     sections = [s for s in SECTIONS if cuda or s.key in CPU_SECTIONS]
     if wanted is not None:
