@@ -12,13 +12,27 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+CPU_XLA_FLAGS = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
+
 try:
     import torch
     _CUDA = torch.cuda.is_available()
-except ImportError:  # a JAX-only environment
-    _CUDA = False
+    _CPU_ONLY = not _CUDA
+except ImportError:  # a JAX-only environment (which may have a GPU for JAX)
+    _CUDA = _CPU_ONLY = False
 if not _CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+_FAST_INTERPRETER = False
+if os.environ.get("TRITON_INTERPRET") == "1":
+    import interpreter_speedup  # noqa: E402
+    _FAST_INTERPRETER = interpreter_speedup.install()
+if _CPU_ONLY:
+    # XLA's CPU code generation without LLVM's optimizations: the JAX tests' time is mostly
+    # XLA compiling interpreted Pallas kernels of tiny shapes, and running them is cheap
+    # (tests/test_linear_jsd_jax.py: 131 -> 103 s). Subprocess workers inherit it.
+    _given = os.environ.get("XLA_FLAGS", "")  # xdist workers inherit the controller's
+    os.environ["XLA_FLAGS"] = " ".join([_given, *(f for f in CPU_XLA_FLAGS
+                                                  if f not in _given.split())]).strip()
 # torch and JAX share the GPU in one process: JAX must not grab 75% of it at start.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
@@ -30,7 +44,8 @@ os.environ.setdefault("LOGITLESS_TEST_SEED", str(harness.SEED))
 
 def pytest_report_header(config):
     return [f"logitless test seed: {harness.SEED} (set LOGITLESS_TEST_SEED to replay)",
-            f"CUDA: {_CUDA}, TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')}"]
+            f"CUDA: {_CUDA}, TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET')}"
+            f"{' (nested calls unpatched: tests/interpreter_speedup.py)' if _FAST_INTERPRETER else ''}"]
 
 
 def pytest_configure(config):

@@ -329,7 +329,8 @@ def run_jax_worker(script: str, devices: int = 4, args=()) -> dict:
     fixes its device count when it initialises, and this pytest process has initialised it
     already) and the session's seed; returns the JSON object its last stdout line holds."""
     env = dict(os.environ, LOGITLESS_TEST_SEED=str(harness.SEED),
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+               XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") +  # conftest's CPU flags too
+                          f" --xla_force_host_platform_device_count={devices}").strip(),
                JAX_PLATFORMS="cpu")
     here = os.path.dirname(os.path.abspath(__file__))
     proc = subprocess.run([sys.executable, os.path.join(here, script), *args],
