@@ -2,12 +2,13 @@
 
 Every call of a nested ``@triton.jit`` function under ``TRITON_INTERPRET=1`` re-patches the
 whole ``triton.language`` namespace (``inspect.getmembers`` over ``tl``, ``tl.tensor``,
-``tl.math``, ...), ~0.25 ms a call. The row kernels call their helpers per row and per block,
-so this alone was ~16% of an interpreted linear-CE case. The launch
-(``GridExecutor.__call__``) has already patched those modules and restores them when its grid
-ends, and a nested call's patch is never restored (triton 3.6-3.8), so inside a launch it
-changes nothing: here a nested call whose modules the launch has patched runs its function
-directly. Where Triton's internals differ from what this expects, nothing is changed.
+``tl.math``, ...). The row kernels call their helpers per row and per block: without the
+re-patch the Triton-interpreted linear-CE spec cases ran 8% faster (133.7 -> 122.6 s, one
+seed, 2 workers). The launch (``GridExecutor.__call__``) has already patched those modules
+and restores them when its grid ends, and a nested call's patch is never restored (read in
+triton 3.7.1, the CI pin), so inside a launch it changes nothing: here a nested call whose
+modules the launch has patched runs its function directly. Where Triton's internals differ
+from what this expects, nothing is changed.
 """
 import inspect
 
