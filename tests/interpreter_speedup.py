@@ -8,7 +8,12 @@ seed, 2 workers). The launch (``GridExecutor.__call__``) has already patched tho
 and restores them when its grid ends, and a nested call's patch is never restored (read in
 triton 3.7.1, the CI pin), so inside a launch it changes nothing: here a nested call whose
 modules the launch has patched runs its function directly. Where Triton's internals differ
-from what this expects, nothing is changed.
+from what this expects, nothing is changed. A nested call of a function whose module sees
+modules the launch did not patch (``tl.sum``, ``tl.max``: ``tl.core``) patches them once per
+launch, as its first call there would. And Triton's dtype -> NumPy dtype map, rebuilt on every
+call, is looked up once per dtype. Both together: the interpreted Triton cases of CE and JSD
+gave bit-identical outputs with and without them (41 cases, one seed), 16-28% faster
+(twenty-ninth session).
 """
 import inspect
 
@@ -40,15 +45,21 @@ def install() -> bool:
     grid_call, device_call = ti.GridExecutor.__call__, ti.InterpretedFunction.__call__
 
     def launch(self, *args, **kwargs):
-        launches.append(modules(self.fn))
+        launches.append(set(modules(self.fn)))
         try:
             return grid_call(self, *args, **kwargs)
         finally:
             launches.pop()
 
     def nested(self, *args, **kwargs):
-        if not launches or not modules(self.fn) <= launches[-1]:
+        if not launches:
             return device_call(self, *args, **kwargs)
+        if not modules(self.fn) <= launches[-1]:
+            # e.g. tl.sum, whose module sees tl.core, which the launch did not patch: patch
+            # once (as Triton does, never restored); later calls in this launch find it done
+            out = device_call(self, *args, **kwargs)
+            launches[-1] |= modules(self.fn)
+            return out
         fn = self.rewrite()
         try:
             return fn(*args, **kwargs)
@@ -57,5 +68,22 @@ def install() -> bool:
 
     ti.GridExecutor.__call__ = launch
     ti.InterpretedFunction.__call__ = nested
+    if hasattr(ti, "_get_np_dtype"):
+        ti._get_np_dtype = _cached_np_dtype(ti._get_np_dtype, tl)
     ti._logitless_fast = True
     return True
+
+
+def _cached_np_dtype(get_np_dtype, tl):
+    """Triton's dtype -> NumPy dtype map rebuilds its 18-entry dict on every call (~10% of an
+    interpreted row kernel's time): the same answers, looked up once per scalar dtype."""
+    cache = {}
+
+    def cached(tt_dtype):
+        scalar = tt_dtype.element_ty if isinstance(tt_dtype, tl.block_type) else tt_dtype
+        if isinstance(scalar, tl.pointer_type):
+            return get_np_dtype(tt_dtype)
+        if scalar not in cache:
+            cache[scalar] = get_np_dtype(scalar)
+        return cache[scalar]
+    return cached
