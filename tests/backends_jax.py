@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from harness import Backend, cached_jit, register
+from harness import Backend, cached_jit, register, tier_takes
 from op_linear_cross_entropy import OP
 
 
@@ -112,7 +112,8 @@ def naive_jax(case, inp):
 
 
 register(Backend("naive-jax", naive_jax, naive="naive-jax", requires=("jax",)))
-register(Backend("xla", jax_backend_runner("xla"), naive="naive-jax", requires=("jax",)))
+register(Backend("xla", jax_backend_runner("xla"), naive="naive-jax", requires=("jax",),
+                 takes=tier_takes(OP)))
 # Small blocks on CPU so the interpreted kernel walks several V blocks with a ragged last one,
 # several row blocks with a ragged last one, on a persistent grid of 3 programs (so programs
 # get different numbers of row blocks); on a GPU the defaults are tested.
@@ -125,7 +126,8 @@ def pallas_runner(case, inp):
     return jax_backend_runner("pallas", **_pallas_test_tuning())(case, inp)
 
 
-register(Backend("pallas", pallas_runner, naive="naive-jax", requires=("jax",)))
+register(Backend("pallas", pallas_runner, naive="naive-jax", requires=("jax",),
+                 takes=tier_takes(OP)))
 
 
 # Rows split over 4 programs (16-column blocks: at V = 97, 7 blocks make 4 segments of 2, 2, 2

@@ -5,7 +5,8 @@ import math
 
 import numpy as np
 
-from harness import Backend, cached_jit, register
+import op_linear_jsd
+from harness import Backend, cached_jit, register, tier_takes
 
 OP = "linear_jsd"
 
@@ -129,5 +130,7 @@ def pallas_runner(case, inp):
 
 
 register(Backend("naive-jax", naive_jax_jsd, naive="naive-jax", requires=("jax",), op=OP))
-register(Backend("xla", jsd_runner("xla"), naive="naive-jax", requires=("jax",), op=OP))
-register(Backend("pallas", pallas_runner, naive="naive-jax", requires=("jax",), op=OP))
+register(Backend("xla", jsd_runner("xla"), naive="naive-jax", requires=("jax",), op=OP,
+                 takes=tier_takes(op_linear_jsd.OP)))
+register(Backend("pallas", pallas_runner, naive="naive-jax", requires=("jax",), op=OP,
+                 takes=tier_takes(op_linear_jsd.OP)))

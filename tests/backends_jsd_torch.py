@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from harness import Backend, register
+import op_linear_jsd
+from harness import Backend, register, tier_takes
 from helpers import torch_jsd_loss
 
 OP = "linear_jsd"
@@ -120,6 +121,6 @@ def triton_split_runner(case, inp):
 register(Backend("naive-torch", naive_torch_jsd, naive="naive-torch", requires=("torch",), op=OP))
 register(Backend("torch", jsd_runner("torch"), naive="naive-torch", requires=("torch",), op=OP))
 register(Backend("triton", jsd_runner("triton"), naive="naive-torch",
-                 requires=("torch", "triton"), op=OP))
+                 requires=("torch", "triton"), op=OP, takes=tier_takes(op_linear_jsd.OP)))
 register(Backend("triton-split", triton_split_runner, naive="naive-torch",
                  requires=("torch", "triton"), op=OP, takes=_split_takes))

@@ -6,7 +6,7 @@ import importlib.util
 import numpy as np
 
 import op_linear_cross_entropy as op
-from harness import Backend, register
+from harness import Backend, register, tier_takes
 
 
 def _have(mod):
@@ -90,7 +90,7 @@ def naive_torch(case, inp):
 register(Backend("naive-torch", naive_torch, naive="naive-torch", requires=("torch",)))
 register(Backend("torch", torch_backend_runner("torch"), naive="naive-torch", requires=("torch",)))
 register(Backend("triton", torch_backend_runner("triton"), naive="naive-torch",
-                 requires=("torch", "triton")))
+                 requires=("torch", "triton"), takes=tier_takes(op.OP)))
 
 
 def blocks_takes(case):
@@ -176,7 +176,9 @@ def low_memory_takes(case):
     option is backend "triton"'s). Of the many-chunk 130 x 48 x 509 cases two: per-token
     upstream gradients ("none": the recomputing token sweep) and the mean's forward dX over
     several chunks (bf16, every option); fp16 sums and lse gradients take the same sweeps in
-    the smaller cases, and the one without smoothing is for the own GEMM."""
+    the smaller cases, and the one without smoothing is for the own GEMM. The interpreters'
+    tier (``op.cpu_tier``) applies on top: of the every-option 37 x 33 cases, one per dtype and
+    reduction."""
     import torch
     if torch.cuda.is_available():
         return True
@@ -190,7 +192,8 @@ def low_memory_takes(case):
 # cuBLAS pinned: the default ("auto") takes our GEMMs on a Hopper GPU where they can run, the
 # second backend below; cuBLAS is what every other GPU runs.
 register(Backend("triton-low-memory", low_memory_runner(logits_gemm="cublas"),
-                 naive="naive-torch", requires=("torch", "triton"), takes=low_memory_takes))
+                 naive="naive-torch", requires=("torch", "triton"),
+                 takes=tier_takes(op.OP, low_memory_takes)))
 
 
 def low_memory_auto_takes(case):

@@ -59,6 +59,9 @@ class Op:
     make_inputs: Callable[[Any, int], Any]          # (case, salt) -> inputs
     reference: Callable[[Any, Any], Dict[str, np.ndarray]]  # (case, inputs) -> float64 outputs
     cases: Callable[[], List[Any]]                  # the curated matrix every backend passes
+    # the part of it that the kernels' backends take in the interpreters (CI time; see
+    # :func:`tier_takes`); None: all of it
+    cpu_tier: Optional[Callable[[Any], bool]] = None
 
 
 # ----------------------------------------------------------------------------- backends
@@ -95,12 +98,34 @@ def cases_under_test(op: "Op") -> List[Tuple[str, Any]]:
             if backends(op.name)[name].takes is None or backends(op.name)[name].takes(case)]
 
 
+def interpreted() -> bool:
+    """The kernels run in interpreters here (no GPU: conftest set TRITON_INTERPRET), and
+    LOGITLESS_FULL_MATRIX=1 does not ask for the whole matrix anyway."""
+    return (os.environ.get("TRITON_INTERPRET") == "1"
+            and os.environ.get("LOGITLESS_FULL_MATRIX") != "1")
+
+
+def tier_takes(op: "Op", also: Optional[Callable[[Any], bool]] = None) -> Callable[[Any], bool]:
+    """A ``takes`` for a kernel backend: every case on a GPU; interpreted, ``op.cpu_tier``'s
+    cases (and ``also``'s, when given, which must take them too). Each interpreted case costs
+    1-10 s (Triton's interpreter, XLA compiling an interpreted Pallas program), so CI runs the
+    part of the matrix that meets every option, dtype, reduction and edge path in each
+    backend; the GPU runs (benchmarks/gpu_tests.sh) and LOGITLESS_FULL_MATRIX=1 take all."""
+    def takes(case) -> bool:
+        if also is not None and not also(case):
+            return False
+        return not interpreted() or op.cpu_tier is None or op.cpu_tier(case)
+    return takes
+
+
 def crossing_cases(op, distinct: Callable[[Any], bool]) -> Callable[[Any], bool]:
     """A ``takes`` for the bridge backends off a GPU. The bridge runs the very JAX program that
     backend "pallas" runs on every case (and test_parity checks it equals that program); what
     it adds is the crossing: dtypes, shapes, which inputs get gradients, extra outputs. So in
-    the interpreter (CI time) it takes the first case of each (dtype, reduction) and every case
-    where ``distinct(case)`` (a data path of its own); on a GPU, every case."""
+    the interpreter (CI time) it takes the first case of each dtype and of each reduction (the
+    dtype decides the conversions, the reduction the output's shape; neither depends on the
+    other) and every case where ``distinct(case)`` (a data path of its own); on a GPU, every
+    case."""
     picked = {}
 
     def takes(case) -> bool:
@@ -109,7 +134,8 @@ def crossing_cases(op, distinct: Callable[[Any], bool]) -> Callable[[Any], bool]
             return True
         if not picked:
             for c in op.cases():
-                picked.setdefault((c.dtype, c.reduction), c.id)
+                picked.setdefault(("dtype", c.dtype), c.id)
+                picked.setdefault(("reduction", c.reduction), c.id)
         return case.id in picked.values() or distinct(case)
     return takes
 

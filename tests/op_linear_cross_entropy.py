@@ -167,5 +167,32 @@ def cases_linear_cross_entropy():
     return out
 
 
+# Each dtype with each reduction once: the every-option 37 x 33 cases take these pairs in the
+# interpreters, the no-option ones the other six.
+DIAGONAL = (("bfloat16", "mean"), ("float32", "none"), ("float16", "sum"))
+
+
+def cpu_tier(case: Case) -> bool:
+    """The cases the kernel backends take in the interpreters (CI time; every case on a GPU):
+    every edge case (N = 1, many chunks, a wider V, masked classes, all-ignored ones but the
+    "sum" among the every-option 37 x 33 ones), each option alone in fp32 (in half precision
+    the every-option cases carry each of them), and of the 37 x 33 cases with no option and
+    with every option each (dtype, reduction) pair once in each kind (``DIAGONAL`` with every
+    option, the other six without). Of the many-chunk cases the one without smoothing is for
+    the own logits GEMM (``triton-own-gemm`` takes it): elsewhere it is the bf16 mean one
+    with its smoothing off."""
+    if case.n == 130 and case.dtype == "bfloat16" and case.lse_grad and not case.label_smoothing:
+        return False
+    if case.n != 37 or case.masked or case.chunk_size:
+        return True
+    if case.ignore == "all":
+        return case.reduction != "sum"
+    on = options_on(case)
+    if on == 1:
+        return case.dtype == "float32"
+    pair_on_diagonal = (case.dtype, case.reduction) in DIAGONAL
+    return pair_on_diagonal if on else not pair_on_diagonal
+
+
 OP = Op("linear_cross_entropy", make_inputs=make_inputs, reference=reference,
-        cases=cases_linear_cross_entropy)
+        cases=cases_linear_cross_entropy, cpu_tier=cpu_tier)
