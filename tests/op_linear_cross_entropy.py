@@ -178,9 +178,9 @@ def cpu_tier(case: Case) -> bool:
     "sum" among the every-option 37 x 33 ones), each option alone in fp32 (in half precision
     the every-option cases carry each of them), and of the 37 x 33 cases with no option and
     with every option each (dtype, reduction) pair once in each kind (``DIAGONAL`` with every
-    option, the other six without). Of the many-chunk cases the one without smoothing is for
-    the own logits GEMM (``triton-own-gemm`` takes it): elsewhere it is the bf16 mean one
-    with its smoothing off."""
+    option, the other six without). Of the many-chunk cases, the one without smoothing is
+    there for the own logits GEMM (``triton-own-gemm`` takes it); to the other backends it is
+    the bf16 every-option case beside it with its smoothing off."""
     if case.n == 130 and case.dtype == "bfloat16" and case.lse_grad and not case.label_smoothing:
         return False
     if case.n != 37 or case.masked or case.chunk_size:
