@@ -28,12 +28,10 @@ else
 ENV_DEP :=
 endif
 
-# --no-compile: pip byte-compiles every file it installs (~1 min of a 2-min install here);
-# Python compiles what the tests import on first import instead (a few seconds).
 $(VENV)/.installed: requirements-cpu.txt
 	@command -v $(BASE_PY) >/dev/null || { echo "need $(BASE_PY) (or run with PY=python3 on a prepared machine)"; exit 1; }
 	test -x $(PY) || $(BASE_PY) -m venv $(VENV)
-	$(PY) -m pip install -q --no-compile --no-cache-dir --disable-pip-version-check $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) -r requirements-cpu.txt
+	$(PY) -m pip install -q --no-cache-dir --disable-pip-version-check $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) -r requirements-cpu.txt
 	touch $@
 
 env: $(ENV_DEP)
