@@ -28,10 +28,14 @@ else
 ENV_DEP :=
 endif
 
+# pip byte-compiles what it installs on one core (~1 min here); compileall does it on every
+# core. Not skipped: with PYTHONDONTWRITEBYTECODE=1 (set on the dev and CI machines) nothing
+# would ever write the .pyc files, and every process would recompile its imports.
 $(VENV)/.installed: requirements-cpu.txt
 	@command -v $(BASE_PY) >/dev/null || { echo "need $(BASE_PY) (or run with PY=python3 on a prepared machine)"; exit 1; }
 	test -x $(PY) || $(BASE_PY) -m venv $(VENV)
-	$(PY) -m pip install -q --no-cache-dir --disable-pip-version-check $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) -r requirements-cpu.txt
+	$(PY) -m pip install -q --no-compile --no-cache-dir --disable-pip-version-check $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) -r requirements-cpu.txt
+	$(PY) -m compileall -q -j 0 $$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') > /dev/null || true
 	touch $@
 
 env: $(ENV_DEP)
