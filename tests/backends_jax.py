@@ -140,14 +140,16 @@ def pallas_split_runner(case, inp):
 
 
 def _split_cases(case) -> bool:
-    """On a GPU every case; interpreted (CI time) the first of each (dtype, reduction), the
-    masked-vocabulary and one-token cases, and the chunked ones with smoothing."""
+    """On a GPU every case; interpreted (CI time) the first of each dtype and of each
+    reduction, the masked-vocabulary and one-token cases, and the chunked ones with
+    smoothing."""
     import jax
     if jax.default_backend() == "gpu":
         return True
     firsts = {}
     for c in OP.cases():
-        firsts.setdefault((c.dtype, c.reduction), c.id)
+        firsts.setdefault(("dtype", c.dtype), c.id)
+        firsts.setdefault(("reduction", c.reduction), c.id)
     return case.id in firsts.values() or case.masked or case.n == 1 or bool(
         case.chunk_size and case.label_smoothing)
 

@@ -167,18 +167,20 @@ def cases_linear_cross_entropy():
     return out
 
 
-# Each dtype with each reduction once: the every-option 37 x 33 cases take these pairs in the
-# interpreters, the no-option ones the other six.
+# Each dtype with each reduction once, twice: in the interpreters the every-option 37 x 33
+# cases take the pairs of DIAGONAL, the no-option ones those of OTHER_DIAGONAL.
 DIAGONAL = (("bfloat16", "mean"), ("float32", "none"), ("float16", "sum"))
+OTHER_DIAGONAL = (("float32", "mean"), ("bfloat16", "sum"), ("float16", "none"))
 
 
 def cpu_tier(case: Case) -> bool:
     """The cases the kernel backends take in the interpreters (CI time; every case on a GPU):
     every edge case (N = 1, many chunks, a wider V, masked classes, all-ignored ones but the
-    "sum" among the every-option 37 x 33 ones), each option alone in fp32 (in half precision
-    the every-option cases carry each of them), and of the 37 x 33 cases with no option and
-    with every option each (dtype, reduction) pair once in each kind (``DIAGONAL`` with every
-    option, the other six without). Of the many-chunk cases, the one without smoothing is
+    "sum" and "none" among the every-option 37 x 33 ones: the mean divides by their zero
+    weight), each option alone in fp32 (in half precision the every-option cases carry each of
+    them), and of the 37 x 33 cases with no option and with every option, each dtype and each
+    reduction once per kind (``DIAGONAL`` with every option, ``OTHER_DIAGONAL`` without, so
+    that six of the nine pairs are met). Of the many-chunk cases, the one without smoothing is
     there for the own logits GEMM (``triton-own-gemm`` takes it); to the other backends it is
     the bf16 every-option case beside it with its smoothing off."""
     if case.n == 130 and case.dtype == "bfloat16" and case.lse_grad and not case.label_smoothing:
@@ -186,12 +188,11 @@ def cpu_tier(case: Case) -> bool:
     if case.n != 37 or case.masked or case.chunk_size:
         return True
     if case.ignore == "all":
-        return case.reduction != "sum"
+        return case.reduction == "mean"
     on = options_on(case)
     if on == 1:
         return case.dtype == "float32"
-    pair_on_diagonal = (case.dtype, case.reduction) in DIAGONAL
-    return pair_on_diagonal if on else not pair_on_diagonal
+    return (case.dtype, case.reduction) in (DIAGONAL if on else OTHER_DIAGONAL)
 
 
 OP = Op("linear_cross_entropy", make_inputs=make_inputs, reference=reference,
