@@ -8,6 +8,8 @@ BASE_PY ?= python3.11
 PYTEST_ARGS ?=
 # pytest-xdist workers for `make test` when it is installed (the venv has it; a bare python3
 # may not): the suite is mostly single-threaded interpreter work, so 2 cores take ~half the time.
+# With xdist >= 3.2, --dist worksteal: an idle worker takes tests queued for the other, so
+# the run does not end on one worker's backlog.
 TEST_WORKERS ?= 2
 # Seconds one test may take before pytest-timeout (when installed) fails it: a kernel loop that
 # never ends would otherwise hold CI until its limit. The slowest test took 106 s on a busy
@@ -43,6 +45,7 @@ env: $(ENV_DEP)
 test: $(ENV_DEP)
 	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(PY) -m pytest -q \
 	  $$($(PY) -c 'import xdist' 2>/dev/null && echo "-n $(TEST_WORKERS)") \
+	  $$($(PY) -c 'import sys, xdist; sys.exit(tuple(map(int, xdist.__version__.split(".")[:2])) < (3, 2))' 2>/dev/null && echo "--dist worksteal") \
 	  $$($(PY) -c 'import pytest_timeout' 2>/dev/null && echo "--timeout $(TEST_TIMEOUT)") $(PYTEST_ARGS)
 
 demo: $(ENV_DEP)
