@@ -32,7 +32,8 @@ endif
 
 # pip byte-compiles what it installs on one core (~1 min here); compileall does it on every
 # core. Not skipped: with PYTHONDONTWRITEBYTECODE=1 (set on the dev and CI machines) nothing
-# would ever write the .pyc files, and every process would recompile its imports.
+# would ever write the .pyc files, and every process would recompile its imports. `|| true`:
+# a few packages ship files that are not Python 3 on purpose (pip skips them too).
 $(VENV)/.installed: requirements-cpu.txt
 	@command -v $(BASE_PY) >/dev/null || { echo "need $(BASE_PY) (or run with PY=python3 on a prepared machine)"; exit 1; }
 	test -x $(PY) || $(BASE_PY) -m venv $(VENV)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 import op_linear_jsd
-from harness import Backend, register, tier_takes
+from harness import Backend, interpreted, register, tier_takes
 from helpers import torch_jsd_loss
 
 OP = "linear_jsd"
@@ -96,8 +96,7 @@ def _split_takes(case):
     (their far forms); the other cases run on backend "triton" (which shares the kernels),
     and confident heads' merges are the sharp-teacher accuracy test's. On a GPU it is the
     only test of the fused kernel with per-row barriers (``row_sync=True``): every case."""
-    import torch
-    if torch.cuda.is_available():
+    if not interpreted():
         return True
     merges_most = (case.hard_loss_weight or not case.targets or case.ignore == "all"
                    or case.n == 1 or case.teacher_offset)

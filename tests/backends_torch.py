@@ -6,7 +6,7 @@ import importlib.util
 import numpy as np
 
 import op_linear_cross_entropy as op
-from harness import Backend, register, tier_takes
+from harness import Backend, interpreted, register, tier_takes
 
 
 def _have(mod):
@@ -99,8 +99,7 @@ def blocks_takes(case):
     a GPU; in the interpreter (CI time: ~5 s a case) the masked ones (-inf bias over whole
     leading blocks) and the every-option one in three dtype / reduction pairs (as
     ``split_takes``: the blocks' rescale does not depend on them)."""
-    import torch
-    if torch.cuda.is_available():
+    if not interpreted():
         return True
     return case.v == 97 and case.ignore != "all" and (case.masked or _every_option_triple(case))
 
@@ -123,8 +122,7 @@ def split_takes(case):
     masked cases (fp32 and bf16) and the every-option one in fp32 with per-token upstream
     gradients ("none", an lse gradient): the merge does not depend on the dtype, and
     test_triton_backend's split tests run the one-launch form."""
-    import torch
-    if torch.cuda.is_available():
+    if not interpreted():
         return True
     every = bool(case.softcap and case.z_loss and case.label_smoothing)
     return case.v == 97 and case.ignore != "all" and (case.masked or every and (
@@ -179,8 +177,7 @@ def low_memory_takes(case):
     the smaller cases, and the one without smoothing is for the own GEMM. The interpreters'
     tier (``op.cpu_tier``) applies on top: of the every-option 37 x 33 cases, one per dtype and
     reduction."""
-    import torch
-    if torch.cuda.is_available():
+    if not interpreted():
         return True
     plain = op.options_on(case) == 0 and not case.masked and case.n == 37
     if case.n == 130:

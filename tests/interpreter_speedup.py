@@ -41,7 +41,7 @@ def install() -> bool:
                                   if inspect.ismodule(v) and any(v is m for m in languages))
         return seen[key]
 
-    launches = []  # the language modules of each launch in progress
+    launches = []  # per launch in progress: the language modules patched so far
     grid_call, device_call = ti.GridExecutor.__call__, ti.InterpretedFunction.__call__
 
     def launch(self, *args, **kwargs):

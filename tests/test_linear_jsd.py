@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import backends  # noqa: F401  (registers the backends)
-from harness import SEED, cases_under_test, check_backend, under_test
+from harness import SEED, cases_under_test, check_backend, interpreted, under_test
 from helpers import (assert_close_abs, assert_row_padding_never_counted,
                      check_cuda_graph_training, no_host_sync, torch_jsd_loss)
 from logitless.specs import linear_jsd as spec
@@ -494,10 +494,8 @@ def _kernel_backends(split_on_cpu: bool = True):
     ``split_on_cpu=False`` less "triton-split" off a GPU too (~7 s a test interpreted): for
     the tests whose regime its merges meet elsewhere on CPU (the spec matrix's offset-teacher
     cases, test_triton_kl_kinds_merge_blocks_and_segments' near KL forms)."""
-    import torch
-    gpu = torch.cuda.is_available()
     return [b for b in under_test(OP.name)
-            if gpu or not (b.startswith("bridge") or (b == "triton-split" and not split_on_cpu))]
+            if not interpreted() or not (b.startswith("bridge") or (b == "triton-split" and not split_on_cpu))]
 
 
 @pytest.mark.parametrize("beta, temperature, shift", [
