@@ -1,9 +1,12 @@
-"""GPU probe: the Pallas kernels' exp / log as PTX ex2.approx / lg2.approx (the default,
-``pallas_kernels._launch.PTX_MATH``) against libdevice's expf / logf, A/B in one process:
-per shape, the op's fwd+bwd compiled twice (once with the PTX forms switched off)
-and timed interleaved with the XLA floor (rotated rounds), plus the two versions' losses.
+"""GPU probe: the Pallas kernels' exp / log as PTX ex2.approx.ftz / lg2.approx (the default,
+``pallas_kernels._launch.PTX_MATH``) against a baseline, A/B in one process: libdevice's
+expf / logf (``--baseline libdevice``), or the PTX forms with the exp's subnormal results
+kept (``--baseline noftz``: plain ex2.approx, which ptxas wraps in three more instructions).
+Per shape, the op's fwd+bwd compiled twice (once with the baseline's forms) and timed
+interleaved with the XLA floor (rotated rounds), plus the two versions' losses. The JSON keys
+keep their first names: ``libdevice_*`` is the baseline, ``ptx_*`` the default.
 
-    PYTHONPATH=. python3 benchmarks/jax_ptx_math_ab.py [--reps 20] [--small]
+    PYTHONPATH=. python3 benchmarks/jax_ptx_math_ab.py [--reps 20] [--small] [--baseline noftz] [--ops jsd]
 """
 import argparse
 import json
@@ -52,21 +55,26 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--small", action="store_true", help="tiny shapes (a dry run)")
+    ap.add_argument("--baseline", choices=("libdevice", "noftz"), default="libdevice")
+    ap.add_argument("--ops", default="ce,jsd", help="the CASES of these ops")
     a = ap.parse_args()
     print(json.dumps({"about": __doc__.split("\n\n")[0], "gpu": str(jax.devices()[0]),
                       "jax": jax.__version__, "git": common.git_provenance()}), flush=True)
-    for op, shape in CASES:
+    for op, shape in [c for c in CASES if c[0] in a.ops.split(",")]:
         shape = (64, 32, 1000) if a.small else shape
         vg, args, floor = _steps(op, *shape)
         # compiled ahead of time, each after clearing JAX's caches: the ops' inner traces
         # are cached by their static configuration, which the switch is not part of
-        keep = _launch._with_ptx_math
-        _launch._with_ptx_math = lambda kernel: kernel  # traced now without the PTX forms
+        keep, keep_math = _launch._with_ptx_math, _launch.PTX_MATH
+        if a.baseline == "libdevice":
+            _launch._with_ptx_math = lambda kernel: kernel  # traced now without the PTX forms
+        else:
+            _launch.PTX_MATH = _launch.ptx_math(exp_ftz=False)
         try:
             jax.clear_caches()
             libdevice = jax.jit(vg).lower(*args).compile()
         finally:
-            _launch._with_ptx_math = keep
+            _launch._with_ptx_math, _launch.PTX_MATH = keep, keep_math
         jax.clear_caches()
         ptx = jax.jit(vg).lower(*args).compile()
         out = {"ptx": jax.block_until_ready(ptx(*args)),
@@ -74,7 +82,7 @@ def main():
         steps = [floor, lambda: libdevice(*args), lambda: ptx(*args)]
         t_floor, t_lib, t_ptx = common.time_interleaved(steps, device="cpu", reps=a.reps,
                                                         warmup_s=3.0, wall=True)
-        rec = dict(op=op, shape=shape, floor_ms=t_floor.median_ms,
+        rec = dict(op=op, shape=shape, baseline=a.baseline, floor_ms=t_floor.median_ms,
                    libdevice_ms=t_lib.median_ms, ptx_ms=t_ptx.median_ms,
                    libdevice_x_floor=t_lib.median_ms / t_floor.median_ms,
                    ptx_x_floor=t_ptx.median_ms / t_floor.median_ms,

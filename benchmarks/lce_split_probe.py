@@ -5,7 +5,7 @@ on one chunk, which each rewrites in place: timing does not depend on the values
 largest difference of loss, lse and dz from whole rows on fresh logits.
 
 Settings are JSON dicts of the row kernel's launch constants (``SPLIT_BLOCK``,
-``SPLIT_WARPS``, ``SPLIT_PROGRAMS_PER_SM``, ``SPLIT_EVICT`` of
+``SPLIT_WARPS``, ``SPLIT_PROGRAMS_PER_SM``, ``SPLIT_EVICT``, ``FAST_EXP`` of
 ``triton_kernels.linear_cross_entropy``) and ``segment`` / ``row_sync`` / ``block_v`` /
 ``num_warps`` (its ``Config``).
 
@@ -30,7 +30,7 @@ from logitless.triton_kernels import linear_cross_entropy as lce  # noqa: E402
 SWEEP = [{"segment": s, "SPLIT_BLOCK": b, "SPLIT_WARPS": nw, "SPLIT_PROGRAMS_PER_SM": p}
          for s in (8192, 16384, 32768) for b, nw in ((2048, 2), (2048, 4), (4096, 4))
          for p in (8, 16)]
-CONSTANTS = ("SPLIT_BLOCK", "SPLIT_WARPS", "SPLIT_PROGRAMS_PER_SM", "SPLIT_EVICT")
+CONSTANTS = ("SPLIT_BLOCK", "SPLIT_WARPS", "SPLIT_PROGRAMS_PER_SM", "SPLIT_EVICT", "FAST_EXP")
 
 
 def run_rows(buf, y, lse, loss, setting):

@@ -44,7 +44,7 @@ CASES = {
 }
 
 
-MODULES = (lce, ljsd)
+MODULES = (lce, ljsd, lce.stats_gemm)  # (FAST_EXP: of the row kernels' and the own GEMMs')
 JSD_ROWS = ljsd.jsd_rows
 _FILES = {}
 

@@ -145,19 +145,28 @@ def typed_call(kernel, inputs, out_shape, *, interpret: bool, name: str, **param
     return run(*inputs)
 
 
-def _ptx(op: str, x):
+def _ptx(instruction: str, x):
     x = x.astype(jnp.float32)
     return plgpu.elementwise_inline_asm(
-        f"{op}.approx.f32 $0, $1;", args=[x], constraints="=f,f", pack=1,
+        f"{instruction} $0, $1;", args=[x], constraints="=f,f", pack=1,
         result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])[0]
 
 
-# exp / log as Triton's tl.exp / tl.log compile them: ex2.approx / lg2.approx (one MUFU
-# instruction, ~2 ulp) after a multiply, where Pallas would call libdevice's expf / logf.
-# See ``_jax_common.kernel_math``; the Triton kernels' accuracy rests on the same forms.
-PTX_MATH = types.SimpleNamespace(
-    exp=lambda x: _ptx("ex2", x * np.float32(1.4426950408889634)),
-    log=lambda x: _ptx("lg2", x) * np.float32(0.6931471805599453))
+def ptx_math(exp_ftz: bool = True) -> types.SimpleNamespace:
+    """exp / log as Triton's tl.exp / tl.log compile them: ex2.approx / lg2.approx (one MUFU
+    instruction, ~2 ulp) after a multiply, where Pallas would call libdevice's expf / logf.
+    See ``_jax_common.kernel_math``; the Triton kernels' accuracy rests on the same forms.
+    ``exp_ftz``: ``ex2.approx.ftz``, the bare MUFU.EX2; ptxas wraps the plain form in a
+    compare and two predicated multiplies that keep results under 2^-126 subnormal, which no
+    exponential of these kernels needs (``triton_kernels/fast_exp.py``). The log keeps them:
+    a flushed subnormal argument would turn a finite log into -inf."""
+    ex2 = "ex2.approx.ftz.f32" if exp_ftz else "ex2.approx.f32"
+    return types.SimpleNamespace(
+        exp=lambda x: _ptx(ex2, x * np.float32(1.4426950408889634)),
+        log=lambda x: _ptx("lg2.approx.f32", x) * np.float32(0.6931471805599453))
+
+
+PTX_MATH = ptx_math()
 
 
 def _with_ptx_math(kernel):

@@ -32,6 +32,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .fast_exp import DIFF, EXACT, FMA, exp_from
 from .narrow_cast import round_bf16_bits
 from .row_sync import wait_row as _wait_row
 
@@ -114,11 +115,11 @@ def _grad_coefs(g, h, lse, omega, mask_f, omega_sum, V, eps, z_loss, HAS_Z: tl.c
 
 @triton.jit
 def _logit_grad(c, lse, coef_p, coef_y, coef_w, is_y, wv, softcap, SMOOTH: tl.constexpr,
-                HAS_CW: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+                HAS_CW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, EXP_FORM: tl.constexpr = 0):
     """dz at capped logits ``c`` (fp32; every other argument broadcasts against it): ``is_y``
     marks the target's column, ``wv`` the class weights (read only with smoothing and class
-    weights)."""
-    d = coef_p * tl.exp(c - lse)
+    weights); ``EXP_FORM`` how p = e^(c − lse) is computed (:mod:`.fast_exp`)."""
+    d = coef_p * exp_from(c, lse, EXP_FORM)
     d -= tl.where(is_y, coef_y, 0.0)
     if SMOOTH:
         if HAS_CW:
@@ -168,7 +169,8 @@ def _ce_row(row, seg, logits_ptr, stride_row, bias_ptr, y_ptr, cw_ptr, omega_sum
             HAS_SOFTCAP: tl.constexpr, HAS_H: tl.constexpr, HAS_BIAS: tl.constexpr,
             BLOCK_V: tl.constexpr, ROUND_BF16: tl.constexpr, STAGES: tl.constexpr,
             SEGS: tl.constexpr, SEGS_P2: tl.constexpr, PHASE: tl.constexpr,
-            MAX_SPIN: tl.constexpr, EVICT1: tl.constexpr, EVICT2: tl.constexpr):
+            MAX_SPIN: tl.constexpr, EVICT1: tl.constexpr, EVICT2: tl.constexpr,
+            EXP_FORM: tl.constexpr):
     """Segment ``seg`` (columns [seg·seg_cols, (seg + 1)·seg_cols)) of one row; with SEGS = 1
     the whole row."""
     offs = tl.arange(0, BLOCK_V)
@@ -177,6 +179,9 @@ def _ce_row(row, seg, logits_ptr, stride_row, bias_ptr, y_ptr, cw_ptr, omega_sum
     y = tl.load(y_ptr + row64).to(tl.int64)
     valid, in_range, y_safe, omega, mask_f = _target(y, ignore_index, V, cw_ptr, HAS_CW)
     y_local = y_safe - col_offset  # the target's column inside this buffer, if it is here
+    # compared with int32 columns per element: one instruction instead of three in 64 bits
+    # (|y_local| < V < 2^31)
+    y_col = y_local.to(tl.int32)
     col0 = seg * seg_cols
     col1 = tl.minimum(col0 + seg_cols, n_cols)
     split = SEGS > 1
@@ -220,7 +225,7 @@ def _ce_row(row, seg, logits_ptr, stride_row, bias_ptr, y_ptr, cw_ptr, omega_sum
                     c = tl.where(cmask, c, -float("inf"))
                     m_new = tl.maximum(m, tl.max(c, 0))
                     m_ref = _finite_ref(m_new)
-                    s = s * tl.exp(m - m_ref) + tl.sum(tl.exp(c - m_ref), 0)
+                    s = s * tl.exp(m - m_ref) + tl.sum(exp_from(c, m_ref, EXP_FORM), 0)
                     m = m_new
             # read before any segment of the row writes dz over it (after the wait below)
             z_y = _logit(base, bias_ptr, col_offset, tl.where(here, y_local, 0), here, here,
@@ -274,8 +279,8 @@ def _ce_row(row, seg, logits_ptr, stride_row, bias_ptr, y_ptr, cw_ptr, omega_sum
             wv = 0.0
             if SMOOTH and HAS_CW:
                 wv = tl.load(cw_ptr + col_offset + cols, mask=cmask, other=0.0).to(tl.float32)
-            d = _logit_grad(c, lse, coef_p, coef_y, coef_w, cols == y_local, wv, softcap,
-                            SMOOTH, HAS_CW, HAS_SOFTCAP)
+            d = _logit_grad(c, lse, coef_p, coef_y, coef_w, cols == y_col, wv, softcap,
+                            SMOOTH, HAS_CW, HAS_SOFTCAP, EXP_FORM)
             if ROUND_BF16:  # the interpreter's cast truncates; the GPU rounds
                 d = round_bf16_bits(d)
             # the padding too (junk there, read by no GEMM): a bound that is a multiple
@@ -299,6 +304,7 @@ def cross_entropy_rows_kernel(
     BLOCK_V: tl.constexpr, ROUND_BF16: tl.constexpr = False, STAGES: tl.constexpr = 1,
     SEGS: tl.constexpr = 1, SEGS_P2: tl.constexpr = 2, PHASE: tl.constexpr = 0,
     MAX_SPIN: tl.constexpr = 1 << 22, EVICT1: tl.constexpr = "", EVICT2: tl.constexpr = "",
+    EXP_FORM: tl.constexpr = 0,
 ):
     """Rows [0, n_rows) of the buffer, each in ``SEGS`` segments of ``seg_cols`` columns (the
     last one ragged). SEGS = 1: a persistent grid walks whole rows. SEGS > 1 (only with
@@ -308,7 +314,8 @@ def cross_entropy_rows_kernel(
     [2 + n_rows] zeros: the ticket counter, the abort flag, one counter per row); STATS
     writes the partials (``part_ptr``: fp32 [n_rows, SEGS, NUM_PARTS]), GRAD merges them and
     finishes (loss, lse, dz) in a second launch. ``EVICT1`` / ``EVICT2``: L2 eviction hints
-    of sweep 1's loads / sweep 2's loads and stores ("": none)."""
+    of sweep 1's loads / sweep 2's loads and stores ("": none). ``EXP_FORM``: how the
+    per-element exponentials are computed (:mod:`.fast_exp`; 0, ``EXACT``: ``tl.exp``)."""
     # split rows merge pass-1 partials of the logits: tile statistics would be folded whole by
     # every segment, and a gradient pass has nothing to merge
     tl.static_assert(SEGS == 1 or (COMPUTE_LSE and not FROM_TILES))
@@ -327,7 +334,8 @@ def cross_entropy_rows_kernel(
                     sync_ptr, n_cols, n_load, seg_cols, col_offset, V, ignore_index, eps,
                     z_loss, softcap, stat_m_ptr, stat_s_ptr, n_tiles, COMPUTE_LSE, WRITE_GRAD,
                     FROM_TILES, HAS_CW, SMOOTH, HAS_Z, HAS_SOFTCAP, HAS_H, HAS_BIAS, BLOCK_V,
-                    ROUND_BF16, STAGES, SEGS, SEGS_P2, PHASE, MAX_SPIN, EVICT1, EVICT2)
+                    ROUND_BF16, STAGES, SEGS, SEGS_P2, PHASE, MAX_SPIN, EVICT1, EVICT2,
+                    EXP_FORM)
             ticket = tl.atomic_add(sync_ptr, 1, sem="relaxed")
     else:
         for t in range(pid, n_rows * SEGS, nprog):
@@ -336,15 +344,16 @@ def cross_entropy_rows_kernel(
                     sync_ptr, n_cols, n_load, seg_cols, col_offset, V, ignore_index, eps,
                     z_loss, softcap, stat_m_ptr, stat_s_ptr, n_tiles, COMPUTE_LSE, WRITE_GRAD,
                     FROM_TILES, HAS_CW, SMOOTH, HAS_Z, HAS_SOFTCAP, HAS_H, HAS_BIAS, BLOCK_V,
-                    ROUND_BF16, STAGES, SEGS, SEGS_P2, PHASE, MAX_SPIN, EVICT1, EVICT2)
+                    ROUND_BF16, STAGES, SEGS, SEGS_P2, PHASE, MAX_SPIN, EVICT1, EVICT2,
+                    EXP_FORM)
 
 
 # ----------------------------------------------------------------------------- diagnostics
 def compile_variants(arch: int = 90) -> str:
     """Compile the kernel's forms (whole rows, split in one launch or two, every option, the
-    tiles' statistics, the gradient alone) for a CUDA ``arch`` without a GPU, one
-    ``variant ... ok`` line each (the interpreter never compiles); raises on a refusal. Run it
-    without TRITON_INTERPRET."""
+    tiles' statistics, the gradient alone, each exponential form) for a CUDA ``arch`` without
+    a GPU, one ``variant ... ok`` line each (the interpreter never compiles); raises on a
+    refusal. Run it without TRITON_INTERPRET."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -357,12 +366,13 @@ def compile_variants(arch: int = 90) -> str:
     base = dict(COMPUTE_LSE=True, WRITE_GRAD=True, FROM_TILES=False, HAS_CW=False,
                 SMOOTH=False, HAS_Z=False, HAS_SOFTCAP=False, HAS_H=False, HAS_BIAS=False,
                 BLOCK_V=2048, ROUND_BF16=False, STAGES=3, SEGS=16, SEGS_P2=16, PHASE=FUSED,
-                MAX_SPIN=1 << 22, EVICT1="evict_last", EVICT2="evict_first")
+                MAX_SPIN=1 << 22, EVICT1="evict_last", EVICT2="evict_first", EXP_FORM=FMA)
     every = dict(HAS_CW=True, SMOOTH=True, HAS_Z=True, HAS_SOFTCAP=True, HAS_BIAS=True)
     whole = dict(SEGS=1, SEGS_P2=2, BLOCK_V=4096, EVICT1="", EVICT2="", num_warps=8)
     variants = [dict(), every, dict(WRITE_GRAD=False), dict(PHASE=STATS, WRITE_GRAD=False),
                 dict(PHASE=GRAD), dict(PHASE=GRAD, **every), whole, dict(whole, **every),
-                dict(whole, FROM_TILES=True), dict(whole, COMPUTE_LSE=False, HAS_H=True)]
+                dict(whole, FROM_TILES=True), dict(whole, COMPUTE_LSE=False, HAS_H=True),
+                dict(EXP_FORM=DIFF), dict(EXP_FORM=EXACT)]
     lines = []
     for v in variants:
         cons = {**base, **v}

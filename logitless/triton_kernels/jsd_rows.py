@@ -44,6 +44,8 @@ segments meet through per-segment partials in global memory, two ways:
   another, needs this for ``SEGS > 1``.
 
 All math is fp32; loads are upcast at once (the Triton interpreter mis-computes bf16 math).
+Exponentials are ``tl.exp``'s but with subnormal results flushed to 0 (:mod:`.fast_exp`: one
+``MUFU.EX2`` instead of six instructions); none of them needs a result under 2⁻¹²⁶.
 """
 from __future__ import annotations
 
@@ -51,6 +53,7 @@ import triton
 import triton.language as tl
 
 from ..specs import linear_jsd as spec
+from .fast_exp import exp_ftz
 from .narrow_cast import round_bf16_bits
 from .row_sync import wait_row as _wait_row
 
@@ -90,7 +93,7 @@ def _expm1(x):
     t = tl.where(small, x, 0.0)  # the polynomial only ever sees small arguments
     p = t * (1.0 + t * (0.5 + t * (1.0 / 6.0 + t * (1.0 / 24.0 + t * (1.0 / 120.0 +
                                                                        t * (1.0 / 720.0))))))
-    return tl.where(small, p, tl.exp(x) - 1.0)
+    return tl.where(small, p, exp_ftz(x) - 1.0)
 
 
 @triton.jit
@@ -107,7 +110,7 @@ def _log1p(y):
 def _online(m, s, x):
     """Fold a block of exponents x (masked lanes -inf) into a running max / Σe^(x−m)."""
     m_new = tl.maximum(m, tl.max(x, 0))
-    s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), 0)
+    s = s * exp_ftz(m - m_new) + tl.sum(exp_ftz(x - m_new), 0)
     return m_new, s
 
 
@@ -153,10 +156,10 @@ def _seg_stats(s_row, t_row, col0, col1, col1_load, y_local, inv_t, KIND: tl.con
         mt_new = tl.maximum(mt, tl.max(tl.where(cmask, zt, -float("inf")), 0))
         xa = (zs - ms_new) * inv_t  # exponents relative to the raw maxima
         xb = (zt - mt_new) * inv_t
-        ra = tl.exp((ms - ms_new) * inv_t)
-        rb = tl.exp((mt - mt_new) * inv_t)
-        ea = tl.where(cmask, tl.exp(xa), 0.0)
-        eb = tl.where(cmask, tl.exp(xb), 0.0)
+        ra = exp_ftz((ms - ms_new) * inv_t)
+        rb = exp_ftz((mt - mt_new) * inv_t)
+        ea = tl.where(cmask, exp_ftz(xa), 0.0)
+        eb = tl.where(cmask, exp_ftz(xb), 0.0)
         u = u * ra + tl.sum(ea * _expm1(tl.minimum(d, FAR)), 0)
         md = tl.maximum(md, tl.max(tl.where(cmask, d, -float("inf")), 0))
         if KIND == 0:   # forward KL: Σ P·δ, weights of the teacher
@@ -249,8 +252,8 @@ def _combine_stats(part, segs_idx, smask, inv_t, KIND: tl.constexpr, HARD: tl.co
     u = _load_field(part, F_U, segs_idx, smask, 0.0)
     ms = tl.max(ms_p, 0)
     mt = tl.max(mt_p, 0)
-    ka = tl.exp((ms_p - ms) * inv_t)
-    kb = tl.exp((mt_p - mt) * inv_t)
+    ka = exp_ftz((ms_p - ms) * inv_t)
+    kb = exp_ftz((mt_p - mt) * inv_t)
     md = tl.max(_load_field(part, F_MD, segs_idx, smask, -float("inf")), 0)
     w = ms * 0.0
     wf = w
@@ -273,7 +276,7 @@ def _combine_stats(part, segs_idx, smask, inv_t, KIND: tl.constexpr, HARD: tl.co
             m_z = _load_field(part, F_MZ, segs_idx, smask, -float("inf"))
             mz = tl.max(m_z, 0)
             l_z = mz + tl.log(tl.sum(_load_field(part, F_SZ, segs_idx, smask, 0.0) *
-                                     tl.exp(m_z - mz), 0))
+                                     exp_ftz(m_z - mz), 0))
     return ms, ls_a, mt, ls_b, lsd, c, near, w_row, l_z, z_y
 
 
@@ -291,14 +294,14 @@ def _far(beta, omb, FORM: tl.constexpr):
 def _jsd_terms(lq, delta, beta, omb, FORM: tl.constexpr):
     """Per element (0 < β < 1): Q and Λ = log M − log Q from log Q and δ = log P − log Q.
     ``FORM``: spec.beta_form(β), a compile-time switch."""
-    q = tl.exp(lq)
+    q = exp_ftz(lq)
     far = _far(beta, omb, FORM)
     lb = tl.log(beta)
     if FORM == 2:  # β < TINY_BETA: far passes EXPM1_MAX, β·expm1(δ) would overflow there
         u = delta + lb
         l1b = _log1p(-beta)
         hi = tl.maximum(u, l1b)
-        mid = hi + _log1p(tl.exp(tl.minimum(u, l1b) - hi))
+        mid = hi + _log1p(exp_ftz(tl.minimum(u, l1b) - hi))
         lam = tl.where(delta > far, u, tl.where(
             delta > EXPM1_MAX, mid, _log1p(beta * _expm1(tl.minimum(delta, EXPM1_MAX)))))
     else:
@@ -309,7 +312,7 @@ def _jsd_terms(lq, delta, beta, omb, FORM: tl.constexpr):
         u = _log1p(-omb) + delta
         v = tl.log(omb)
         hi = tl.maximum(u, v)
-        lam = tl.where(delta < -1.0, hi + _log1p(tl.exp(tl.minimum(u, v) - hi)), lam)
+        lam = tl.where(delta < -1.0, hi + _log1p(exp_ftz(tl.minimum(u, v) - hi)), lam)
     return q, lam
 
 
@@ -324,7 +327,7 @@ def _log_p_over_m(delta, lam, beta, omb, FORM: tl.constexpr):
         lb = _log1p(-omb)
         lo = tl.log(omb) + nd
         hi = tl.maximum(lb, lo)
-        far = hi + _log1p(tl.exp(tl.minimum(lb, lo) - hi))
+        far = hi + _log1p(exp_ftz(tl.minimum(lb, lo) - hi))
         r = -tl.where(nd > FAR, far, _log1p(omb * _expm1(tl.minimum(nd, FAR))))
     else:
         r = tl.where(delta > _far(beta, omb, FORM), -tl.log(beta), delta - lam)
@@ -352,7 +355,7 @@ def _seg_jsd_sums(s_row, t_row, col0, col1, col1_load, inv_t, ms, ls_a, mt, ls_b
         # P as Q·e^δ where the heads are close (consistent with δ), else from the teacher's
         # own statistics: log Q + δ cancels two terms of O(|z|/T) or O(|c|) where δ or the
         # normalizer gap c is large (one exp either way)
-        p = tl.exp(tl.where(tl.maximum(tl.abs(delta), tl.abs(c)) < 1.0, lq + delta,
+        p = exp_ftz(tl.where(tl.maximum(tl.abs(delta), tl.abs(c)) < 1.0, lq + delta,
                             _log_q(zt, mt, ls_b, inv_t)))
         qlam = q * lam
         k -= tl.sum(tl.where(cmask, qlam, 0.0), 0)
@@ -377,13 +380,13 @@ def _seg_grad(s_row, t_row, dz_row, col0, col1_load, y_local, inv_t, ms, ls_a, m
         lq = _log_q(zs, ms, ls_a, inv_t)
         delta = _log_ratio(zs, zt, oa, ob, oc, inv_t)
         if KIND == 0:
-            q = tl.exp(lq)
+            q = exp_ftz(lq)
             # Q − P: as −Q·expm1(δ) where P ≈ Q (no cancellation); elsewhere P from the
             # teacher's own statistics (e^(lq + δ) would add the rounding of δ)
             g = tl.where(tl.abs(delta) < SMALL, -q * _expm1(delta),
-                         q - tl.exp(_log_q(zt, mt, ls_b, inv_t)))
+                         q - exp_ftz(_log_q(zt, mt, ls_b, inv_t)))
         elif KIND == 1:
-            q = tl.exp(lq)
+            q = exp_ftz(lq)
             g = -q * (delta + kk)
         else:
             q, lam = _jsd_terms(lq, delta, beta, omb, FORM)
@@ -393,7 +396,7 @@ def _seg_grad(s_row, t_row, dz_row, col0, col1_load, y_local, inv_t, ms, ls_a, m
             if T_ONE:
                 sv = q
             else:
-                sv = tl.exp(zs - l_z)
+                sv = exp_ftz(zs - l_z)
             dz += hard_coef * (sv - tl.where(cols == y_local, 1.0, 0.0))
         dz += poison
         if ROUND_BF16:

@@ -26,11 +26,15 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .cross_entropy_rows import _cap, _finite_ref, _grad_coefs, _logit_grad, _target
+from .fast_exp import EXACT, FMA, exp_from
 from .narrow_cast import round_bf16_bits
 
 # Tiles for Hopper (benchmarks/gemm_probe.py: 128x256x64, 3 stages, 8 warps, grouped by 16
 # row tiles, flattened persistent loop, best of the configurations probed). The interpreter
 # takes small tiles, so that tests cross several row, column and K tiles.
+# the epilogues' per-element exponentials in one FMA and one MUFU instruction (fast_exp.py;
+# these GEMMs take 16-bit operands only); False: tl.exp, the code before (A/B probes)
+FAST_EXP = True
 GPU_TILES = dict(bm=128, bn=256, bk=64, group_m=16, stages=3, warps=8)
 INTERPRET_TILES = dict(bm=16, bn=32, bk=16, group_m=2, stages=1, warps=4)
 
@@ -65,7 +69,7 @@ def logits_stats_kernel(x_desc, w_desc, z_desc, bias_ptr, stat_m_ptr, stat_s_ptr
                         softcap, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                         GROUP_M: tl.constexpr, num_programs, INTERPRET: tl.constexpr,
-                        WS: tl.constexpr = False):
+                        WS: tl.constexpr = False, EXP_FORM: tl.constexpr = 0):
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BM)
     num_pid_n = tl.cdiv(N, BN)
@@ -89,7 +93,7 @@ def logits_stats_kernel(x_desc, w_desc, z_desc, bias_ptr, stat_m_ptr, stat_s_ptr
         c = tl.where(cmask[None, :], c, float("-inf"))
         m = tl.max(c, 1)
         # a tile of −inf logits (a vocabulary masked by a −inf bias): (−inf, 0), never NaN
-        s = tl.sum(tl.exp(c - _finite_ref(m)[:, None]), 1)
+        s = tl.sum(exp_from(c, _finite_ref(m)[:, None], EXP_FORM), 1)
         rows = (om + tl.arange(0, BM)).to(tl.int64)
         idx = rows * num_pid_n + pid_n
         tl.store(stat_m_ptr + idx, m, mask=rows < M)
@@ -103,7 +107,7 @@ def logits_grad_kernel(x_desc, w_desc, dz_desc, bias_ptr, y_ptr, cw_ptr, omega_s
                        SMOOTH: tl.constexpr, HAS_Z: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                        HAS_H: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                        BK: tl.constexpr, GROUP_M: tl.constexpr, INTERPRET: tl.constexpr,
-                       WS: tl.constexpr = False):
+                       WS: tl.constexpr = False, EXP_FORM: tl.constexpr = 0):
     """dz of rows ``[0, M)`` and classes ``[col_offset, col_offset + N)`` straight from the
     GEMM's accumulator, the log-sum-exp being known (a recomputing backward): the logits are
     rounded to the input dtype as the forward's were, the bias joins in fp32, and the tile is
@@ -148,8 +152,8 @@ def logits_grad_kernel(x_desc, w_desc, dz_desc, bias_ptr, y_ptr, cw_ptr, omega_s
         if SMOOTH and HAS_CW:
             wv = tl.load(cw_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
         d = _logit_grad(c, lse[:, None], coef_p[:, None], coef_y[:, None], coef_w[:, None],
-                        cols[None, :] == y_safe[:, None], wv[None, :], softcap, SMOOTH, HAS_CW,
-                        HAS_SOFTCAP)
+                        cols[None, :] == y_safe.to(tl.int32)[:, None], wv[None, :], softcap, SMOOTH,
+                        HAS_CW, HAS_SOFTCAP, EXP_FORM)
         if INTERPRET and dz_desc.dtype == tl.bfloat16:
             d = round_bf16_bits(d)
         dz_desc.store([om, on], d.to(dz_desc.dtype))
@@ -173,8 +177,8 @@ def logit_grads(x: torch.Tensor, w: torch.Tensor, col_offset: int, out: torch.Te
         ignore_index, eps, z_loss, 1.0 if softcap is None else softcap, programs,
         HAS_BIAS=bias is not None, HAS_CW=cw is not None, SMOOTH=eps > 0, HAS_Z=z_loss > 0,
         HAS_SOFTCAP=softcap is not None, HAS_H=h is not None, BM=t["bm"], BN=t["bn"], BK=t["bk"],
-        GROUP_M=t["group_m"], INTERPRET=interpret, WS=t.get("ws", False), num_stages=t["stages"],
-        num_warps=t["warps"])
+        GROUP_M=t["group_m"], INTERPRET=interpret, WS=t.get("ws", False),
+        EXP_FORM=FMA if FAST_EXP else EXACT, num_stages=t["stages"], num_warps=t["warps"])
 
 
 def _persistent_launch(x, w, out, interpret: bool, num_sms: int):
@@ -232,7 +236,8 @@ def logits_with_stats(x_c: torch.Tensor, w: torch.Tensor, bias, out: torch.Tenso
         stat_m, stat_s, m, n, k, 1.0 if softcap is None else softcap,
         HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, BM=t["bm"], BN=t["bn"],
         BK=t["bk"], GROUP_M=t["group_m"], num_programs=programs, INTERPRET=interpret,
-        WS=t.get("ws", False), num_stages=t["stages"], num_warps=t["warps"])
+        WS=t.get("ws", False), EXP_FORM=FMA if FAST_EXP else EXACT, num_stages=t["stages"],
+        num_warps=t["warps"])
 
 
 def stat_tiles(v: int, interpret: bool) -> int:

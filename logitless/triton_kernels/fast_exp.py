@@ -1,0 +1,68 @@
+"""e^(x − r) for the row kernels' per-element work, in one or two instructions on a GPU.
+
+Triton's ``tl.exp`` compiles to ``ex2.approx.f32`` after a subtract and a multiply by log₂e,
+and ptxas wraps that ``MUFU.EX2`` so that results below 2⁻¹²⁶ come out subnormal instead of
+0: a compare and two predicated multiplies, 6 instructions per exponential (SASS of the CE
+row kernel for sm_90). The row kernels are issue-bound on Hopper (DESIGN.md), and none of
+their exponentials needs a subnormal result: a term under 1.2e-38 of a Σexp that is ≥ 1, a
+probability that small times a coefficient ≤ 1. So on a GPU the exponential is
+``ex2.approx.ftz.f32`` (the bare ``MUFU.EX2``), which differs from ``ex2.approx.f32`` only
+where the result is subnormal (0 instead), and its argument is
+
+* ``DIFF``: (x − r)·log₂e, two instructions, as accurate as ``tl.exp`` (fp32 logits): what
+  :func:`exp_ftz` computes of x − r;
+* ``FMA``: x·log₂e − r·log₂e, one FMA with r·log₂e hoisted out of the loop. Its rounding of
+  r·log₂e moves every e^(x − r) of a row by the same factor, ≤ |r|·4e-8 relative (2e-6 at
+  |r| = 50): far under what 16-bit logits carry (2⁻⁹ of |x| in bf16), so for those.
+
+``EXACT`` is ``tl.exp(x − r)``, the code before these forms (the A/B probes' baseline). The
+Triton interpreter has no inline assembly: there the forms run with ``tl.exp2``, so the CPU
+tests check their arithmetic, and the GPU tests the instruction.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+EXACT, DIFF, FMA = 0, 1, 2
+LOG2E = 1.4426950408889634
+
+# Triton decides interpreter-or-GPU when kernels are decorated (import time)
+_INTERPRETED = bool(triton.knobs.runtime.interpret) if hasattr(triton, "knobs") else False
+_ASM = tl.constexpr(not _INTERPRETED)
+_DIFF, _FMA, _LOG2E = tl.constexpr(DIFF), tl.constexpr(FMA), tl.constexpr(LOG2E)
+
+
+def form_for(dtype_is_fp32: bool, fast: bool = True) -> int:
+    """The form for logits stored in fp32 (DIFF) or in 16 bits (FMA); EXACT where not ``fast``."""
+    if not fast:
+        return EXACT
+    return DIFF if dtype_is_fp32 else FMA
+
+
+@triton.jit
+def exp2_ftz(t):
+    """2^t, subnormal results flushed to 0: one MUFU.EX2 on a GPU."""
+    if _ASM:
+        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [t],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        return tl.exp2(t)
+
+
+@triton.jit
+def exp_ftz(x):
+    """e^x as ``tl.exp`` computes it (x·log₂e, then ``ex2.approx``), subnormal results 0."""
+    return exp2_ftz(x * _LOG2E)
+
+
+@triton.jit
+def exp_from(x, r, FORM: tl.constexpr):
+    """e^(x − r) in ``FORM`` (EXACT, DIFF or FMA: see the module's docstring); ``r`` a row's
+    reference (its max or lse), broadcast against ``x``."""
+    if FORM == _FMA:
+        return exp2_ftz(x * _LOG2E - r * _LOG2E)
+    elif FORM == _DIFF:
+        return exp_ftz(x - r)
+    else:
+        return tl.exp(x - r)
