@@ -8,7 +8,8 @@ variant names (the module's own value where its variant names none) before it ru
 modules' values are restored at the end. A variant's ``"kwargs"`` entry adds keyword arguments
 to the call (e.g. ``{"kwargs": {"logits_gemm": "triton"}}``); ``"jsd_rows_file"`` runs the JSD
 with the row kernel of another file (e.g. the previous version of jsd_rows.py, saved with
-``git show <commit>:logitless/triton_kernels/jsd_rows.py``), a code A/B.
+``git show <commit>:logitless/triton_kernels/jsd_rows.py``), a code A/B; ``"ce_rows_file"``
+does the same for the CE row kernel (cross_entropy_rows.py).
 
 Whole fwd+bwd calls (``backend="triton"``, bf16, default settings) at the TARGETS shapes:
 Llama CE (16384, 4096, 128256), Gemma CE (8192, 2304, 256000), low-memory CE at Llama and the
@@ -39,6 +40,7 @@ CASES = {
     "ce-llama": ("ce", (16384, 4096, 128256), {}),
     "ce-gemma": ("ce", (8192, 2304, 256000), {}),
     "ce-llama-lowmem": ("ce", (16384, 4096, 128256), {"low_memory": True}),
+    "ce-gemma-softcap": ("ce", (8192, 2304, 256000), {"softcap": 30.0}),  # Gemma 2's head
     "jsd-llama": ("jsd", (8192, 4096, 128256), {}),
     "jsd-llama-fkl": ("jsd", (8192, 4096, 128256), {"beta": 0.0}),  # one pass fewer
 }
@@ -46,14 +48,15 @@ CASES = {
 
 MODULES = (lce, ljsd, lce.stats_gemm)  # (FAST_EXP: of the row kernels' and the own GEMMs')
 JSD_ROWS = ljsd.jsd_rows
+CE_ROWS = lce.cross_entropy_rows_kernel
 _FILES = {}
 
 
-def _row_kernels(path):
-    """The JSD row-kernel module of ``path`` (None: this tree's), loaded inside the package so
+def _row_kernels(path, default=None):
+    """The row-kernel module of ``path`` (None: ``default``), loaded inside the package so
     that its relative imports resolve."""
     if path is None:
-        return JSD_ROWS
+        return default
     if path not in _FILES:
         _FILES[path] = common.load_module_file(
             f"logitless.triton_kernels._ab_rows_{len(_FILES)}", path)
@@ -65,7 +68,11 @@ def _set(variant):
         if name == "kwargs":
             continue
         if name == "jsd_rows_file":
-            ljsd.jsd_rows = _row_kernels(value)
+            ljsd.jsd_rows = _row_kernels(value, JSD_ROWS)
+            continue
+        if name == "ce_rows_file":
+            lce.cross_entropy_rows_kernel = (CE_ROWS if value is None else
+                                             _row_kernels(value).cross_entropy_rows_kernel)
             continue
         owners = [m for m in MODULES if hasattr(m, name)]
         if not owners:
@@ -115,7 +122,7 @@ def main():
     a = ap.parse_args()
     given = json.loads(a.variants)
     original = {k: getattr(next((m for m in MODULES if hasattr(m, k)), None), k, None)
-                for v in given for k in v if k != "kwargs"}  # jsd_rows_file: None, this tree
+                for v in given for k in v if k != "kwargs"}  # *_rows_file: None, this tree
     variants = [{**original, **v} for v in given]
     print(json.dumps({"about": __doc__.split("\n\n")[0], "gpu": torch.cuda.get_device_name(),
                       "torch": torch.__version__, "triton": common.package_version("triton"),

@@ -32,7 +32,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .fast_exp import DIFF, EXACT, FMA, exp_from
+from .fast_exp import DIFF, EXACT, FMA, exp_from, exp_ftz, rcp_approx
 from .narrow_cast import round_bf16_bits
 from .row_sync import wait_row as _wait_row
 
@@ -42,19 +42,21 @@ def _tanh(u):
     # |u| = 1/4, where 1 − e^(−2|u|) would cancel (an absolute error of ~6e-8 whatever |u|: a
     # softcap far above the logits capped them all by ~softcap·3e-8), its odd series through
     # u⁹, whose first neglected term is < 1e-8 of tanh there.
+    # (exp_ftz: e ≤ 1, a subnormal one is 0 next to 1; rcp_approx: 1 + e lies in [1, 2], where
+    # the approximate reciprocal needs none of ptxas's range fix-ups of a division)
     a = tl.abs(u)
-    e = tl.exp(-2.0 * a)
+    e = exp_ftz(-2.0 * a)
     u2 = u * u
     series = u * (1.0 + u2 * (-1.0 / 3.0 + u2 * (2.0 / 15.0 + u2 * (-17.0 / 315.0 +
                                                                      u2 * (62.0 / 2835.0)))))
-    t = (1.0 - e) / (1.0 + e)
+    t = (1.0 - e) * rcp_approx(1.0 + e)
     return tl.where(a < 0.25, series, tl.where(u < 0, -t, t))
 
 
 @triton.jit
 def _cap(z, softcap, HAS_SOFTCAP: tl.constexpr):
-    if HAS_SOFTCAP:
-        z = softcap * _tanh(z / softcap)
+    if HAS_SOFTCAP:  # times the row-invariant 1/softcap: no division per element
+        z = softcap * _tanh(z * (1.0 / softcap))
     return z
 
 
@@ -127,7 +129,7 @@ def _logit_grad(c, lse, coef_p, coef_y, coef_w, is_y, wv, softcap, SMOOTH: tl.co
         else:
             d -= coef_w
     if HAS_SOFTCAP:
-        r = c / softcap
+        r = c * (1.0 / softcap)
         d *= 1.0 - r * r
     return d
 

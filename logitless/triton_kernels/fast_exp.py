@@ -1,4 +1,5 @@
-"""e^(x − r) for the row kernels' per-element work, in one or two instructions on a GPU.
+"""e^(x − r), log x and 1/x for the row kernels' per-element work, in one or two instructions
+on a GPU.
 
 Triton's ``tl.exp`` compiles to ``ex2.approx.f32`` after a subtract and a multiply by log₂e,
 and ptxas wraps that ``MUFU.EX2`` so that results below 2⁻¹²⁶ come out subnormal instead of
@@ -31,6 +32,7 @@ LOG2E = 1.4426950408889634
 _INTERPRETED = bool(triton.knobs.runtime.interpret) if hasattr(triton, "knobs") else False
 _ASM = tl.constexpr(not _INTERPRETED)
 _DIFF, _FMA, _LOG2E = tl.constexpr(DIFF), tl.constexpr(FMA), tl.constexpr(LOG2E)
+_LN2 = tl.constexpr(0.6931471805599453)
 
 
 def form_for(dtype_is_fp32: bool, fast: bool = True) -> int:
@@ -48,6 +50,31 @@ def exp2_ftz(t):
                                          dtype=tl.float32, is_pure=True, pack=1)
     else:
         return tl.exp2(t)
+
+
+@triton.jit
+def log_approx(x):
+    """log x as ``lg2.approx.f32`` times ln 2 on a GPU (MUFU.LG2; subnormal arguments kept), the
+    Pallas kernels' log (``pallas_kernels._launch.ptx_math``): Triton's ``tl.log`` is an
+    inlined libdevice logf, ~25 instructions. Absolute error ~2e-7 near x = 1 (relative
+    elsewhere ~2⁻²²), so for per-element logs whose inputs stay off 1 (the row kernels'
+    log1p takes its polynomial below |x − 1| = 0.1); ``tl.log`` in the interpreter."""
+    if _ASM:
+        return tl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=f,f", [x],
+                                         dtype=tl.float32, is_pure=True, pack=1) * _LN2
+    else:
+        return tl.log(x)
+
+
+@triton.jit
+def rcp_approx(x):
+    """1/x as ``rcp.approx.ftz.f32`` (MUFU.RCP, ~1 ulp) for x in a range with no subnormal or
+    huge values (a division would add ptxas's range fix-ups); exact division interpreted."""
+    if _ASM:
+        return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [x],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        return 1.0 / x
 
 
 @triton.jit
