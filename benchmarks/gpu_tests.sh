@@ -19,7 +19,7 @@ echo "LOGITLESS_TEST_SEED=$LOGITLESS_TEST_SEED"
 status=0
 for g in $groups; do
   case $g in
-    lce) files="tests/test_linear_cross_entropy.py tests/test_triton_backend.py tests/test_parity.py tests/test_torch_edge_cases.py" ;;
+    lce) files="tests/test_linear_cross_entropy.py tests/test_triton_backend.py tests/test_triton_fast_math.py tests/test_parity.py tests/test_torch_edge_cases.py" ;;
     jsd) files="tests/test_linear_jsd.py tests/test_parity_jsd.py tests/test_linear_jsd_jax.py" ;;
     mlp) files="tests/test_tiled_mlp.py tests/test_swiglu.py tests/test_tiled_mlp_ddp.py" ;;
     bridge) files="tests/test_bridge.py tests/test_jax_api.py tests/test_torch_errors.py" ;;

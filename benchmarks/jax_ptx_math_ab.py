@@ -6,7 +6,8 @@ Per shape, the op's fwd+bwd compiled twice (once with the baseline's forms) and 
 interleaved with the XLA floor (rotated rounds), plus the two versions' losses. The JSON keys
 keep their first names: ``libdevice_*`` is the baseline, ``ptx_*`` the default.
 
-    PYTHONPATH=. python3 benchmarks/jax_ptx_math_ab.py [--reps 20] [--small] [--baseline noftz] [--ops jsd]
+    PYTHONPATH=. python3 benchmarks/jax_ptx_math_ab.py [--reps 20] [--small]
+        [--baseline noftz] [--ops jsd]
 """
 import argparse
 import json
