@@ -51,8 +51,8 @@ def _run(x, r, form=0, what=0):
 @pytest.mark.parametrize("form", [fast_exp.EXACT, fast_exp.DIFF, fast_exp.FMA])
 def test_exp_forms_match_float64(form):
     """e^(x − r) for x − r in [−87, 0] with references r up to ±60 (logits' maxima and lse):
-    EXACT and DIFF within ~4 ulps relative; FMA adds the rounding of r·log₂e, ≤ |r|·2^-24·ln2
-    relative (a factor common to the row, documented in fast_exp)."""
+    EXACT and DIFF within ~4 ulps relative; FMA adds the rounding of r·log₂e, ≤ |r|·2^-24
+    relative (a factor common to one reference, documented in fast_exp)."""
     rng = np.random.default_rng(SEED + form)
     n = 20000
     r = rng.uniform(-60, 60, n).astype(np.float32)

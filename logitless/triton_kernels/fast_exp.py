@@ -5,20 +5,24 @@ Triton's ``tl.exp`` compiles to ``ex2.approx.f32`` after a subtract and a multip
 and ptxas wraps that ``MUFU.EX2`` so that results below 2⁻¹²⁶ come out subnormal instead of
 0: a compare and two predicated multiplies, 6 instructions per exponential (SASS of the CE
 row kernel for sm_90). The row kernels are issue-bound on Hopper (DESIGN.md), and none of
-their exponentials needs a subnormal result: a term under 1.2e-38 of a Σexp that is ≥ 1, a
-probability that small times a coefficient ≤ 1. So on a GPU the exponential is
+their exponentials needs a subnormal result: a term under 1.2e-38 of a Σexp that is ≥ 1, or
+a probability that small in dz = coef·p, beside the row's entries of ~|coef|/V. So on a GPU the exponential is
 ``ex2.approx.ftz.f32`` (the bare ``MUFU.EX2``), which differs from ``ex2.approx.f32`` only
 where the result is subnormal (0 instead), and its argument is
 
 * ``DIFF``: (x − r)·log₂e, two instructions, as accurate as ``tl.exp`` (fp32 logits): what
   :func:`exp_ftz` computes of x − r;
 * ``FMA``: x·log₂e − r·log₂e, one FMA with r·log₂e hoisted out of the loop. Its rounding of
-  r·log₂e moves every e^(x − r) of a row by the same factor, ≤ |r|·4e-8 relative (2e-6 at
-  |r| = 50): far under what 16-bit logits carry (2⁻⁹ of |x| in bf16), so for those.
+  r·log₂e moves every e^(x − r) with that reference (a block's running max in pass 1, the
+  row's lse in pass 2) by the same factor, ≤ |r|·2⁻²⁴ ≈ |r|·6e-8 relative (3e-6 at
+  |r| = 50): far under what 16-bit logits carry (2⁻⁹ of |x| in bf16), so for those. (Past
+  |r| ≈ 2.4e38, which only bf16 logits near bf16's largest values reach, r·log₂e overflows
+  and every such exponential is 0.)
 
 ``EXACT`` is ``tl.exp(x − r)``, the code before these forms (the A/B probes' baseline). The
 Triton interpreter has no inline assembly: there the forms run with ``tl.exp2``, so the CPU
-tests check their arithmetic, and the GPU tests the instruction.
+tests check their arithmetic, and the GPU tests the instruction (the interpreter rounds FMA's
+x·log₂e before the subtraction, which the GPU fuses: the tests' tolerances cover both).
 """
 from __future__ import annotations
 
