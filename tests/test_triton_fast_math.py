@@ -1,4 +1,4 @@
-"""The row kernels' one-instruction math (``triton_kernels/fast_exp.py``) against float64.
+"""The row kernels' one-instruction math (``triton_kernels/fast_math.py``) against float64.
 
 On a GPU these are inline PTX (``ex2.approx.ftz``, ``lg2.approx``, ``rcp.approx.ftz``), in the
 Triton interpreter ``tl.exp2`` / ``tl.log`` / a division: the same arguments, so the CPU run
@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from harness import SEED
-from logitless.triton_kernels import fast_exp
+from logitless.triton_kernels import fast_math
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 EPS = np.finfo(np.float32).eps
@@ -29,11 +29,11 @@ def _forms_kernel(x_ptr, r_ptr, out_ptr, n, FORM: tl.constexpr, WHAT: tl.constex
     x = tl.load(x_ptr + offs, mask=m, other=1.0)
     r = tl.load(r_ptr + offs, mask=m, other=0.0)
     if WHAT == 0:
-        y = fast_exp.exp_from(x, r, FORM)
+        y = fast_math.exp_from(x, r, FORM)
     elif WHAT == 1:
-        y = fast_exp.log_approx(x)
+        y = fast_math.log_approx(x)
     else:
-        y = fast_exp.rcp_approx(x)
+        y = fast_math.rcp_approx(x)
     tl.store(out_ptr + offs, y, mask=m)
 
 
@@ -48,11 +48,11 @@ def _run(x, r, form=0, what=0):
     return out.cpu().numpy().astype(np.float64)
 
 
-@pytest.mark.parametrize("form", [fast_exp.EXACT, fast_exp.DIFF, fast_exp.FMA])
+@pytest.mark.parametrize("form", [fast_math.EXACT, fast_math.DIFF, fast_math.FMA])
 def test_exp_forms_match_float64(form):
     """e^(x − r) for x − r in [−87, 0] with references r up to ±60 (logits' maxima and lse):
     EXACT and DIFF within ~4 ulps relative; FMA adds the rounding of r·log₂e, ≤ |r|·2^-24
-    relative (a factor common to one reference, documented in fast_exp)."""
+    relative (a factor common to one reference, documented in fast_math)."""
     rng = np.random.default_rng(SEED + form)
     n = 20000
     r = rng.uniform(-60, 60, n).astype(np.float32)
@@ -60,17 +60,17 @@ def test_exp_forms_match_float64(form):
     x[:50] = r[:50]  # e^0
     want = np.exp(x.astype(np.float64) - r.astype(np.float64))
     got = _run(x, r, form)
-    tol = 4 * EPS + (np.abs(r) * EPS * np.log(2.0) * 2 if form == fast_exp.FMA else 0)
+    tol = 4 * EPS + (np.abs(r) * EPS * np.log(2.0) * 2 if form == fast_math.FMA else 0)
     # the difference x − r itself rounds in fp32 (EXACT, DIFF): ulp(x − r) / 2 of the exponent
     tol = tol + np.abs(x.astype(np.float64) - r) * EPS
     rel = np.abs(got - want) / want
     assert np.all(rel <= tol), (form, rel.max(), x[np.argmax(rel / tol)], r[np.argmax(rel / tol)])
     # e^0: exactly 1 where x − r is formed first; FMA's x·log₂e − fl(r·log₂e) is the rounding
     # of r·log₂e, within the tolerance above
-    assert form == fast_exp.FMA or np.all(got[:50] == 1.0)
+    assert form == fast_math.FMA or np.all(got[:50] == 1.0)
 
 
-@pytest.mark.parametrize("form", [fast_exp.EXACT, fast_exp.DIFF, fast_exp.FMA])
+@pytest.mark.parametrize("form", [fast_math.EXACT, fast_math.DIFF, fast_math.FMA])
 def test_exp_forms_edges(form):
     """−inf gives 0 (a masked column), results below 2^-126 are 0 or that small (flushed on a
     GPU, subnormal in the interpreter), and a NaN stays NaN."""

@@ -158,7 +158,7 @@ def ptx_math(exp_ftz: bool = True) -> types.SimpleNamespace:
     See ``_jax_common.kernel_math``; the Triton kernels' accuracy rests on the same forms.
     ``exp_ftz``: ``ex2.approx.ftz``, the bare MUFU.EX2; ptxas wraps the plain form in a
     compare and two predicated multiplies that keep results under 2^-126 subnormal, which no
-    exponential of these kernels needs (``triton_kernels/fast_exp.py``). The log keeps them:
+    exponential of these kernels needs (``triton_kernels/fast_math.py``). The log keeps them:
     a flushed subnormal argument would turn a finite log into -inf."""
     ex2 = "ex2.approx.ftz.f32" if exp_ftz else "ex2.approx.f32"
     return types.SimpleNamespace(

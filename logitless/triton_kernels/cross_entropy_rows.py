@@ -32,7 +32,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .fast_exp import DIFF, EXACT, FMA, exp_from, exp_ftz, rcp_approx
+from .fast_math import DIFF, EXACT, FMA, exp_from, exp_ftz, rcp_approx
 from .narrow_cast import round_bf16_bits
 from .row_sync import wait_row as _wait_row
 
@@ -120,7 +120,7 @@ def _logit_grad(c, lse, coef_p, coef_y, coef_w, is_y, wv, softcap, SMOOTH: tl.co
                 HAS_CW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, EXP_FORM: tl.constexpr = 0):
     """dz at capped logits ``c`` (fp32; every other argument broadcasts against it): ``is_y``
     marks the target's column, ``wv`` the class weights (read only with smoothing and class
-    weights); ``EXP_FORM`` how p = e^(c − lse) is computed (:mod:`.fast_exp`)."""
+    weights); ``EXP_FORM`` how p = e^(c − lse) is computed (:mod:`.fast_math`)."""
     d = coef_p * exp_from(c, lse, EXP_FORM)
     d -= tl.where(is_y, coef_y, 0.0)
     if SMOOTH:
@@ -317,7 +317,7 @@ def cross_entropy_rows_kernel(
     writes the partials (``part_ptr``: fp32 [n_rows, SEGS, NUM_PARTS]), GRAD merges them and
     finishes (loss, lse, dz) in a second launch. ``EVICT1`` / ``EVICT2``: L2 eviction hints
     of sweep 1's loads / sweep 2's loads and stores ("": none). ``EXP_FORM``: how the
-    per-element exponentials are computed (:mod:`.fast_exp`; 0, ``EXACT``: ``tl.exp``)."""
+    per-element exponentials are computed (:mod:`.fast_math`; 0, ``EXACT``: ``tl.exp``)."""
     # split rows merge pass-1 partials of the logits: tile statistics would be folded whole by
     # every segment, and a gradient pass has nothing to merge
     tl.static_assert(SEGS == 1 or (COMPUTE_LSE and not FROM_TILES))

@@ -44,7 +44,7 @@ segments meet through per-segment partials in global memory, two ways:
   another, needs this for ``SEGS > 1``.
 
 All math is fp32; loads are upcast at once (the Triton interpreter mis-computes bf16 math).
-Exponentials are ``tl.exp``'s but with subnormal results flushed to 0 (:mod:`.fast_exp`: one
+Exponentials are ``tl.exp``'s but with subnormal results flushed to 0 (:mod:`.fast_math`: one
 ``MUFU.EX2`` instead of six instructions); none of them needs a result under 2⁻¹²⁶. The
 per-element logs (log1p past its polynomial) are ``lg2.approx`` (MUFU.LG2), as in the Pallas
 kernels; the per-row ones stay libdevice's accurate logf.
@@ -55,7 +55,7 @@ import triton
 import triton.language as tl
 
 from ..specs import linear_jsd as spec
-from .fast_exp import exp_ftz, log_approx
+from .fast_math import exp_ftz, log_approx
 from .narrow_cast import round_bf16_bits
 from .row_sync import wait_row as _wait_row
 
@@ -101,7 +101,7 @@ def _expm1(x):
 @triton.jit
 def _log1p(y, FAST: tl.constexpr = False):
     """log(1 + y) to a few ulps relative, also for small |y| (y > −1); ``FAST``: past the
-    polynomial, :func:`.fast_exp.log_approx` (per-element calls: libdevice's logf would be
+    polynomial, :func:`.fast_math.log_approx` (per-element calls: libdevice's logf would be
     ~25 instructions; ~20 ulps at |y| = 0.1 instead of 1) instead of ``tl.log``."""
     small = tl.abs(y) < SMALL
     t = tl.where(small, y, 0.0)

@@ -38,7 +38,7 @@ from triton.runtime.errors import OutOfResources
 from .. import _torch_common as common
 from ..specs import linear_cross_entropy as spec
 from ..specs.tiling import next_power_of_2, plan_token_chunks
-from . import fast_exp
+from . import fast_math
 from . import logits_gemm as stats_gemm
 from .cross_entropy_rows import FUSED, GRAD, NUM_PARTS, STATS, cross_entropy_rows_kernel
 from .narrow_cast import (accumulate_split_, accumulator_pair, finish_, hand_over_once,
@@ -108,7 +108,7 @@ MAX_SEGMENTS = 256
 # L2 eviction hints of split rows: sweep 1's loads stay for sweep 2's re-read, whose loads and
 # stores need not
 SPLIT_EVICT = ("evict_last", "evict_first")
-# the row kernel's per-element exponentials in one MUFU instruction (fast_exp.py: DIFF for fp32
+# the row kernel's per-element exponentials in one MUFU instruction (fast_math.py: DIFF for fp32
 # logits, FMA for 16-bit ones); False: tl.exp, the code before (the A/B probes' baseline)
 FAST_EXP = True
 _ROW_STAGES_FITTING = {}  # launch key -> 1 where ROW_STAGES' buffers did not fit (see _rows)
@@ -196,7 +196,7 @@ def _rows(buf, bias, n_rows, n_cols, col_offset, y, cw, omega_sum, lse, loss, g,
                  HAS_SOFTCAP=softcap is not None, HAS_H=h is not None, HAS_BIAS=bias is not None,
                  BLOCK_V=block, ROUND_BF16=_interpret() and buf.dtype == torch.bfloat16,
                  SEGS=segs, SEGS_P2=max(2, next_power_of_2(segs)),
-                 EXP_FORM=fast_exp.form_for(buf.dtype == torch.float32, FAST_EXP),
+                 EXP_FORM=fast_math.form_for(buf.dtype == torch.float32, FAST_EXP),
                  **(dict(zip(("EVICT1", "EVICT2"), SPLIT_EVICT)) if segs > 1 else {}))
     launch = functools.partial(
         cross_entropy_rows_kernel[(grid,)],

@@ -26,13 +26,13 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .cross_entropy_rows import _cap, _finite_ref, _grad_coefs, _logit_grad, _target
-from .fast_exp import EXACT, FMA, exp_from
+from .fast_math import EXACT, FMA, exp_from
 from .narrow_cast import round_bf16_bits
 
 # Tiles for Hopper (benchmarks/gemm_probe.py: 128x256x64, 3 stages, 8 warps, grouped by 16
 # row tiles, flattened persistent loop, best of the configurations probed). The interpreter
 # takes small tiles, so that tests cross several row, column and K tiles.
-# the epilogues' per-element exponentials in one FMA and one MUFU instruction (fast_exp.py;
+# the epilogues' per-element exponentials in one FMA and one MUFU instruction (fast_math.py;
 # these GEMMs take 16-bit operands only); False: tl.exp, the code before (A/B probes)
 FAST_EXP = True
 GPU_TILES = dict(bm=128, bn=256, bk=64, group_m=16, stages=3, warps=8)
