@@ -5,9 +5,9 @@ on one chunk, which each rewrites in place: timing does not depend on the values
 largest difference of loss, lse and dz from whole rows on fresh logits.
 
 Settings are JSON dicts of the row kernel's launch constants (``SPLIT_BLOCK``,
-``SPLIT_WARPS``, ``SPLIT_PROGRAMS_PER_SM``, ``SPLIT_EVICT``, ``FAST_EXP`` of
-``triton_kernels.linear_cross_entropy``) and ``segment`` / ``row_sync`` / ``block_v`` /
-``num_warps`` (its ``Config``).
+``SPLIT_WARPS``, ``SPLIT_PROGRAMS_PER_SM``, ``SPLIT_EVICT`` of
+``triton_kernels.linear_cross_entropy``), ``FAST_EXP`` (of ``triton_kernels.fast_math``) and
+``segment`` / ``row_sync`` / ``block_v`` / ``num_warps`` (its ``Config``).
 
     PYTHONPATH=. python3 benchmarks/lce_split_probe.py [--chunk 3584x128256]
         [--sweep '[{"segment": 16384}, {"segment": 8192, "SPLIT_WARPS": 4}]'] [--out FILE]
@@ -33,11 +33,15 @@ SWEEP = [{"segment": s, "SPLIT_BLOCK": b, "SPLIT_WARPS": nw, "SPLIT_PROGRAMS_PER
 CONSTANTS = ("SPLIT_BLOCK", "SPLIT_WARPS", "SPLIT_PROGRAMS_PER_SM", "SPLIT_EVICT", "FAST_EXP")
 
 
+def _owner(name):
+    return lce.fast_math if name == "FAST_EXP" else lce
+
+
 def run_rows(buf, y, lse, loss, setting):
-    original = {k: getattr(lce, k) for k in CONSTANTS}
+    original = {k: getattr(_owner(k), k) for k in CONSTANTS}
     for k in CONSTANTS:
         if k in setting:
-            setattr(lce, k, setting[k])
+            setattr(_owner(k), k, setting[k])
     cfg = lce.Config(buf.shape[0], buf.shape[0], setting.get("block_v", 0),
                      setting.get("num_warps", 0), segment=setting.get("segment", 1 << 30),
                      row_sync=setting.get("row_sync", True))
@@ -47,7 +51,7 @@ def run_rows(buf, y, lse, loss, setting):
                   compute_lse=True, write_grad=True)
     finally:
         for k, v in original.items():
-            setattr(lce, k, v)
+            setattr(_owner(k), k, v)
 
 
 def main():

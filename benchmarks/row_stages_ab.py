@@ -47,7 +47,7 @@ CASES = {
 }
 
 
-MODULES = (lce, ljsd, lce.stats_gemm)  # (FAST_EXP: of the row kernels' and the own GEMMs')
+MODULES = (lce, ljsd, lce.fast_math)  # (fast_math: FAST_EXP, the kernels' exp/log forms)
 JSD_ROWS = ljsd.jsd_rows
 CE_ROWS = lce.cross_entropy_rows_kernel
 _FILES = {}

@@ -495,7 +495,8 @@ def _kernel_backends(split_on_cpu: bool = True):
     the tests whose regime its merges meet elsewhere on CPU (the spec matrix's offset-teacher
     cases, test_triton_kl_kinds_merge_blocks_and_segments' near KL forms)."""
     return [b for b in under_test(OP.name)
-            if not interpreted() or not (b.startswith("bridge") or (b == "triton-split" and not split_on_cpu))]
+            if not interpreted() or not (b.startswith("bridge")
+                                         or (b == "triton-split" and not split_on_cpu))]
 
 
 @pytest.mark.parametrize("beta, temperature, shift", [

@@ -29,19 +29,26 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from . import INTERPRETED
+
 EXACT, DIFF, FMA = 0, 1, 2
 LOG2E = 1.4426950408889634
 
-# Triton decides interpreter-or-GPU when kernels are decorated (import time)
-_INTERPRETED = bool(triton.knobs.runtime.interpret) if hasattr(triton, "knobs") else False
-_ASM = tl.constexpr(not _INTERPRETED)
+_ASM = tl.constexpr(not INTERPRETED)
 _DIFF, _FMA, _LOG2E = tl.constexpr(DIFF), tl.constexpr(FMA), tl.constexpr(LOG2E)
 _LN2 = tl.constexpr(0.6931471805599453)
 
 
-def form_for(dtype_is_fp32: bool, fast: bool = True) -> int:
-    """The form for logits stored in fp32 (DIFF) or in 16 bits (FMA); EXACT where not ``fast``."""
-    if not fast:
+# Whether the CE row kernel and the own GEMMs' epilogues take the forms above (their launchers
+# read it per call); False: tl.exp, the code before them (the A/B probes' baseline:
+# benchmarks/row_stages_ab.py; the JSD kernel's A/Bs load an older jsd_rows.py instead)
+FAST_EXP = True
+
+
+def form_for(dtype_is_fp32: bool) -> int:
+    """The form for logits stored in fp32 (DIFF) or in 16 bits (FMA); EXACT without
+    ``FAST_EXP``."""
+    if not FAST_EXP:
         return EXACT
     return DIFF if dtype_is_fp32 else FMA
 

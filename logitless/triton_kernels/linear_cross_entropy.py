@@ -38,6 +38,7 @@ from triton.runtime.errors import OutOfResources
 from .. import _torch_common as common
 from ..specs import linear_cross_entropy as spec
 from ..specs.tiling import next_power_of_2, plan_token_chunks
+from . import INTERPRETED
 from . import fast_math
 from . import logits_gemm as stats_gemm
 from .cross_entropy_rows import FUSED, GRAD, NUM_PARTS, STATS, cross_entropy_rows_kernel
@@ -108,9 +109,6 @@ MAX_SEGMENTS = 256
 # L2 eviction hints of split rows: sweep 1's loads stay for sweep 2's re-read, whose loads and
 # stores need not
 SPLIT_EVICT = ("evict_last", "evict_first")
-# the row kernel's per-element exponentials in one MUFU instruction (fast_math.py: DIFF for fp32
-# logits, FMA for 16-bit ones); False: tl.exp, the code before (the A/B probes' baseline)
-FAST_EXP = True
 _ROW_STAGES_FITTING = {}  # launch key -> 1 where ROW_STAGES' buffers did not fit (see _rows)
 
 # grad_mode of the forward op
@@ -132,9 +130,7 @@ class Config:
     row_sync: bool = True  # split rows: one launch whose segments wait for each other
 
 
-# Triton decides interpreter-or-GPU when kernels are decorated (import time); read it once too,
-# so nothing on the hot path touches the environment (torch.compile could not trace that).
-_INTERPRET = bool(triton.knobs.runtime.interpret) if hasattr(triton, "knobs") else False
+_INTERPRET = INTERPRETED
 
 
 def _interpret() -> bool:
@@ -196,7 +192,7 @@ def _rows(buf, bias, n_rows, n_cols, col_offset, y, cw, omega_sum, lse, loss, g,
                  HAS_SOFTCAP=softcap is not None, HAS_H=h is not None, HAS_BIAS=bias is not None,
                  BLOCK_V=block, ROUND_BF16=_interpret() and buf.dtype == torch.bfloat16,
                  SEGS=segs, SEGS_P2=max(2, next_power_of_2(segs)),
-                 EXP_FORM=fast_math.form_for(buf.dtype == torch.float32, FAST_EXP),
+                 EXP_FORM=fast_math.form_for(buf.dtype == torch.float32),
                  **(dict(zip(("EVICT1", "EVICT2"), SPLIT_EVICT)) if segs > 1 else {}))
     launch = functools.partial(
         cross_entropy_rows_kernel[(grid,)],

@@ -42,6 +42,7 @@ from .. import _torch_common as common
 from .. import _torch_jsd as jsd_common
 from ..specs import linear_jsd as spec
 from ..specs.tiling import next_power_of_2, plan_token_chunks
+from . import INTERPRETED
 from . import jsd_rows
 from .narrow_cast import accumulate_split_, accumulator_pair, finish_, hand_over_once
 
@@ -72,7 +73,7 @@ KINDS = {"forward_kl": jsd_rows.KIND_FORWARD_KL, "reverse_kl": jsd_rows.KIND_REV
          "jsd": jsd_rows.KIND_JSD}
 NO_GRAD, FULL_GRAD = 0, 1
 
-_INTERPRET = bool(triton.knobs.runtime.interpret) if hasattr(triton, "knobs") else False
+_INTERPRET = INTERPRETED
 
 
 def _interpret() -> bool:

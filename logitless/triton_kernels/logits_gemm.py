@@ -26,15 +26,12 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .cross_entropy_rows import _cap, _finite_ref, _grad_coefs, _logit_grad, _target
-from .fast_math import EXACT, FMA, exp_from
+from .fast_math import exp_from, form_for  # form_for(False): 16-bit operands only
 from .narrow_cast import round_bf16_bits
 
 # Tiles for Hopper (benchmarks/gemm_probe.py: 128x256x64, 3 stages, 8 warps, grouped by 16
 # row tiles, flattened persistent loop, best of the configurations probed). The interpreter
 # takes small tiles, so that tests cross several row, column and K tiles.
-# the epilogues' per-element exponentials in one FMA and one MUFU instruction (fast_math.py;
-# these GEMMs take 16-bit operands only); False: tl.exp, the code before (A/B probes)
-FAST_EXP = True
 GPU_TILES = dict(bm=128, bn=256, bk=64, group_m=16, stages=3, warps=8)
 INTERPRET_TILES = dict(bm=16, bn=32, bk=16, group_m=2, stages=1, warps=4)
 
@@ -178,7 +175,7 @@ def logit_grads(x: torch.Tensor, w: torch.Tensor, col_offset: int, out: torch.Te
         HAS_BIAS=bias is not None, HAS_CW=cw is not None, SMOOTH=eps > 0, HAS_Z=z_loss > 0,
         HAS_SOFTCAP=softcap is not None, HAS_H=h is not None, BM=t["bm"], BN=t["bn"], BK=t["bk"],
         GROUP_M=t["group_m"], INTERPRET=interpret, WS=t.get("ws", False),
-        EXP_FORM=FMA if FAST_EXP else EXACT, num_stages=t["stages"], num_warps=t["warps"])
+        EXP_FORM=form_for(False), num_stages=t["stages"], num_warps=t["warps"])
 
 
 def _persistent_launch(x, w, out, interpret: bool, num_sms: int):
@@ -236,7 +233,7 @@ def logits_with_stats(x_c: torch.Tensor, w: torch.Tensor, bias, out: torch.Tenso
         stat_m, stat_s, m, n, k, 1.0 if softcap is None else softcap,
         HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, BM=t["bm"], BN=t["bn"],
         BK=t["bk"], GROUP_M=t["group_m"], num_programs=programs, INTERPRET=interpret,
-        WS=t.get("ws", False), EXP_FORM=FMA if FAST_EXP else EXACT, num_stages=t["stages"],
+        WS=t.get("ws", False), EXP_FORM=form_for(False), num_stages=t["stages"],
         num_warps=t["warps"])
 
 

@@ -20,6 +20,7 @@ import triton.language as tl
 
 from .. import _torch_common as common
 from ..specs.tiling import next_power_of_2
+from . import INTERPRETED
 from .narrow_cast import round_bf16_bits
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -30,8 +31,7 @@ GPU_NUM_WARPS = 4
 # Interpreted programs run one after another in Python: big tiles, few programs.
 INTERPRET_TILE_ELEMENTS = 1 << 16
 
-# Triton decides interpreter-or-GPU when kernels are decorated (import time).
-_INTERPRET = bool(triton.knobs.runtime.interpret) if hasattr(triton, "knobs") else False
+_INTERPRET = INTERPRETED  # (a module name of its own: tests patch it)
 
 
 def interpreted() -> bool:
