@@ -1,6 +1,7 @@
 """GPU probe: per-chunk stage times of the fast linear-CE forward with the logits from cuBLAS
 plus the two-pass row kernel, against the statistics-epilogue Triton GEMM (several tile
-settings) plus the one-pass row kernel (``logits_gemm``). JSON lines to --out; not a user
+settings) plus the one-pass row kernel (``logits_gemm``); ``--grad-shapes``: the dz-epilogue
+GEMM; ``--plain-shapes``: the plain GEMM of ``skip_ignored`` with a live count. JSON lines to --out; not a user
 benchmark (DESIGN.md records what it found)."""
 import argparse
 import json
@@ -126,6 +127,38 @@ def probe_grad(m, h, v, reps, out):
     each_tiling(GRAD_TILES, dict(mode="grad", shape=rec["shape"]), measure, out)
 
 
+PLAIN_TILES = [
+    dict(bm=128, bn=256, bk=64, group_m=16, stages=3, warps=8),
+    dict(bm=128, bn=256, bk=64, group_m=8, stages=4, warps=8),
+    dict(bm=128, bn=256, bk=64, group_m=16, stages=3, warps=8, ws=True),
+]
+
+
+def probe_plain(c_tok, h, v, reps, out):
+    """The plain-store GEMM that ``skip_ignored`` runs (no statistics), against cuBLAS, with
+    every row live and with 90% / 50% of them (the rest skipped by the live count)."""
+    dev = "cuda"
+    x = torch.randn(c_tok, h, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(v, h, device=dev, dtype=torch.bfloat16) * h ** -0.5
+    buf = rows_buffer(c_tok, v, torch.bfloat16, dev)
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    rec = dict(mode="plain", shape=f"{c_tok}x{h}x{v}")
+    rec["cublas_logits"] = ms(lambda: torch.mm(x, w.t(), out=buf), reps)
+    emit(rec, out)
+
+    def measure(r):
+        for frac in (1.0, 0.9, 0.5):
+            live = torch.tensor([int(c_tok * frac)], dtype=torch.int32, device=dev)
+            t = ms(lambda: sg.logits_with_stats(x, w, None, buf, None, None, None, False, sms,
+                                                live=live), reps)
+            r[f"own_plain_live{frac}"] = t
+            r[f"ratio_live{frac}"] = t / rec["cublas_logits"]
+        want = torch.mm(x, w.t())
+        sg.logits_with_stats(x, w, None, buf, None, None, None, False, sms)
+        r["max_abs_diff_vs_cublas"] = (buf.float() - want.float()).abs().max().item()
+    each_tiling(PLAIN_TILES, dict(mode="plain", shape=rec["shape"]), measure, out)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="/tmp/logits_gemm_probe.jsonl")
@@ -133,6 +166,9 @@ def main():
     ap.add_argument("--grad-shapes", default="",
                     help="rows,H,classes;... blocks for the dz-epilogue GEMM (e.g. "
                          "16384,4096,8192 for low-memory's vocabulary sweep at Llama)")
+    ap.add_argument("--plain-shapes", default="",
+                    help="tokens,H,V;... chunks for the plain GEMM of skip_ignored (e.g. "
+                         "3277,4096,128256;4096,2304,256000)")
     ap.add_argument("--reps", type=int, default=20)
     a = ap.parse_args()
     with open(a.out, "a") as out:
@@ -140,6 +176,8 @@ def main():
             probe(*map(int, s.split(",")), a.reps, out)
         for s in filter(None, a.grad_shapes.split(";")):
             probe_grad(*map(int, s.split(",")), a.reps, out)
+        for s in filter(None, a.plain_shapes.split(";")):
+            probe_plain(*map(int, s.split(",")), a.reps, out)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,8 @@ launcher passes ``EXP_FORM``, which older kernels do not take).
 
 Whole fwd+bwd calls (``backend="triton"``, bf16, default settings) at the TARGETS shapes:
 Llama CE (16384, 4096, 128256), Gemma CE (8192, 2304, 256000), low-memory CE at Llama and the
-JSD (8192, 4096, 128256, β = 0.5; and β = 0, the forward KL). JSON lines: per case and variant
+JSD (8192, 4096, 128256, β = 0.5; and β = 0, the forward KL); CE cases named ``-ign10`` /
+``-ign50`` have 10% / 50% of their targets ignored (``ignore_index``), the others none. JSON lines: per case and variant
 the median ms, and each variant's median paired ratio to the first with its 95% bootstrap
 interval.
 
@@ -42,6 +43,11 @@ CASES = {
     "ce-gemma": ("ce", (8192, 2304, 256000), {}),
     "ce-llama-lowmem": ("ce", (16384, 4096, 128256), {"low_memory": True}),
     "ce-gemma-softcap": ("ce", (8192, 2304, 256000), {"softcap": 30.0}),  # Gemma 2's head
+    # a fraction of the targets ignore_index (-100), at random: TARGETS.md's 10%, and half
+    # (SFT with masked prompts)
+    "ce-llama-ign10": ("ce", (16384, 4096, 128256), {"ignore_frac": 0.1}),
+    "ce-gemma-ign10": ("ce", (8192, 2304, 256000), {"ignore_frac": 0.1}),
+    "ce-llama-ign50": ("ce", (16384, 4096, 128256), {"ignore_frac": 0.5}),
     "jsd-llama": ("jsd", (8192, 4096, 128256), {}),
     "jsd-llama-fkl": ("jsd", (8192, 4096, 128256), {"beta": 0.0}),  # one pass fewer
 }
@@ -84,10 +90,13 @@ def _set(variant):
 
 def _ce_step(shape, kw):
     n, h, v = shape
+    kw = dict(kw)
+    ignore_frac = kw.pop("ignore_frac", 0.0)
     g = torch.Generator(device="cuda").manual_seed(0)
     x = (torch.randn(n, h, device="cuda", generator=g) * 0.5).bfloat16().requires_grad_()
     w = (torch.randn(v, h, device="cuda", generator=g) * h ** -0.5).bfloat16().requires_grad_()
     y = torch.randint(0, v, (n,), device="cuda", generator=g)
+    y[torch.rand(n, device="cuda", generator=g) < ignore_frac] = -100
 
     def step(variant):
         _set(variant)

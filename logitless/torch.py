@@ -59,7 +59,7 @@ def _check_backend(backend):
 # dropped on CPU. tests/test_torch_errors.py checks it against the module's TUNING.
 _TRITON_TUNING = ("low_memory", "chunk_size", "vocab_chunk_size", "memory_budget",
                   "grad_accum_dtype", "block_v", "num_warps", "logits_gemm", "segment_size",
-                  "row_sync")
+                  "row_sync", "skip_ignored")
 
 
 def _tuning_names(backend: Optional[str]):

@@ -575,7 +575,7 @@ def test_split_row_wait_timeout_poisons_instead_of_hanging():
         part[:, :, 1] = 1.0  # Σexp 1 at max 0: plausible stale statistics
         rows_mod.cross_entropy_rows_kernel[(1,)](
             buf, v, one, y.to(DEV), one, one, lse, loss, one, 0, one, n_rows, v, v, 0, v, -100,
-            0.0, 0.0, 1.0, one, one, 0, part, sync, seg, COMPUTE_LSE=True,
+            0.0, 0.0, 1.0, one, one, 0, part, sync, seg, one, COMPUTE_LSE=True,
             WRITE_GRAD=write_grad, FROM_TILES=False, HAS_CW=False, SMOOTH=False, HAS_Z=False,
             HAS_SOFTCAP=False, HAS_H=False, HAS_BIAS=False, BLOCK_V=16, SEGS=2, SEGS_P2=2,
             PHASE=rows_mod.FUSED, MAX_SPIN=1000)
@@ -619,7 +619,7 @@ def test_split_rows_one_launch_merges_what_its_segments_left():
     def launch(phase, sync, write_grad):
         rows_mod.cross_entropy_rows_kernel[(1,)](
             buf, v, one, y.to(DEV), one, one, lse, loss, one, 0, one, rows, v, v, 0, v, -100,
-            0.0, 0.0, 1.0, one, one, 0, part, sync, seg, COMPUTE_LSE=True,
+            0.0, 0.0, 1.0, one, one, 0, part, sync, seg, one, COMPUTE_LSE=True,
             WRITE_GRAD=write_grad, FROM_TILES=False, HAS_CW=False, SMOOTH=False, HAS_Z=False,
             HAS_SOFTCAP=False, HAS_H=False, HAS_BIAS=False, BLOCK_V=16, SEGS=segs, SEGS_P2=4,
             PHASE=phase, MAX_SPIN=10)
@@ -986,3 +986,99 @@ def test_bf16_cast_keeps_every_nan():
     out = narrow_cast.scale_cast(src, None, torch.bfloat16, interpret)
     assert torch.isnan(out[:5]).all(), out[:5]
     assert torch.equal(out[5:].cpu(), finite.bfloat16())  # torch rounds to nearest even
+
+
+# ----------------------------------------------------------------------------- skip_ignored
+def _spy_live(monkeypatch):
+    """The live-count tensors our logits GEMM is launched with (None: every row)."""
+    import logitless.triton_kernels.logits_gemm as stats_gemm
+    calls = []
+    real = stats_gemm.logits_with_stats
+
+    def spy(*args, live=None, **kwargs):
+        calls.append(None if live is None else int(live.item()))
+        return real(*args, live=live, **kwargs)
+    monkeypatch.setattr(stats_gemm, "logits_with_stats", spy)
+    return calls
+
+
+@pytest.mark.parametrize("dtype,ignored", [(torch.bfloat16, "some"), (torch.float16, "chunk"),
+                                           (torch.bfloat16, "all"), (torch.float16, "none")])
+def test_skip_ignored_equals_every_row_computed(monkeypatch, dtype, ignored):
+    """skip_ignored=True (each chunk's live tokens first, our GEMM and the row kernel leave
+    the rest out) gives the loss and gradients of skip_ignored=False: some tokens ignored, a
+    whole chunk of them, all, none; every option; a non-contiguous x (a transposed view) and a
+    ragged last chunk. The GEMM is launched with each chunk's live count; the loss-only
+    forward ("none", no grad) takes it too, in the tokens' order."""
+    n, h, v, chunk = 70, 32, 301, 32
+    g = torch.Generator().manual_seed(SEED + 41)
+    x = torch.randn(h, n, generator=g).to(DEV, dtype).t()  # non-contiguous
+    w = (torch.randn(v, h, generator=g) * h ** -0.5).to(DEV, dtype)
+    b = torch.randn(v, generator=g).to(DEV, dtype)
+    cw = torch.rand(v, generator=g).to(DEV) + 0.5
+    y = torch.randint(0, v, (n,), generator=g)
+    mask = {"some": torch.rand(n, generator=g) < 0.3, "all": torch.ones(n, dtype=torch.bool),
+            "none": torch.zeros(n, dtype=torch.bool),
+            "chunk": (torch.arange(n) >= chunk) & (torch.arange(n) < 2 * chunk)}[ignored]
+    y[mask] = -100
+    y = y.to(DEV)
+    kw = dict(backend="triton", linear_bias=b, weight=cw, z_loss=1e-3, softcap=6.0,
+              label_smoothing=0.1, chunk_size=chunk)
+
+    def run(skip, reduction="mean"):
+        xx, ww, bb = (t.detach().requires_grad_() for t in (x, w, b))
+        loss = lt.linear_cross_entropy(xx, ww, y, **{**kw, "linear_bias": bb},
+                                       reduction=reduction, skip_ignored=skip)
+        loss.backward()
+        return loss.detach(), xx.grad, ww.grad, bb.grad
+
+    ref = run(False)
+    calls = _spy_live(monkeypatch)
+    got = run(True)
+    live = [int((~mask[s:s + chunk]).sum()) for s in range(0, n, chunk)]
+    assert calls == live, (calls, live)
+    assert torch.isfinite(got[0]) and all(torch.isfinite(t).all() for t in got[1:])
+    torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=1e-6)
+    for a, r in zip(got[1:], ref[1:]):
+        if ignored == "all":
+            assert not a.any()  # ignored tokens: zero gradients, not junk
+            continue
+        rel = ((a.float() - r.float()).norm() / r.float().norm()).item()
+        assert rel < 1e-3, rel  # summation order only: dz is computed alike
+    assert not got[1][mask.to(DEV)].any()  # an ignored token's dX row: exactly 0
+    if ignored == "some":
+        sums = run(True, "sum"), run(False, "sum")
+        torch.testing.assert_close(sums[0][0], sums[1][0], rtol=1e-5, atol=1e-6)
+        with torch.no_grad():
+            none = [lt.linear_cross_entropy(x, w, y, **kw, reduction="none", skip_ignored=s)
+                    for s in (True, False)]
+        torch.testing.assert_close(none[0], none[1], rtol=1e-5, atol=1e-6)
+        assert not none[0][mask.to(DEV)].any()
+
+
+def test_live_first_orders_each_chunk_live_first():
+    from logitless.triton_kernels.live_rows import live_first
+    y = torch.tensor([5, -100, 3, -100, -100, 7, 1, -100, 2], device=DEV)
+    perm, live = live_first(y, -100, 4)
+    assert perm.tolist() == [0, 2, 1, 3, 5, 6, 4, 7, 8]
+    assert live.tolist() == [2, 2, 1] and live.dtype == torch.int32
+
+
+def test_skip_ignored_errors():
+    x, w, y = _data(8, 16, 32, dtype=torch.bfloat16)
+    x.requires_grad_()
+    cases = [
+        (dict(skip_ignored="yes"), "skip_ignored must be"),
+        (dict(skip_ignored=True, return_lse=True), "return_lse"),
+        (dict(skip_ignored=True, low_memory=True), "low-memory"),
+        (dict(skip_ignored=True, logits_gemm="cublas"), "cuBLAS"),
+        (dict(skip_ignored=True, reduction="none"), "per-token"),
+    ]
+    for kw, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            lt.linear_cross_entropy(x, w, y, backend="triton", **kw)
+    with pytest.raises(ValueError, match="bfloat16/float16"):
+        lt.linear_cross_entropy(x.float(), w.float(), y, backend="triton", skip_ignored=True)
+    with pytest.raises(ValueError, match="16-byte aligned rows"):  # H = 12: 24-byte rows
+        a, b, c = _data(8, 12, 32, dtype=torch.bfloat16)
+        lt.linear_cross_entropy(a, b, c, backend="triton", skip_ignored=True)

@@ -292,6 +292,33 @@ def _ce_row(row, seg, logits_ptr, stride_row, bias_ptr, y_ptr, cw_ptr, omega_sum
 
 
 @triton.jit
+def _live_count(live_ptr, n_rows, HAS_LIVE: tl.constexpr):
+    if HAS_LIVE:
+        return tl.minimum(tl.load(live_ptr), n_rows)
+    return n_rows
+
+
+@triton.jit
+def _blank_row(row, seg, logits_ptr, stride_row, lse_ptr, loss_ptr, n_cols, seg_cols,
+               COMPUTE_LSE: tl.constexpr, WRITE_GRAD: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Segment ``seg`` of a row past the live count (an ignored token whose logits were
+    never computed): dz = 0 over the segment, lse = loss = 0, nothing read."""
+    row64 = tl.cast(row, tl.int64)
+    if WRITE_GRAD:
+        base = logits_ptr + row64 * stride_row
+        col0 = seg * seg_cols
+        col1 = tl.minimum(col0 + seg_cols, n_cols)
+        zeros = tl.zeros([BLOCK_V], dtype=logits_ptr.dtype.element_ty)
+        for start in range(col0, col1, BLOCK_V):
+            cols = start + tl.arange(0, BLOCK_V)
+            tl.store(base + cols, zeros, mask=cols < col1)
+    if COMPUTE_LSE:
+        if seg == 0:
+            tl.store(lse_ptr + row64, 0.0)
+            tl.store(loss_ptr + row64, 0.0)
+
+
+@triton.jit
 def cross_entropy_rows_kernel(
     logits_ptr, stride_row, bias_ptr,
     y_ptr, cw_ptr, omega_sum_ptr,
@@ -299,14 +326,14 @@ def cross_entropy_rows_kernel(
     g_ptr, g_stride, h_ptr,
     n_rows, n_cols, n_load, col_offset, V, ignore_index,
     eps, z_loss, softcap, stat_m_ptr, stat_s_ptr, n_tiles,
-    part_ptr, sync_ptr, seg_cols,
+    part_ptr, sync_ptr, seg_cols, live_ptr,
     COMPUTE_LSE: tl.constexpr, WRITE_GRAD: tl.constexpr, FROM_TILES: tl.constexpr,
     HAS_CW: tl.constexpr, SMOOTH: tl.constexpr, HAS_Z: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_H: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_V: tl.constexpr, ROUND_BF16: tl.constexpr = False, STAGES: tl.constexpr = 1,
     SEGS: tl.constexpr = 1, SEGS_P2: tl.constexpr = 2, PHASE: tl.constexpr = 0,
     MAX_SPIN: tl.constexpr = 1 << 22, EVICT1: tl.constexpr = "", EVICT2: tl.constexpr = "",
-    EXP_FORM: tl.constexpr = 0,
+    EXP_FORM: tl.constexpr = 0, HAS_LIVE: tl.constexpr = False,
 ):
     """Rows [0, n_rows) of the buffer, each in ``SEGS`` segments of ``seg_cols`` columns (the
     last one ragged). SEGS = 1: a persistent grid walks whole rows. SEGS > 1 (only with
@@ -317,7 +344,10 @@ def cross_entropy_rows_kernel(
     writes the partials (``part_ptr``: fp32 [n_rows, SEGS, NUM_PARTS]), GRAD merges them and
     finishes (loss, lse, dz) in a second launch. ``EVICT1`` / ``EVICT2``: L2 eviction hints
     of sweep 1's loads / sweep 2's loads and stores ("": none). ``EXP_FORM``: how the
-    per-element exponentials are computed (:mod:`.fast_math`; 0, ``EXACT``: ``tl.exp``)."""
+    per-element exponentials are computed (:mod:`.fast_math`; 0, ``EXACT``: ``tl.exp``).
+    ``HAS_LIVE``: only rows below ``*live_ptr`` (int32, read from device memory) are live;
+    the rest, ignored tokens whose logits were never computed (junk in the buffer), get
+    dz = 0 and lse = loss = 0 after the live rows' work, nothing read (``_blank_row``)."""
     # split rows merge pass-1 partials of the logits: tile statistics would be folded whole by
     # every segment, and a gradient pass has nothing to merge
     tl.static_assert(SEGS == 1 or (COMPUTE_LSE and not FROM_TILES))
@@ -327,8 +357,9 @@ def cross_entropy_rows_kernel(
         omega_sum = tl.load(omega_sum_ptr).to(tl.float32)
     else:
         omega_sum = V * 1.0
+    n_live = _live_count(live_ptr, n_rows, HAS_LIVE)
     if SEGS > 1 and PHASE == _FUSED:
-        total = n_rows * SEGS
+        total = n_live * SEGS
         ticket = tl.atomic_add(sync_ptr, 1, sem="relaxed")
         while ticket < total:
             _ce_row(ticket // SEGS, ticket % SEGS, logits_ptr, stride_row, bias_ptr, y_ptr,
@@ -340,7 +371,7 @@ def cross_entropy_rows_kernel(
                     EXP_FORM)
             ticket = tl.atomic_add(sync_ptr, 1, sem="relaxed")
     else:
-        for t in range(pid, n_rows * SEGS, nprog):
+        for t in range(pid, n_live * SEGS, nprog):
             _ce_row(t // SEGS, t % SEGS, logits_ptr, stride_row, bias_ptr, y_ptr,
                     cw_ptr, omega_sum, lse_ptr, loss_ptr, g_ptr, g_stride, h_ptr, part_ptr,
                     sync_ptr, n_cols, n_load, seg_cols, col_offset, V, ignore_index, eps,
@@ -348,6 +379,10 @@ def cross_entropy_rows_kernel(
                     FROM_TILES, HAS_CW, SMOOTH, HAS_Z, HAS_SOFTCAP, HAS_H, HAS_BIAS, BLOCK_V,
                     ROUND_BF16, STAGES, SEGS, SEGS_P2, PHASE, MAX_SPIN, EVICT1, EVICT2,
                     EXP_FORM)
+    if HAS_LIVE and PHASE != _STATS:  # (the blank rows' partials are never read)
+        for t in range(pid, (n_rows - n_live) * SEGS, nprog):
+            _blank_row(n_live + t // SEGS, t % SEGS, logits_ptr, stride_row, lse_ptr, loss_ptr,
+                       n_cols, seg_cols, COMPUTE_LSE, WRITE_GRAD, BLOCK_V)
 
 
 # ----------------------------------------------------------------------------- diagnostics
@@ -364,17 +399,21 @@ def compile_variants(arch: int = 90) -> str:
                g_ptr="*fp32", g_stride="i32", h_ptr="*fp32", n_rows="i32", n_cols="i32",
                n_load="i32", col_offset="i32", V="i32", ignore_index="i64", eps="fp32",
                z_loss="fp32", softcap="fp32", stat_m_ptr="*fp32", stat_s_ptr="*fp32",
-               n_tiles="i32", part_ptr="*fp32", sync_ptr="*i32", seg_cols="i32")
+               n_tiles="i32", part_ptr="*fp32", sync_ptr="*i32", seg_cols="i32",
+               live_ptr="*i32")
     base = dict(COMPUTE_LSE=True, WRITE_GRAD=True, FROM_TILES=False, HAS_CW=False,
                 SMOOTH=False, HAS_Z=False, HAS_SOFTCAP=False, HAS_H=False, HAS_BIAS=False,
                 BLOCK_V=2048, ROUND_BF16=False, STAGES=3, SEGS=16, SEGS_P2=16, PHASE=FUSED,
-                MAX_SPIN=1 << 22, EVICT1="evict_last", EVICT2="evict_first", EXP_FORM=FMA)
+                MAX_SPIN=1 << 22, EVICT1="evict_last", EVICT2="evict_first", EXP_FORM=FMA,
+                HAS_LIVE=False)
     every = dict(HAS_CW=True, SMOOTH=True, HAS_Z=True, HAS_SOFTCAP=True, HAS_BIAS=True)
     whole = dict(SEGS=1, SEGS_P2=2, BLOCK_V=4096, EVICT1="", EVICT2="", num_warps=8)
     variants = [dict(), every, dict(WRITE_GRAD=False), dict(PHASE=STATS, WRITE_GRAD=False),
                 dict(PHASE=GRAD), dict(PHASE=GRAD, **every), whole, dict(whole, **every),
                 dict(whole, FROM_TILES=True), dict(whole, COMPUTE_LSE=False, HAS_H=True),
-                dict(EXP_FORM=DIFF), dict(EXP_FORM=EXACT)]
+                dict(EXP_FORM=DIFF), dict(EXP_FORM=EXACT), dict(HAS_LIVE=True),
+                dict(PHASE=GRAD, HAS_LIVE=True), dict(whole, HAS_LIVE=True),
+                dict(whole, WRITE_GRAD=False, HAS_LIVE=True)]
     lines = []
     for v in variants:
         cons = {**base, **v}

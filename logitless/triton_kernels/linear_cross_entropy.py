@@ -40,13 +40,14 @@ from ..specs import linear_cross_entropy as spec
 from ..specs.tiling import next_power_of_2, plan_token_chunks
 from . import INTERPRETED
 from . import fast_math
+from . import live_rows
 from . import logits_gemm as stats_gemm
 from .cross_entropy_rows import FUSED, GRAD, NUM_PARTS, STATS, cross_entropy_rows_kernel
 from .narrow_cast import (accumulate_split_, accumulator_pair, finish_, hand_over_once,
                           scale_cast, scale_cast_op, scale_op)
 
 TUNING = ("low_memory", "chunk_size", "vocab_chunk_size", "memory_budget", "grad_accum_dtype",
-          "block_v", "num_warps", "logits_gemm", "segment_size", "row_sync")
+          "block_v", "num_warps", "logits_gemm", "segment_size", "row_sync", "skip_ignored")
 # the target range check runs in the forward op (_fwd_op), as in torch_chunked (see there)
 CHECKS_TARGETS = True
 # backward finishes the forward's saved gradients in place (narrow_cast.hand_over_once): one
@@ -117,6 +118,9 @@ NO_GRAD, FULL_GRAD, DX_ONLY = 0, 1, 2
 # ours with the forward's softmax statistics / the recomputing sweeps' dz in their epilogues;
 # "auto" is resolved inside the ops (_resolve_gemm), where the data pointers are real
 LOGITS_GEMM = {"auto": 0, "cublas": 1, "triton": 2}
+# skip_ignored of the ops: ignored tokens' rows left out of the logits GEMM and the row
+# kernel (live_rows.py); "auto" is resolved inside the ops (_resolve_skip), as LOGITS_GEMM's
+SKIP_IGNORED = {"auto": 0, False: 1, True: 2}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,6 +132,7 @@ class Config:
     logits_gemm: int = LOGITS_GEMM["cublas"]  # who computes the logits (LOGITS_GEMM)
     segment: int = 0    # row-kernel columns per program (0: ROW_SEGMENT on a GPU)
     row_sync: bool = True  # split rows: one launch whose segments wait for each other
+    skip_ignored: bool = False  # ignored tokens' rows skipped (resolved: see _resolve_skip)
 
 
 _INTERPRET = INTERPRETED
@@ -165,10 +170,12 @@ def _layout(cfg, n_cols, compute_lse, stats, gpu):
 
 
 def _rows(buf, bias, n_rows, n_cols, col_offset, y, cw, omega_sum, lse, loss, g, h, opts_t, v,
-          cfg, compute_lse, write_grad, stats=None):
+          cfg, compute_lse, write_grad, stats=None, live=None):
     """Run the row kernel over ``buf[:n_rows, :n_cols]`` (see cross_entropy_rows), which holds
     x·Wᵀ without the bias (the whole ``[V]`` bias, or None: the kernel adds it); ``stats``:
-    the logits GEMM's per-tile (max, Σexp), ``[n_rows, n_tiles]`` each, for lse."""
+    the logits GEMM's per-tile (max, Σexp), ``[n_rows, n_tiles]`` each, for lse; ``live``:
+    an int32 (1,) device tensor, the rows below it live, the rest ignored tokens that were
+    never computed (``HAS_LIVE``)."""
     ignore_index, eps, z_loss, softcap = opts_t
     if n_rows == 0:
         return
@@ -193,6 +200,7 @@ def _rows(buf, bias, n_rows, n_cols, col_offset, y, cw, omega_sum, lse, loss, g,
                  BLOCK_V=block, ROUND_BF16=_interpret() and buf.dtype == torch.bfloat16,
                  SEGS=segs, SEGS_P2=max(2, next_power_of_2(segs)),
                  EXP_FORM=fast_math.form_for(buf.dtype == torch.float32),
+                 HAS_LIVE=live is not None,
                  **(dict(zip(("EVICT1", "EVICT2"), SPLIT_EVICT)) if segs > 1 else {}))
     launch = functools.partial(
         cross_entropy_rows_kernel[(grid,)],
@@ -205,7 +213,7 @@ def _rows(buf, bias, n_rows, n_cols, col_offset, y, cw, omega_sum, lse, loss, g,
         eps, z_loss, 1.0 if softcap is None else softcap,
         dummy if stats is None else stats[0], dummy if stats is None else stats[1],
         0 if stats is None else stats[0].shape[1], part, sync, seg_cols,
-        num_warps=num_warps, **flags)
+        sync if live is None else live, num_warps=num_warps, **flags)
     key = (buf.device, buf.dtype, None if bias is None else bias.dtype,
            None if cw is None else cw.dtype, num_warps, tuple(flags.values()))
     if segs == 1 or fused:
@@ -278,36 +286,54 @@ def _forward(x, w, bias, y, cw, opts_t, cfg, grad_mode, needs, accum_dtype, scal
     db = (torch.zeros if n == 0 else torch.empty)(v, dtype=torch.float32, device=dev) \
         if need_db else x.new_empty(0)
     rows = min(cfg.chunk, n)
-    own_gemm = cfg.logits_gemm == LOGITS_GEMM["triton"] and n > 0
-    if own_gemm:  # rows padded for the tensor descriptors; per-tile softmax statistics
-        buf = common.rows_buffer(rows, v, x.dtype, dev)  # 16-byte aligned rows
+    stats_on = cfg.logits_gemm == LOGITS_GEMM["triton"] and n > 0
+    skip = cfg.skip_ignored and n > 0
+    buf = common.rows_buffer(rows, v, x.dtype, dev)  # 16-byte aligned rows (also for TMA)
+    if stats_on:  # per-tile softmax statistics from our GEMM's epilogue
         n_tiles = stats_gemm.stat_tiles(v, _interpret())
         stat_pair = (torch.empty(rows, n_tiles, dtype=torch.float32, device=dev),
                      torch.empty(rows, n_tiles, dtype=torch.float32, device=dev))
-        # persistent grid: one program per SM (interpreter: a few, run one after another)
-        sms = (torch.cuda.get_device_properties(dev).multi_processor_count if x.is_cuda else 3)
+    # persistent grid of our GEMM: one program per SM (interpreter: a few, run in turn)
+    sms = (torch.cuda.get_device_properties(dev).multi_processor_count if x.is_cuda else 3)
+    if skip:
+        # each chunk's live tokens first (perm), their count per chunk on device (live): our
+        # GEMM and the row kernel leave the ignored rows out, without a host sync; the chunk's
+        # rows of x are gathered into xbuf, which after dW takes the chunk's dX for scattering
+        perm, live = live_rows.live_first(y, opts_t[0], cfg.chunk)
+        xbuf = torch.empty(rows, hdim, dtype=x.dtype, device=dev)
+        y_run = y.index_select(0, perm)
+        lse_run, loss_run = torch.empty_like(lse), torch.empty_like(token_loss)
     else:
-        buf = common.rows_buffer(rows, v, x.dtype, dev)
-    for s in range(0, n, cfg.chunk):
+        y_run, lse_run, loss_run = y, lse, token_loss
+    for i, s in enumerate(range(0, n, cfg.chunk)):
         e = min(s + cfg.chunk, n)
-        stats = None
-        if own_gemm:
-            blk = buf[: e - s]
-            stats = (stat_pair[0][: e - s], stat_pair[1][: e - s])
-            stats_gemm.logits_with_stats(x[s:e], w, bias, blk, stats[0], stats[1], opts_t[3],
-                                          _interpret(), sms)
+        blk = buf[: e - s]
+        stats = (stat_pair[0][: e - s], stat_pair[1][: e - s]) if stats_on else None
+        x_c, lv = x[s:e], None
+        if skip:
+            x_c = torch.index_select(x, 0, perm[s:e], out=xbuf[: e - s])
+            lv = live[i:i + 1]
+        if stats_on or skip:
+            stats_gemm.logits_with_stats(x_c, w, bias, blk, *(stats or (None, None)),
+                                          opts_t[3], _interpret(), sms, live=lv)
         else:
-            blk = _logits(x[s:e], w, buf[: e - s])
+            _logits(x_c, w, blk)
         if s == 0:
             omega_sum, g = scalars()
-        _rows(blk, bias, e - s, v, 0, y[s:e], cw, omega_sum, lse[s:e], token_loss[s:e],
-              g, None, opts_t, v, cfg, compute_lse=True,
-              write_grad=need_dx or need_dw or need_db, stats=stats)
-        if need_dx:
+        _rows(blk, bias, e - s, v, 0, y_run[s:e], cw, omega_sum, lse_run[s:e],
+              loss_run[s:e], g, None, opts_t, v, cfg, compute_lse=True,
+              write_grad=need_dx or need_dw or need_db, stats=stats, live=lv)
+        if need_dx and not skip:
             common.mm_over_vocab(blk, w, dx[s:e])
-        _accumulate(dw, db, blk, x[s:e], first=s == 0)
+        _accumulate(dw, db, blk, x_c, first=s == 0)
+        if need_dx and skip:  # x_c's buffer is free now: the chunk's dX, scattered
+            common.mm_over_vocab(blk, w, x_c)
+            dx.index_copy_(0, perm[s:e], x_c)
     if n == 0:
         scalars()
+    if skip:  # back to the tokens' order
+        token_loss.index_copy_(0, perm, loss_run)
+        lse.index_copy_(0, perm, lse_run)
     return token_loss, lse, dx, dw, db
 
 
@@ -382,17 +408,19 @@ def _fwd_op(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], y: t
             z_loss: float, softcap: float, grad_mode: int, need_dx: bool, need_dw: bool,
             need_db: bool, low_memory: bool, chunk: int, vocab_chunk: int, block_v: int,
             num_warps: int, accum_fp32: bool, gemm: int, segment: int,
-            row_sync: bool
+            row_sync: bool, skip: int
             ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                        torch.Tensor, torch.Tensor]:
     """-> (loss, lse, Σω or 1, dX, dW part a, dW part b, db): the gradients (for an upstream
     1, with 1/Σω folded in unless fp16) only with ``grad_mode`` and only those needed; dW as
     the accumulator pair of :func:`.narrow_cast.accumulator_pair` (part b empty unless split).
     ``low_memory`` is for backward (the fast forward never sees it); ``gemm``: a
-    ``LOGITS_GEMM`` code."""
+    ``LOGITS_GEMM`` code; ``skip``: a ``SKIP_IGNORED`` code (the front door passes "auto" or
+    True only where the lse of ignored tokens is never used: see ``_skip_conflict``)."""
     with common.on_device(x):
         cfg = Config(chunk, vocab_chunk, block_v, num_warps,
-                     _resolve_gemm(gemm, x, w, bias, low_memory), segment, row_sync)
+                     _resolve_gemm(gemm, x, w, bias, low_memory), segment, row_sync,
+                     _resolve_skip(skip, x, w))
         opts_t = _opts_tuple(ignore_index, label_smoothing, z_loss, softcap)
         found = {}
 
@@ -442,6 +470,26 @@ def _resolve_gemm(code, x, w, bias, low_memory):
     return code
 
 
+def _resolve_skip(code, x, w):
+    """Whether the forward skips ignored tokens (``SKIP_IGNORED`` code): True once ``w``'s
+    layout suits our GEMM's tensor descriptors (checked inside the op, where data pointers are
+    real; the tokens' rows are gathered into a buffer of ours, so ``x``'s layout does not
+    matter); "auto" as True on a Hopper GPU (compute capability 9.x, where it was measured)
+    where it can run. The front door already turned "auto" off where options rule it out."""
+    if code == SKIP_IGNORED[False] or x.shape[0] == 0:
+        return False
+    why = stats_gemm.unsupported_layout(None, w, None)
+    if code == SKIP_IGNORED["auto"]:
+        return (x.is_cuda and torch.cuda.get_device_capability(x.device)[0] == 9 and not why
+                and x.shape[1] % 8 == 0)
+    if why:
+        raise ValueError(f"skip_ignored=True cannot run here: {why}")
+    if x.shape[1] % 8:
+        raise ValueError("skip_ignored=True cannot run here: the hidden size must be a "
+                         f"multiple of 8 for the tensor descriptors (got {x.shape[1]})")
+    return True
+
+
 def _amortized_chunk(n, v, h, itemsize, chunk, accum_fp32):
     """The fast mode's default tokens per chunk: the budget's ``chunk``, or, where that is
     under ``FAST_MIN_CHUNK`` and there is more than one chunk to take, about
@@ -471,7 +519,7 @@ def _accum_dtype(dtype, n, chunk, accum_fp32):
 @_fwd_op.register_fake
 def _(x, w, bias, y, cw, reduction, ignore_index, label_smoothing, z_loss, softcap, grad_mode,
       need_dx, need_dw, need_db, low_memory, chunk, vocab_chunk, block_v, num_warps, accum_fp32,
-      gemm, segment, row_sync):
+      gemm, segment, row_sync, skip):
     n, hdim = x.shape
     v = w.shape[0]
     f32 = dict(dtype=torch.float32, device=x.device)
@@ -548,7 +596,7 @@ def _cast(acc, scale, dtype, out=None):
 def _setup_context(ctx, inputs, output):
     (x, w, bias, y, cw, reduction, ignore_index, label_smoothing, z_loss, softcap, grad_mode,
      _need_dx, _need_dw, _need_db, low_memory, chunk, vocab_chunk, block_v, num_warps,
-     accum_fp32, gemm, segment, row_sync) = inputs
+     accum_fp32, gemm, segment, row_sync, _skip) = inputs
     loss, lse, denom, dx, dw_a, dw_b, db = output
     ctx.save_for_backward(x, w, bias, y, cw, lse, denom, dx, dw_a, dw_b, db)
     ctx.args = dict(reduction=reduction, ignore_index=ignore_index,
@@ -565,7 +613,7 @@ def _backward(ctx, g_loss, g_lse, _g_denom, _g_dx, _g_dwa, _g_dwb, _g_db):
     if torch.is_grad_enabled():
         raise RuntimeError(common.NO_DOUBLE_BACKWARD.format(op="linear_cross_entropy"))
     grads = _gradients(ctx, g_loss, g_lse)
-    return tuple(None if t is None else t.detach() for t in grads) + (None,) * 20
+    return tuple(None if t is None else t.detach() for t in grads) + (None,) * 21
 
 
 def _gradients(ctx, g_loss, g_lse):
@@ -633,7 +681,7 @@ def linear_cross_entropy(p: common.Prepared, opts: spec.LinearCrossEntropyOption
                          low_memory=False, chunk_size=None, vocab_chunk_size=None,
                          memory_budget=None, grad_accum_dtype=torch.float32, block_v=None,
                          num_warps=None, logits_gemm="auto", segment_size=None,
-                         row_sync=True):
+                         row_sync=True, skip_ignored="auto"):
     """Returns ``(loss, lse)``; see the module docstring for the two operating points.
 
     Tuning (defaults in parentheses): ``low_memory`` (False), ``chunk_size`` (None: from
@@ -668,7 +716,16 @@ def linear_cross_entropy(p: common.Prepared, opts: spec.LinearCrossEntropyOption
     ``"auto"`` picks it for ``low_memory=True`` on a Hopper GPU (compute capability 9.x,
     where it was measured) where it can run, cuBLAS otherwise: on an
     H100 it made low-memory calls 1.6% faster and fast-mode ones 0.5% slower, in
-    interleaved runs; see DESIGN.md).
+    interleaved runs; see DESIGN.md),
+    ``skip_ignored`` (``"auto"``; True: the fast forward leaves ignored tokens out of the
+    logits GEMM and the row kernel (:mod:`.live_rows`: each chunk's live tokens first, their
+    count read on device), the logits then computed by our GEMM (with ``logits_gemm``
+    "triton" its statistics variant, else the plain one); for bf16/fp16, ``linear_weight``
+    row-major with 16-byte aligned rows, a hidden size that is a multiple of 8, a compute-
+    capability 9.x/10.x GPU (or the interpreter); not with ``low_memory``,
+    ``return_lse`` (ignored tokens' lse would be needed), ``logits_gemm="cublas"`` or
+    per-token upstream gradients (``reduction="none"`` with gradients). ``"auto"`` takes it
+    on a Hopper GPU where all of that holds. False: every token's logits computed).
 
     One backward per forward: the fast path hands its saved gradients over in place, so a
     second backward through the same graph (``retain_graph=True``) raises (backend="torch"
@@ -697,10 +754,13 @@ def linear_cross_entropy(p: common.Prepared, opts: spec.LinearCrossEntropyOption
         raise TypeError(f"row_sync must be a bool, got {row_sync!r}")
     if not isinstance(logits_gemm, str) or logits_gemm not in LOGITS_GEMM:
         raise ValueError(f"logits_gemm must be one of {list(LOGITS_GEMM)}, got {logits_gemm!r}")
+    if not (skip_ignored == "auto" or isinstance(skip_ignored, bool)):
+        raise ValueError(f"skip_ignored must be 'auto', True or False, got {skip_ignored!r}")
     why = logits_gemm != "cublas" and stats_gemm.unsupported_options(x.dtype,
                                                                      opts.label_smoothing)
     if why and logits_gemm == "triton":  # layouts are checked in the op (real data pointers)
         raise ValueError(f"logits_gemm='triton' cannot run here: {why}")
+    gemm_given = logits_gemm
     if logits_gemm == "auto" and (why or not low_memory):
         logits_gemm = "cublas"  # "auto" may pick ours for the low-memory setting only
     for name, value in (("chunk_size", chunk_size), ("vocab_chunk_size", vocab_chunk_size),
@@ -728,11 +788,34 @@ def linear_cross_entropy(p: common.Prepared, opts: spec.LinearCrossEntropyOption
     grad_mode = NO_GRAD
     if (need_dx or need_dw or need_db) and opts.reduction != "none":
         grad_mode = DX_ONLY if low_memory else FULL_GRAD
+    skip = skip_ignored
+    if skip is not False:
+        why = _skip_conflict(x.dtype, opts, low_memory, gemm_given, grad_mode,
+                             need_dx or need_dw or need_db)
+        if why and skip is True:
+            raise ValueError(f"skip_ignored=True cannot run here: {why}")
+        skip = False if why else skip
     y = p.y if p.y.dtype in (torch.int32, torch.int64) else p.y.long()
     loss, lse, _denom, _dx, _dwa, _dwb, _db = _fwd_op(
         x, p.w, p.bias, y, p.class_weight, REDUCTIONS[opts.reduction], opts.ignore_index,
         float(opts.label_smoothing), float(opts.z_loss), float(opts.softcap or 0.0), grad_mode,
         need_dx, need_dw, need_db, low_memory, chunk, vocab_chunk, block_v or 0, num_warps or 0,
         grad_accum_dtype == torch.float32, LOGITS_GEMM[logits_gemm], segment_size or 0,
-        row_sync)
+        row_sync, SKIP_IGNORED[skip])
     return loss, lse
+
+
+def _skip_conflict(dtype, opts, low_memory, logits_gemm, grad_mode, any_grad) -> str:
+    """Why these options rule ``skip_ignored`` out ('' when they do not; the layouts and the
+    GPU are checked in the op: ``_resolve_skip``). ``logits_gemm`` as the caller gave it."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f"it runs bfloat16/float16 inputs only (got {dtype}; fp32 would run as TF32)"
+    if low_memory:
+        return "the low-memory setting recomputes from every token's lse"
+    if opts.return_lse:
+        return "return_lse=True returns the lse of ignored tokens too"
+    if logits_gemm == "cublas":
+        return "it needs our logits GEMM (logits_gemm 'auto' or 'triton'), not cuBLAS"
+    if any_grad and grad_mode != FULL_GRAD:
+        return "per-token upstream gradients (reduction='none') recompute from every token's lse"
+    return ""

@@ -62,12 +62,18 @@ def _tile_product(x_desc, w_desc, om, on, k_tiles, BM: tl.constexpr, BN: tl.cons
 
 
 @triton.jit
-def logits_stats_kernel(x_desc, w_desc, z_desc, bias_ptr, stat_m_ptr, stat_s_ptr, M, N, K,
-                        softcap, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+def logits_stats_kernel(x_desc, w_desc, z_desc, bias_ptr, stat_m_ptr, stat_s_ptr, live_ptr, M,
+                        N, K, softcap, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                         GROUP_M: tl.constexpr, num_programs, INTERPRET: tl.constexpr,
-                        WS: tl.constexpr = False, EXP_FORM: tl.constexpr = 0):
+                        WS: tl.constexpr = False, EXP_FORM: tl.constexpr = 0,
+                        STATS: tl.constexpr = True, HAS_LIVE: tl.constexpr = False):
+    """``STATS``: the per-tile statistics too (else the plain product); ``HAS_LIVE``: only
+    the first ``*live_ptr`` rows (read from device memory, no host sync) are computed, the
+    row tiles past them skipped (their rows of ``z`` keep what they held)."""
     pid = tl.program_id(0)
+    if HAS_LIVE:
+        M = tl.minimum(M, tl.load(live_ptr))
     num_pid_m = tl.cdiv(M, BM)
     num_pid_n = tl.cdiv(N, BN)
     k_tiles = tl.cdiv(K, BK)
@@ -83,18 +89,19 @@ def logits_stats_kernel(x_desc, w_desc, z_desc, bias_ptr, stat_m_ptr, stat_s_ptr
             acc = round_bf16_bits(acc)  # the interpreter's cast truncates; the GPU rounds
         zq = acc.to(z_desc.dtype)
         z_desc.store([om, on], zq)
-        z = zq.to(tl.float32)
-        if HAS_BIAS:  # stored without it, as the cuBLAS path: the row kernel adds it in fp32
-            z += tl.load(bias_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-        c = _cap(z, softcap, HAS_SOFTCAP)
-        c = tl.where(cmask[None, :], c, float("-inf"))
-        m = tl.max(c, 1)
-        # a tile of −inf logits (a vocabulary masked by a −inf bias): (−inf, 0), never NaN
-        s = tl.sum(exp_from(c, _finite_ref(m)[:, None], EXP_FORM), 1)
-        rows = (om + tl.arange(0, BM)).to(tl.int64)
-        idx = rows * num_pid_n + pid_n
-        tl.store(stat_m_ptr + idx, m, mask=rows < M)
-        tl.store(stat_s_ptr + idx, s, mask=rows < M)
+        if STATS:
+            z = zq.to(tl.float32)
+            if HAS_BIAS:  # stored without it, as the cuBLAS path: the row kernel adds it
+                z += tl.load(bias_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+            c = _cap(z, softcap, HAS_SOFTCAP)
+            c = tl.where(cmask[None, :], c, float("-inf"))
+            m = tl.max(c, 1)
+            # a tile of −inf logits (a vocabulary masked by a −inf bias): (−inf, 0), never NaN
+            s = tl.sum(exp_from(c, _finite_ref(m)[:, None], EXP_FORM), 1)
+            rows = (om + tl.arange(0, BM)).to(tl.int64)
+            idx = rows * num_pid_n + pid_n
+            tl.store(stat_m_ptr + idx, m, mask=rows < M)
+            tl.store(stat_s_ptr + idx, s, mask=rows < M)
 
 
 @triton.jit
@@ -203,11 +210,14 @@ def unsupported_options(dtype: torch.dtype, label_smoothing) -> str:
 
 
 def unsupported_layout(x: torch.Tensor, w: torch.Tensor, bias) -> str:
-    """Why these tensors (layouts, device) rule this GEMM out ('' when they do not)."""
-    if x.is_cuda and torch.cuda.get_device_capability(x.device)[0] not in (9, 10):
+    """Why these tensors (layouts, device) rule this GEMM out ('' when they do not); ``x``
+    None: ``w`` alone (the caller gathers the tokens' rows into a buffer of its own)."""
+    if w.is_cuda and torch.cuda.get_device_capability(w.device)[0] not in (9, 10):
         return ("its tiles need a Hopper-class GPU's shared memory (compute capability 9.x or "
-                f"10.x; this one is {torch.cuda.get_device_capability(x.device)})")
+                f"10.x; this one is {torch.cuda.get_device_capability(w.device)})")
     for name, t in (("input", x), ("linear_weight", w)):
+        if t is None:
+            continue
         if t.stride(-1) != 1 or (t.stride(0) * t.element_size()) % 16:
             return (f"{name} must be row-major with 16-byte aligned rows for the tensor "
                     f"descriptors (strides {tuple(t.stride())})")
@@ -221,20 +231,27 @@ def unsupported_layout(x: torch.Tensor, w: torch.Tensor, bias) -> str:
 
 
 def logits_with_stats(x_c: torch.Tensor, w: torch.Tensor, bias, out: torch.Tensor,
-                      stat_m: torch.Tensor, stat_s: torch.Tensor, softcap, interpret: bool,
-                      num_sms: int) -> None:
+                      stat_m, stat_s, softcap, interpret: bool, num_sms: int,
+                      live=None) -> None:
     """``out = x_c·wᵀ`` and per (row, column tile) max / Σexp of the capped logits
-    ``out + bias`` into ``stat_m`` / ``stat_s`` (``[rows, n_tiles]``, row-major, fp32)."""
+    ``out + bias`` into ``stat_m`` / ``stat_s`` (``[rows, n_tiles]``, row-major, fp32); with
+    ``stat_m`` None the product alone (bias and softcap unused). ``live``: an int32 device
+    tensor (1,): only rows below it are computed (see :func:`logits_stats_kernel`)."""
     m, k = x_c.shape
     n = w.shape[0]
+    if m == 0:
+        return
     t, programs, descriptors = _persistent_launch(x_c, w, out, interpret, num_sms)
+    stats = stat_m is not None
+    dummy = stat_m if stats else out
     logits_stats_kernel[(programs,)](
-        *descriptors, stat_m if bias is None else bias,
-        stat_m, stat_s, m, n, k, 1.0 if softcap is None else softcap,
-        HAS_BIAS=bias is not None, HAS_SOFTCAP=softcap is not None, BM=t["bm"], BN=t["bn"],
-        BK=t["bk"], GROUP_M=t["group_m"], num_programs=programs, INTERPRET=interpret,
-        WS=t.get("ws", False), EXP_FORM=form_for(False), num_stages=t["stages"],
-        num_warps=t["warps"])
+        *descriptors, bias if (stats and bias is not None) else dummy, dummy,
+        stat_s if stats else dummy, dummy if live is None else live, m, n, k,
+        1.0 if softcap is None else softcap,
+        HAS_BIAS=stats and bias is not None, HAS_SOFTCAP=stats and softcap is not None,
+        BM=t["bm"], BN=t["bn"], BK=t["bk"], GROUP_M=t["group_m"], num_programs=programs,
+        INTERPRET=interpret, WS=t.get("ws", False), EXP_FORM=form_for(False), STATS=stats,
+        HAS_LIVE=live is not None, num_stages=t["stages"], num_warps=t["warps"])
 
 
 def stat_tiles(v: int, interpret: bool) -> int:
