@@ -139,7 +139,10 @@ def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weig
       where that GEMM can run, else ``"cublas"``; or either explicitly);
       ``segment_size`` (None: 8192 on a GPU), columns of a row per row-kernel program (longer
       rows are split over programs where lse is computed from cuBLAS's logits);
-      ``row_sync`` (True: a row's segments meet in one launch).
+      ``row_sync`` (True: a row's segments meet in one launch); ``skip_ignored`` ("auto":
+      on a Hopper GPU the fast forward leaves ignored tokens out of the logits GEMM and the
+      row kernel, where lse is not returned and mean/sum is taken; True raises where it
+      cannot run; False computes every token).
     * ``backend="pallas"``: the keywords of :func:`logitless.jax.linear_cross_entropy`'s
       ``"pallas"`` backend (``logitless.pallas_kernels.linear_cross_entropy.TUNING``).
     * with ``process_group``: ``chunk_size``, ``memory_budget`` (as ``"torch"``).

@@ -55,10 +55,13 @@ def torch_backend_runner(backend, **fixed_tuning):
         tuning = dict(fixed_tuning)
         if case.chunk_size:
             tuning["chunk_size"] = case.chunk_size
-        loss, lse = lt.linear_cross_entropy(
+        # lse only where the case checks it: the call users make otherwise (on a Hopper GPU
+        # the fast mode then skips ignored tokens by default, skip_ignored="auto")
+        out = lt.linear_cross_entropy(
             x, w, y, linear_bias=b, weight=cw, reduction=case.reduction,
             label_smoothing=case.label_smoothing, z_loss=case.z_loss, softcap=case.softcap,
-            return_lse=True, backend=backend, ignore_index=case.ignore_index, **tuning)
+            return_lse=case.lse_grad, backend=backend, ignore_index=case.ignore_index, **tuning)
+        loss, lse = out if case.lse_grad else (out, None)
         return _torch_collect(case, loss, lse, x, w, b, g, gl)
     return run
 

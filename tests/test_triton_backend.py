@@ -675,7 +675,7 @@ def test_split_rows_launch_plan_on_a_faked_gpu(monkeypatch):
     class Kernel:
         def __getitem__(self, grid):
             def run(*args, STAGES, **meta):
-                part, sync, seg_cols = args[-3:]
+                part, sync, seg_cols = args[-4:-1]  # (then live_ptr)
                 launches.append(((meta["PHASE"], meta["WRITE_GRAD"], meta["SEGS"],
                                   meta["SEGS_P2"], seg_cols), tuple(part.shape), sync.tolist()))
             return run
