@@ -207,16 +207,26 @@ register(Backend("triton-low-memory-auto", low_memory_runner(),
                  naive="naive-torch", requires=("torch", "triton"), takes=low_memory_auto_takes))
 
 
-def skip_ignored_takes(case):
-    """The cases ``skip_ignored=True`` can take: half precision, H a multiple of 8 (the tensor
+def skip_ignored_fits(case):
+    """The cases ``skip_ignored=True`` can run: half precision, H a multiple of 8 (the tensor
     descriptors), no lse returned, mean/sum (per-token upstream gradients recompute from every
-    token's lse). Interpreted, the many-chunk ones (ignored rows in every chunk, dW over
-    several) and the 45 x 32 fp16 sum with bias and z-loss. On a Hopper GPU ``"auto"`` takes it
-    for backend ``triton`` too."""
-    fits = (case.dtype != "float32" and case.h % 8 == 0 and not case.lse_grad
+    token's lse)."""
+    return (case.dtype != "float32" and case.h % 8 == 0 and not case.lse_grad
             and case.reduction != "none")
-    return fits and (not interpreted() or case.n in (130, 45))
 
 
-register(Backend("triton-skip-ignored", torch_backend_runner("triton", skip_ignored=True),
-                 naive="naive-torch", requires=("torch", "triton"), takes=skip_ignored_takes))
+def skip_ignored_takes(case):
+    """Where it fits; interpreted, the many-chunk cases (ignored rows in every chunk, dW over
+    several) and the 45 x 32 fp16 sum with bias and z-loss. On a Hopper GPU ``"auto"`` takes
+    it for backend ``triton`` too."""
+    return skip_ignored_fits(case) and (not interpreted() or case.n in (130, 45))
+
+
+def skip_ignored_runner(case, inp):
+    """skip_ignored=True where it fits, the default elsewhere (as triton-own-gemm's runner)."""
+    tuning = dict(skip_ignored=True) if skip_ignored_fits(case) else {}
+    return torch_backend_runner("triton", **tuning)(case, inp)
+
+
+register(Backend("triton-skip-ignored", skip_ignored_runner, naive="naive-torch",
+                 requires=("torch", "triton"), takes=skip_ignored_takes))
