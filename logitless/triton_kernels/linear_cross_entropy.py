@@ -297,10 +297,12 @@ def _forward(x, w, bias, y, cw, opts_t, cfg, grad_mode, needs, accum_dtype, scal
     sms = (torch.cuda.get_device_properties(dev).multi_processor_count if x.is_cuda else 3)
     if skip:
         # each chunk's live tokens first (perm), their count per chunk on device (live): our
-        # GEMM and the row kernel leave the ignored rows out, without a host sync; the chunk's
-        # rows of x are gathered into xbuf, which after dW takes the chunk's dX for scattering
+        # GEMM and the row kernel leave the ignored rows out, without a host sync. The chunk's
+        # rows of x are gathered into dX's own rows of the chunk (perm keeps each chunk's
+        # tokens inside it), which after dW take the chunk's dX in that order, put back in the
+        # tokens' order at the end; with no dX, into a buffer of one chunk
         perm, live = live_rows.live_first(y, opts_t[0], cfg.chunk)
-        xbuf = torch.empty(rows, hdim, dtype=x.dtype, device=dev)
+        xbuf = dx if need_dx else torch.empty(rows, hdim, dtype=x.dtype, device=dev)
         y_run = y.index_select(0, perm)
         lse_run, loss_run = torch.empty_like(lse), torch.empty_like(token_loss)
     else:
@@ -311,7 +313,8 @@ def _forward(x, w, bias, y, cw, opts_t, cfg, grad_mode, needs, accum_dtype, scal
         stats = (stat_pair[0][: e - s], stat_pair[1][: e - s]) if stats_on else None
         x_c, lv = x[s:e], None
         if skip:
-            x_c = torch.index_select(x, 0, perm[s:e], out=xbuf[: e - s])
+            x_c = torch.index_select(x, 0, perm[s:e], out=xbuf[s:e] if need_dx else
+                                     xbuf[: e - s])
             lv = live[i:i + 1]
         if stats_on or skip:
             stats_gemm.logits_with_stats(x_c, w, bias, blk, *(stats or (None, None)),
@@ -326,14 +329,16 @@ def _forward(x, w, bias, y, cw, opts_t, cfg, grad_mode, needs, accum_dtype, scal
         if need_dx and not skip:
             common.mm_over_vocab(blk, w, dx[s:e])
         _accumulate(dw, db, blk, x_c, first=s == 0)
-        if need_dx and skip:  # x_c's buffer is free now: the chunk's dX, scattered
+        if need_dx and skip:  # x_c (dx[s:e]) is free now: the chunk's dX in perm's order
             common.mm_over_vocab(blk, w, x_c)
-            dx.index_copy_(0, perm[s:e], x_c)
     if n == 0:
         scalars()
-    if skip:  # back to the tokens' order
+    if skip:  # back to the tokens' order (dX once the logits block is released: peak memory)
         token_loss.index_copy_(0, perm, loss_run)
         lse.index_copy_(0, perm, lse_run)
+        if need_dx:
+            buf = blk = x_c = xbuf = None
+            dx = torch.empty_like(dx).index_copy_(0, perm, dx)
     return token_loss, lse, dx, dw, db
 
 
