@@ -1,7 +1,8 @@
 """GPU probe: per-chunk stage times of the fast linear-CE forward with the logits from cuBLAS
 plus the two-pass row kernel, against the statistics-epilogue Triton GEMM (several tile
 settings) plus the one-pass row kernel (``logits_gemm``); ``--grad-shapes``: the dz-epilogue
-GEMM; ``--plain-shapes``: the plain GEMM of ``skip_ignored`` with a live count. JSON lines to --out; not a user
+GEMM; ``--plain-shapes``: the plain GEMM of ``skip_ignored`` with a live count;
+``--dx-shapes``: the dX GEMM of the live rows (``dx_gemm``) against cuBLAS. JSON lines to --out; not a user
 benchmark (DESIGN.md records what it found)."""
 import argparse
 import json
@@ -159,6 +160,49 @@ def probe_plain(c_tok, h, v, reps, out):
     each_tiling(PLAIN_TILES, dict(mode="plain", shape=rec["shape"]), measure, out)
 
 
+DX_TILES = [
+    dict(bm=128, bn=256, bk=64, group_m=8, stages=3, warps=8),
+    dict(bm=128, bn=256, bk=64, group_m=16, stages=3, warps=8),
+    dict(bm=128, bn=128, bk=64, group_m=8, stages=4, warps=4),
+    dict(bm=256, bn=128, bk=64, group_m=8, stages=3, warps=8),
+    dict(bm=128, bn=256, bk=64, group_m=8, stages=3, warps=8, ws=True),
+]
+
+
+def probe_dx(c_tok, h, v, reps, out):
+    """``dx_gemm.dx_live`` (dX of the live rows, zeros past them) against cuBLAS's full
+    ``dz @ W``, with 100 / 90 / 50% of the rows live."""
+    from logitless.triton_kernels import dx_gemm
+    dev = "cuda"
+    dz = rows_buffer(c_tok, v, torch.bfloat16, dev)
+    dz.copy_(torch.randn(c_tok, v, device=dev, dtype=torch.bfloat16) * 1e-3)
+    w = torch.randn(v, h, device=dev, dtype=torch.bfloat16) * h ** -0.5
+    dx = torch.empty(c_tok, h, device=dev, dtype=torch.bfloat16)
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    rec = dict(mode="dx", shape=f"{c_tok}x{h}x{v}")
+    rec["cublas_dx"] = ms(lambda: torch.mm(dz, w, out=dx), reps)
+    emit(rec, out)
+    want = torch.mm(dz, w)
+
+    def measure(r):
+        saved = dict(dx_gemm.GPU_TILES)
+        dx_gemm.GPU_TILES.clear()
+        dx_gemm.GPU_TILES.update(sg.GPU_TILES)  # each_tiling set logits_gemm's
+        try:
+            for frac in (1.0, 0.9, 0.5):
+                live = torch.tensor([int(c_tok * frac)], dtype=torch.int32, device=dev)
+                t = ms(lambda: dx_gemm.dx_live(dz, w, dx, live, False, sms), reps)
+                r[f"own_dx_live{frac}"] = t
+                r[f"ratio_live{frac}"] = t / rec["cublas_dx"]
+            dx_gemm.dx_live(dz, w, dx, None, False, sms)
+            r["max_rel_diff_vs_cublas"] = ((dx.float() - want.float()).abs().max()
+                                           / want.float().abs().max()).item()
+        finally:
+            dx_gemm.GPU_TILES.clear()
+            dx_gemm.GPU_TILES.update(saved)
+    each_tiling(DX_TILES, dict(mode="dx", shape=rec["shape"]), measure, out)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="/tmp/logits_gemm_probe.jsonl")
@@ -169,6 +213,8 @@ def main():
     ap.add_argument("--plain-shapes", default="",
                     help="tokens,H,V;... chunks for the plain GEMM of skip_ignored (e.g. "
                          "3277,4096,128256;4096,2304,256000)")
+    ap.add_argument("--dx-shapes", default="",
+                    help="tokens,H,V;... chunks for dx_gemm (e.g. 3277,4096,128256)")
     ap.add_argument("--reps", type=int, default=20)
     a = ap.parse_args()
     with open(a.out, "a") as out:
@@ -178,6 +224,8 @@ def main():
             probe_grad(*map(int, s.split(",")), a.reps, out)
         for s in filter(None, a.plain_shapes.split(";")):
             probe_plain(*map(int, s.split(",")), a.reps, out)
+        for s in filter(None, a.dx_shapes.split(";")):
+            probe_dx(*map(int, s.split(",")), a.reps, out)
 
 
 if __name__ == "__main__":
