@@ -1007,14 +1007,19 @@ def _spy_live(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("dtype,ignored", [(torch.bfloat16, "some"), (torch.float16, "chunk"),
-                                           (torch.bfloat16, "all"), (torch.float16, "none")])
-def test_skip_ignored_equals_every_row_computed(monkeypatch, dtype, ignored):
+@pytest.mark.parametrize("dtype,ignored,dx_gemm", [
+    (torch.bfloat16, "some", False), (torch.float16, "chunk", False),
+    (torch.bfloat16, "all", False), (torch.float16, "none", False),
+    (torch.bfloat16, "some", True), (torch.float16, "chunk", True)])
+def test_skip_ignored_equals_every_row_computed(monkeypatch, dtype, ignored, dx_gemm):
     """skip_ignored=True (each chunk's live tokens first, our GEMM and the row kernel leave
     the rest out) gives the loss and gradients of skip_ignored=False: some tokens ignored, a
     whole chunk of them, all, none; every option; a non-contiguous x (a transposed view) and a
     ragged last chunk. The GEMM is launched with each chunk's live count; the loss-only
-    forward ("none", no grad) takes it too, in the tokens' order."""
+    forward ("none", no grad) takes it too, in the tokens' order. ``dx_gemm``: dX of the live
+    rows by our GEMM (``DX_GEMM``), zeros past them."""
+    import logitless.triton_kernels.linear_cross_entropy as lce
+    monkeypatch.setattr(lce, "DX_GEMM", dx_gemm)
     n, h, v, chunk = 70, 32, 301, 32
     g = torch.Generator().manual_seed(SEED + 41)
     x = torch.randn(h, n, generator=g).to(DEV, dtype).t()  # non-contiguous

@@ -40,7 +40,7 @@ from ..specs import linear_cross_entropy as spec
 from ..specs.tiling import next_power_of_2, plan_token_chunks
 from . import INTERPRETED
 from . import fast_math
-from . import live_rows
+from . import dx_gemm, live_rows
 from . import logits_gemm as stats_gemm
 from .cross_entropy_rows import FUSED, GRAD, NUM_PARTS, STATS, cross_entropy_rows_kernel
 from .narrow_cast import (accumulate_split_, accumulator_pair, finish_, hand_over_once,
@@ -121,6 +121,9 @@ LOGITS_GEMM = {"auto": 0, "cublas": 1, "triton": 2}
 # skip_ignored of the ops: ignored tokens' rows left out of the logits GEMM and the row
 # kernel (live_rows.py); "auto" is resolved inside the ops (_resolve_skip), as LOGITS_GEMM's
 SKIP_IGNORED = {"auto": 0, False: 1, True: 2}
+# With skip_ignored, dX of a chunk's live rows only by our GEMM (dx_gemm.py) instead of
+# cuBLAS over every row (a switch for A/Bs: benchmarks/row_stages_ab.py)
+DX_GEMM = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -330,7 +333,10 @@ def _forward(x, w, bias, y, cw, opts_t, cfg, grad_mode, needs, accum_dtype, scal
             common.mm_over_vocab(blk, w, dx[s:e])
         _accumulate(dw, db, blk, x_c, first=s == 0)
         if need_dx and skip:  # x_c (dx[s:e]) is free now: the chunk's dX in perm's order
-            common.mm_over_vocab(blk, w, x_c)
+            if DX_GEMM:
+                dx_gemm.dx_live(blk, w, x_c, lv, _interpret(), sms)
+            else:
+                common.mm_over_vocab(blk, w, x_c)
     if n == 0:
         scalars()
     if skip:  # back to the tokens' order (dX once the logits block is released: peak memory)
