@@ -59,7 +59,7 @@ def _check_backend(backend):
 # dropped on CPU. tests/test_torch_errors.py checks it against the module's TUNING.
 _TRITON_TUNING = ("low_memory", "chunk_size", "vocab_chunk_size", "memory_budget",
                   "grad_accum_dtype", "block_v", "num_warps", "logits_gemm", "segment_size",
-                  "row_sync", "skip_ignored")
+                  "row_sync", "skip_ignored", "dx_gemm")
 
 
 def _tuning_names(backend: Optional[str]):
@@ -142,7 +142,9 @@ def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weig
       ``row_sync`` (True: a row's segments meet in one launch); ``skip_ignored`` ("auto":
       on a Hopper GPU the fast forward leaves ignored tokens out of the logits GEMM and the
       row kernel, where lse is not returned and mean/sum is taken; True raises where it
-      cannot run; False computes every token).
+      cannot run; False computes every token); ``dx_gemm`` ("cublas"; "triton": with
+      skip_ignored, dX of the live rows only, by a GEMM of ours: pays where many tokens are
+      ignored).
     * ``backend="pallas"``: the keywords of :func:`logitless.jax.linear_cross_entropy`'s
       ``"pallas"`` backend (``logitless.pallas_kernels.linear_cross_entropy.TUNING``).
     * with ``process_group``: ``chunk_size``, ``memory_budget`` (as ``"torch"``).

@@ -1017,9 +1017,7 @@ def test_skip_ignored_equals_every_row_computed(monkeypatch, dtype, ignored, dx_
     whole chunk of them, all, none; every option; a non-contiguous x (a transposed view) and a
     ragged last chunk. The GEMM is launched with each chunk's live count; the loss-only
     forward ("none", no grad) takes it too, in the tokens' order. ``dx_gemm``: dX of the live
-    rows by our GEMM (``DX_GEMM``), zeros past them."""
-    import logitless.triton_kernels.linear_cross_entropy as lce
-    monkeypatch.setattr(lce, "DX_GEMM", dx_gemm)
+    rows by our GEMM (``dx_gemm="triton"``), zeros past them."""
     n, h, v, chunk = 70, 32, 301, 32
     g = torch.Generator().manual_seed(SEED + 41)
     x = torch.randn(h, n, generator=g).to(DEV, dtype).t()  # non-contiguous
@@ -1036,17 +1034,23 @@ def test_skip_ignored_equals_every_row_computed(monkeypatch, dtype, ignored, dx_
               label_smoothing=0.1, chunk_size=chunk)
 
     def run(skip, reduction="mean"):
+        own_dx = dict(dx_gemm="triton") if (skip and dx_gemm) else {}
         xx, ww, bb = (t.detach().requires_grad_() for t in (x, w, b))
-        loss = lt.linear_cross_entropy(xx, ww, y, **{**kw, "linear_bias": bb},
+        loss = lt.linear_cross_entropy(xx, ww, y, **{**kw, "linear_bias": bb, **own_dx},
                                        reduction=reduction, skip_ignored=skip)
         loss.backward()
         return loss.detach(), xx.grad, ww.grad, bb.grad
 
     ref = run(False)
     calls = _spy_live(monkeypatch)
+    import logitless.triton_kernels.dx_gemm as dx_mod
+    dx_calls = []
+    real_dx = dx_mod.dx_live
+    monkeypatch.setattr(dx_mod, "dx_live", lambda *a: dx_calls.append(a[3]) or real_dx(*a))
     got = run(True)
     live = [int((~mask[s:s + chunk]).sum()) for s in range(0, n, chunk)]
     assert calls == live, (calls, live)
+    assert len(dx_calls) == (len(live) if dx_gemm else 0)
     assert torch.isfinite(got[0]) and all(torch.isfinite(t).all() for t in got[1:])
     torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=1e-6)
     for a, r in zip(got[1:], ref[1:]):
@@ -1088,6 +1092,9 @@ def test_skip_ignored_errors():
         (dict(skip_ignored=True, low_memory=True), "low-memory"),
         (dict(skip_ignored=True, logits_gemm="cublas"), "cuBLAS"),
         (dict(skip_ignored=True, reduction="none"), "per-token"),
+        (dict(dx_gemm="ours"), "dx_gemm must be"),
+        (dict(dx_gemm="triton", skip_ignored=False), "needs skip_ignored"),
+        (dict(dx_gemm="triton", return_lse=True), "skip_ignored=True cannot run"),
     ]
     for kw, msg in cases:
         with pytest.raises(ValueError, match=msg):

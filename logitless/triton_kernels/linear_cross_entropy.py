@@ -47,7 +47,8 @@ from .narrow_cast import (accumulate_split_, accumulator_pair, finish_, hand_ove
                           scale_cast, scale_cast_op, scale_op)
 
 TUNING = ("low_memory", "chunk_size", "vocab_chunk_size", "memory_budget", "grad_accum_dtype",
-          "block_v", "num_warps", "logits_gemm", "segment_size", "row_sync", "skip_ignored")
+          "block_v", "num_warps", "logits_gemm", "segment_size", "row_sync", "skip_ignored",
+          "dx_gemm")
 # the target range check runs in the forward op (_fwd_op), as in torch_chunked (see there)
 CHECKS_TARGETS = True
 # backward finishes the forward's saved gradients in place (narrow_cast.hand_over_once): one
@@ -121,9 +122,12 @@ LOGITS_GEMM = {"auto": 0, "cublas": 1, "triton": 2}
 # skip_ignored of the ops: ignored tokens' rows left out of the logits GEMM and the row
 # kernel (live_rows.py); "auto" is resolved inside the ops (_resolve_skip), as LOGITS_GEMM's
 SKIP_IGNORED = {"auto": 0, False: 1, True: 2}
-# With skip_ignored, dX of a chunk's live rows only by our GEMM (dx_gemm.py) instead of
-# cuBLAS over every row (a switch for A/Bs: benchmarks/row_stages_ab.py)
-DX_GEMM = False
+# dx_gemm of the front door: with skip_ignored, dX of a chunk's live rows only by our GEMM
+# (dx_gemm.py) instead of cuBLAS over every row. H200 (results/…-s31-dx-gemm-*): ours is
+# 1.13-1.19x cuBLAS on a whole chunk (no split-K), so it wins only where many tokens are
+# ignored: whole fwd+bwd 0.862x with half of them ignored at Llama, 0.979x / 1.026x with 10%
+# at Gemma / Llama; opt-in
+DX_GEMMS = ("cublas", "triton")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,6 +140,7 @@ class Config:
     segment: int = 0    # row-kernel columns per program (0: ROW_SEGMENT on a GPU)
     row_sync: bool = True  # split rows: one launch whose segments wait for each other
     skip_ignored: bool = False  # ignored tokens' rows skipped (resolved: see _resolve_skip)
+    dx_gemm: bool = False  # with skip_ignored, dX of the live rows by dx_gemm.py
 
 
 _INTERPRET = INTERPRETED
@@ -333,7 +338,7 @@ def _forward(x, w, bias, y, cw, opts_t, cfg, grad_mode, needs, accum_dtype, scal
             common.mm_over_vocab(blk, w, dx[s:e])
         _accumulate(dw, db, blk, x_c, first=s == 0)
         if need_dx and skip:  # x_c (dx[s:e]) is free now: the chunk's dX in perm's order
-            if DX_GEMM:
+            if cfg.dx_gemm:
                 dx_gemm.dx_live(blk, w, x_c, lv, _interpret(), sms)
             else:
                 common.mm_over_vocab(blk, w, x_c)
@@ -419,7 +424,7 @@ def _fwd_op(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], y: t
             z_loss: float, softcap: float, grad_mode: int, need_dx: bool, need_dw: bool,
             need_db: bool, low_memory: bool, chunk: int, vocab_chunk: int, block_v: int,
             num_warps: int, accum_fp32: bool, gemm: int, segment: int,
-            row_sync: bool, skip: int
+            row_sync: bool, skip: int, own_dx: bool
             ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                        torch.Tensor, torch.Tensor]:
     """-> (loss, lse, Σω or 1, dX, dW part a, dW part b, db): the gradients (for an upstream
@@ -427,11 +432,12 @@ def _fwd_op(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], y: t
     the accumulator pair of :func:`.narrow_cast.accumulator_pair` (part b empty unless split).
     ``low_memory`` is for backward (the fast forward never sees it); ``gemm``: a
     ``LOGITS_GEMM`` code; ``skip``: a ``SKIP_IGNORED`` code (the front door passes "auto" or
-    True only where the lse of ignored tokens is never used: see ``_skip_conflict``)."""
+    True only where the lse of ignored tokens is never used: see ``_skip_conflict``);
+    ``own_dx``: dX by ``dx_gemm`` (the front door passes it with ``skip`` True only)."""
     with common.on_device(x):
         cfg = Config(chunk, vocab_chunk, block_v, num_warps,
                      _resolve_gemm(gemm, x, w, bias, low_memory), segment, row_sync,
-                     _resolve_skip(skip, x, w))
+                     _resolve_skip(skip, x, w), own_dx)
         opts_t = _opts_tuple(ignore_index, label_smoothing, z_loss, softcap)
         found = {}
 
@@ -530,7 +536,7 @@ def _accum_dtype(dtype, n, chunk, accum_fp32):
 @_fwd_op.register_fake
 def _(x, w, bias, y, cw, reduction, ignore_index, label_smoothing, z_loss, softcap, grad_mode,
       need_dx, need_dw, need_db, low_memory, chunk, vocab_chunk, block_v, num_warps, accum_fp32,
-      gemm, segment, row_sync, skip):
+      gemm, segment, row_sync, skip, own_dx):
     n, hdim = x.shape
     v = w.shape[0]
     f32 = dict(dtype=torch.float32, device=x.device)
@@ -607,7 +613,7 @@ def _cast(acc, scale, dtype, out=None):
 def _setup_context(ctx, inputs, output):
     (x, w, bias, y, cw, reduction, ignore_index, label_smoothing, z_loss, softcap, grad_mode,
      _need_dx, _need_dw, _need_db, low_memory, chunk, vocab_chunk, block_v, num_warps,
-     accum_fp32, gemm, segment, row_sync, _skip) = inputs
+     accum_fp32, gemm, segment, row_sync, _skip, _own_dx) = inputs
     loss, lse, denom, dx, dw_a, dw_b, db = output
     ctx.save_for_backward(x, w, bias, y, cw, lse, denom, dx, dw_a, dw_b, db)
     ctx.args = dict(reduction=reduction, ignore_index=ignore_index,
@@ -624,7 +630,7 @@ def _backward(ctx, g_loss, g_lse, _g_denom, _g_dx, _g_dwa, _g_dwb, _g_db):
     if torch.is_grad_enabled():
         raise RuntimeError(common.NO_DOUBLE_BACKWARD.format(op="linear_cross_entropy"))
     grads = _gradients(ctx, g_loss, g_lse)
-    return tuple(None if t is None else t.detach() for t in grads) + (None,) * 21
+    return tuple(None if t is None else t.detach() for t in grads) + (None,) * 22
 
 
 def _gradients(ctx, g_loss, g_lse):
@@ -692,7 +698,7 @@ def linear_cross_entropy(p: common.Prepared, opts: spec.LinearCrossEntropyOption
                          low_memory=False, chunk_size=None, vocab_chunk_size=None,
                          memory_budget=None, grad_accum_dtype=torch.float32, block_v=None,
                          num_warps=None, logits_gemm="auto", segment_size=None,
-                         row_sync=True, skip_ignored="auto"):
+                         row_sync=True, skip_ignored="auto", dx_gemm="cublas"):
     """Returns ``(loss, lse)``; see the module docstring for the two operating points.
 
     Tuning (defaults in parentheses): ``low_memory`` (False), ``chunk_size`` (None: from
@@ -736,7 +742,12 @@ def linear_cross_entropy(p: common.Prepared, opts: spec.LinearCrossEntropyOption
     capability 9.x/10.x GPU (or the interpreter); not with ``low_memory``,
     ``return_lse`` (ignored tokens' lse would be needed), ``logits_gemm="cublas"`` or
     per-token upstream gradients (``reduction="none"`` with gradients). ``"auto"`` takes it
-    on a Hopper GPU where all of that holds. False: every token's logits computed).
+    on a Hopper GPU where all of that holds. False: every token's logits computed),
+    ``dx_gemm`` (``"cublas"``; ``"triton"``: with ``skip_ignored`` (which it then requires:
+    True unless given False, which is an error) dX of each chunk's live rows only, by our
+    GEMM (:mod:`.dx_gemm`), instead of cuBLAS over every row: ours is slower on a whole chunk,
+    so it pays where many tokens are ignored (H200, Llama shape: 0.86x the whole call with
+    half of them ignored, about even with 10%)).
 
     One backward per forward: the fast path hands its saved gradients over in place, so a
     second backward through the same graph (``retain_graph=True``) raises (backend="torch"
@@ -767,6 +778,12 @@ def linear_cross_entropy(p: common.Prepared, opts: spec.LinearCrossEntropyOption
         raise ValueError(f"logits_gemm must be one of {list(LOGITS_GEMM)}, got {logits_gemm!r}")
     if not (skip_ignored == "auto" or isinstance(skip_ignored, bool)):
         raise ValueError(f"skip_ignored must be 'auto', True or False, got {skip_ignored!r}")
+    if not isinstance(dx_gemm, str) or dx_gemm not in DX_GEMMS:
+        raise ValueError(f"dx_gemm must be one of {list(DX_GEMMS)}, got {dx_gemm!r}")
+    own_dx = dx_gemm == "triton"
+    if own_dx and skip_ignored is False:
+        raise ValueError("dx_gemm='triton' computes the live rows of dX only: it needs "
+                         "skip_ignored (True or 'auto'), not False")
     why = logits_gemm != "cublas" and stats_gemm.unsupported_options(x.dtype,
                                                                      opts.label_smoothing)
     if why and logits_gemm == "triton":  # layouts are checked in the op (real data pointers)
@@ -799,7 +816,7 @@ def linear_cross_entropy(p: common.Prepared, opts: spec.LinearCrossEntropyOption
     grad_mode = NO_GRAD
     if (need_dx or need_dw or need_db) and opts.reduction != "none":
         grad_mode = DX_ONLY if low_memory else FULL_GRAD
-    skip = skip_ignored
+    skip = True if own_dx else skip_ignored
     if skip is not False:
         why = _skip_conflict(x.dtype, opts, low_memory, gemm_given, grad_mode,
                              need_dx or need_dw or need_db)
@@ -812,7 +829,7 @@ def linear_cross_entropy(p: common.Prepared, opts: spec.LinearCrossEntropyOption
         float(opts.label_smoothing), float(opts.z_loss), float(opts.softcap or 0.0), grad_mode,
         need_dx, need_dw, need_db, low_memory, chunk, vocab_chunk, block_v or 0, num_warps or 0,
         grad_accum_dtype == torch.float32, LOGITS_GEMM[logits_gemm], segment_size or 0,
-        row_sync, SKIP_IGNORED[skip])
+        row_sync, SKIP_IGNORED[skip], own_dx and skip is True)
     return loss, lse
 
 
