@@ -6,7 +6,9 @@ between — log-sum-exp, the loss, the logit gradient — is one Triton kernel
 ``logits_gemm="triton"`` (opt-in) computes the forward's logits with a Triton GEMM instead,
 whose epilogue leaves the softmax statistics (:mod:`.logits_gemm`): the row kernel then
 reads each chunk once instead of twice; and recomputing sweeps write dz from such a GEMM's
-epilogue, with no logits block and no row pass.
+epilogue, with no logits block and no row pass. ``skip_ignored`` (the default on Hopper)
+leaves ignored tokens out of the fast forward's logits GEMM (ours) and row kernel
+(:mod:`.live_rows`), and ``dx_gemm="triton"`` out of its dX GEMM (:mod:`.dx_gemm`).
 Two operating points, one keyword:
 
 * ``low_memory=False`` (default, *fast*): for ``mean``/``sum`` the forward also produces the
