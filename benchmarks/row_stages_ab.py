@@ -9,8 +9,9 @@ modules' values are restored at the end. A variant's ``"kwargs"`` entry adds key
 to the call (e.g. ``{"kwargs": {"logits_gemm": "triton"}}``); ``"jsd_rows_file"`` runs the JSD
 with the row kernel of another file (e.g. the previous version of jsd_rows.py, saved with
 ``git show <commit>:logitless/triton_kernels/jsd_rows.py``), a code A/B; ``"ce_rows_file"``
-does the same for the CE row kernel (cross_entropy_rows.py; a version from 0cd35c4 on: the
-launcher passes ``EXP_FORM``, which older kernels do not take).
+does the same for the CE row kernel (cross_entropy_rows.py; a version from becade6 on: the
+launcher passes ``live_ptr`` and ``HAS_LIVE`` (and ``EXP_FORM``, from 0cd35c4), which older
+kernels do not take).
 
 Whole fwd+bwd calls (``backend="triton"``, bf16, default settings) at the TARGETS shapes:
 Llama CE (16384, 4096, 128256), Gemma CE (8192, 2304, 256000), low-memory CE at Llama and the

@@ -140,11 +140,11 @@ def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weig
       ``segment_size`` (None: 8192 on a GPU), columns of a row per row-kernel program (longer
       rows are split over programs where lse is computed from cuBLAS's logits);
       ``row_sync`` (True: a row's segments meet in one launch); ``skip_ignored`` ("auto":
-      on a Hopper GPU the fast forward leaves ignored tokens out of the logits GEMM and the
-      row kernel, where lse is not returned and mean/sum is taken; True raises where it
-      cannot run; False computes every token); ``dx_gemm`` ("cublas"; "triton": with
-      skip_ignored, dX of the live rows only, by a GEMM of ours: pays where many tokens are
-      ignored).
+      on a Hopper GPU the fast forward leaves ignored tokens out of the logits GEMM, ours
+      then, and the row kernel: bf16/fp16, lse not returned, mean/sum or no gradient, not
+      with ``low_memory`` or ``logits_gemm="cublas"``; True raises where it cannot run;
+      False computes every token); ``dx_gemm`` ("cublas"; "triton": with skip_ignored, dX
+      of the live rows only, by a GEMM of ours: pays where many tokens are ignored).
     * ``backend="pallas"``: the keywords of :func:`logitless.jax.linear_cross_entropy`'s
       ``"pallas"`` backend (``logitless.pallas_kernels.linear_cross_entropy.TUNING``).
     * with ``process_group``: ``chunk_size``, ``memory_budget`` (as ``"torch"``).

@@ -310,9 +310,16 @@ def _forward(x, w, bias, y, cw, opts_t, cfg, grad_mode, needs, accum_dtype, scal
         # GEMM and the row kernel leave the ignored rows out, without a host sync. The chunk's
         # rows of x are gathered into dX's own rows of the chunk (perm keeps each chunk's
         # tokens inside it), which after dW take the chunk's dX in that order, put back in the
-        # tokens' order at the end; with no dX, into a buffer of one chunk
+        # tokens' order through the logits block (free by then) as scratch; with no dX, x is
+        # gathered into a buffer of one chunk. No [N, H] temporary: peak memory as without
         perm, live = live_rows.live_first(y, opts_t[0], cfg.chunk)
         xbuf = dx if need_dx else torch.empty(rows, hdim, dtype=x.dtype, device=dev)
+        if need_dx:
+            in_chunk = perm - torch.arange(n, device=dev) // cfg.chunk * cfg.chunk
+            # [rows, H] over the block's storage where it is large enough (V padded >= H)
+            scratch = (torch.as_strided(buf, (rows, hdim), (hdim, 1))
+                       if buf.untyped_storage().nbytes() >= rows * hdim * buf.element_size()
+                       else torch.empty(rows, hdim, dtype=x.dtype, device=dev))
         y_run = y.index_select(0, perm)
         lse_run, loss_run = torch.empty_like(lse), torch.empty_like(token_loss)
     else:
@@ -344,14 +351,13 @@ def _forward(x, w, bias, y, cw, opts_t, cfg, grad_mode, needs, accum_dtype, scal
                 dx_gemm.dx_live(blk, w, x_c, lv, _interpret(), sms)
             else:
                 common.mm_over_vocab(blk, w, x_c)
+            sc = scratch[: e - s].copy_(x_c)  # the block is not read again before the next
+            x_c.index_copy_(0, in_chunk[s:e], sc)  # chunk's logits GEMM overwrites it
     if n == 0:
         scalars()
-    if skip:  # back to the tokens' order (dX once the logits block is released: peak memory)
+    if skip:  # back to the tokens' order
         token_loss.index_copy_(0, perm, loss_run)
         lse.index_copy_(0, perm, lse_run)
-        if need_dx:
-            buf = blk = x_c = xbuf = None
-            dx = torch.empty_like(dx).index_copy_(0, perm, dx)
     return token_loss, lse, dx, dw, db
 
 
@@ -439,7 +445,7 @@ def _fwd_op(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], y: t
     with common.on_device(x):
         cfg = Config(chunk, vocab_chunk, block_v, num_warps,
                      _resolve_gemm(gemm, x, w, bias, low_memory), segment, row_sync,
-                     _resolve_skip(skip, x, w), own_dx)
+                     _resolve_skip(skip, x, w, own_dx), own_dx)
         opts_t = _opts_tuple(ignore_index, label_smoothing, z_loss, softcap)
         found = {}
 
@@ -489,7 +495,7 @@ def _resolve_gemm(code, x, w, bias, low_memory):
     return code
 
 
-def _resolve_skip(code, x, w):
+def _resolve_skip(code, x, w, own_dx=False):
     """Whether the forward skips ignored tokens (``SKIP_IGNORED`` code): True once ``w``'s
     layout suits our GEMM's tensor descriptors (checked inside the op, where data pointers are
     real; the tokens' rows are gathered into a buffer of ours, so ``x``'s layout does not
@@ -501,11 +507,12 @@ def _resolve_skip(code, x, w):
     if code == SKIP_IGNORED["auto"]:
         return (x.is_cuda and torch.cuda.get_device_capability(x.device)[0] == 9 and not why
                 and x.shape[1] % 8 == 0)
+    who = "dx_gemm='triton' (which skips ignored tokens)" if own_dx else "skip_ignored=True"
     if why:
-        raise ValueError(f"skip_ignored=True cannot run here: {why}")
+        raise ValueError(f"{who} cannot run here: {why}")
     if x.shape[1] % 8:
-        raise ValueError("skip_ignored=True cannot run here: the hidden size must be a "
-                         f"multiple of 8 for the tensor descriptors (got {x.shape[1]})")
+        raise ValueError(f"{who} cannot run here: the hidden size must be a multiple of 8 "
+                         f"for the tensor descriptors (got {x.shape[1]})")
     return True
 
 
@@ -823,7 +830,9 @@ def linear_cross_entropy(p: common.Prepared, opts: spec.LinearCrossEntropyOption
         why = _skip_conflict(x.dtype, opts, low_memory, gemm_given, grad_mode,
                              need_dx or need_dw or need_db)
         if why and skip is True:
-            raise ValueError(f"skip_ignored=True cannot run here: {why}")
+            who = "dx_gemm='triton' (which skips ignored tokens)" if own_dx else \
+                "skip_ignored=True"
+            raise ValueError(f"{who} cannot run here: {why}")
         skip = False if why else skip
     y = p.y if p.y.dtype in (torch.int32, torch.int64) else p.y.long()
     loss, lse, _denom, _dx, _dwa, _dwb, _db = _fwd_op(

@@ -5,8 +5,9 @@ never used (not returned, no recomputing backward) its row of logits need not ex
 forward (``skip_ignored``) orders each chunk's tokens live-first and gathers their rows of x;
 our logits GEMM computes only the row tiles below the chunk's live count and the row kernel
 blanks the rows past it (dz = 0, nothing read), both reading the count from device memory, so
-nothing waits for the host. The dX and dW GEMMs (cuBLAS) still run over the whole chunk: the
-blank rows add zeros.
+nothing waits for the host. The dW GEMM (cuBLAS) still runs over the whole chunk, the blank
+rows adding zeros, and so does dX's unless ``dx_gemm="triton"`` computes the live rows only
+(:mod:`.dx_gemm`).
 """
 from __future__ import annotations
 

@@ -12,7 +12,9 @@ them into the log-sum-exp (:mod:`.cross_entropy_rows`, ``FROM_TILES``) instead o
 logits once for it: the chunk's softmax work becomes one read+write pass instead of two.
 
 Statistics are taken of the logits as the row kernel reads them (stored product + bias), so
-the loss and the gradient see the same numbers as with cuBLAS and a two-pass row kernel. Opt-in
+the loss and the gradient see the same numbers as with cuBLAS and a two-pass row kernel.
+(The plain form, ``STATS=False`` with a live-row count, is the fast forward's logits GEMM on
+Hopper by default: ``skip_ignored``, :mod:`.live_rows`.) The statistics form is opt-in
 (``logits_gemm="triton"``): on an H100 (``benchmarks/logits_gemm_probe.py``) this GEMM is
 ~0.35 ms slower than cuBLAS per 3584-token Llama chunk and the pass it saves ~0.5 ms; the
 dz epilogue saves ~0.1 ms per low-memory vocabulary block; whole fwd+bwd runs measured within
