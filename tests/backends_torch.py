@@ -216,12 +216,11 @@ def skip_ignored_fits(case):
 
 
 def skip_ignored_takes(case):
-    """Where it fits; interpreted (CI time), the bf16 many-chunk case (ignored rows in every
-    chunk, dW over several) and the 45 x 32 fp16 sum with bias and z-loss (the unit tests in
-    test_triton_backend take fp16 over several chunks). On a Hopper GPU ``"auto"`` takes it
-    for backend ``triton`` too."""
-    return skip_ignored_fits(case) and (not interpreted() or case.n == 45 or (
-        case.n == 130 and case.dtype == "bfloat16"))
+    """Where it fits; interpreted (CI time), the 45 x 32 fp16 sum with bias and z-loss (the
+    unit tests in test_triton_backend take both dtypes over several chunks, every option, a
+    whole chunk ignored, all, none, split rows). On a Hopper GPU ``"auto"`` takes it for
+    backend ``triton`` too."""
+    return skip_ignored_fits(case) and (not interpreted() or case.n == 45)
 
 
 def skip_ignored_runner(case, inp):
