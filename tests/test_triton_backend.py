@@ -253,15 +253,15 @@ def test_load_cols_stays_inside_every_row():
 
 
 # ----------------------------------------------------------------------------- logits_gemm
-def _spy_own_gemm(monkeypatch):
-    """Count the launches of the statistics-epilogue logits GEMM."""
+def _spy_own_gemm(monkeypatch, record=lambda args, live: args[0].shape[0]):
+    """Record each launch of our logits GEMM: its rows, or what ``record(args, live)`` says."""
     import logitless.triton_kernels.logits_gemm as stats_gemm
     calls = []
     real = stats_gemm.logits_with_stats
 
-    def spy(*args, **kwargs):
-        calls.append(args[0].shape[0])
-        return real(*args, **kwargs)
+    def spy(*args, live=None, **kwargs):
+        calls.append(record(args, live))
+        return real(*args, live=live, **kwargs)
     monkeypatch.setattr(stats_gemm, "logits_with_stats", spy)
     return calls
 
@@ -995,16 +995,9 @@ def test_bf16_cast_keeps_every_nan():
 
 # ----------------------------------------------------------------------------- skip_ignored
 def _spy_live(monkeypatch):
-    """The live-count tensors our logits GEMM is launched with (None: every row)."""
-    import logitless.triton_kernels.logits_gemm as stats_gemm
-    calls = []
-    real = stats_gemm.logits_with_stats
-
-    def spy(*args, live=None, **kwargs):
-        calls.append(None if live is None else int(live.item()))
-        return real(*args, live=live, **kwargs)
-    monkeypatch.setattr(stats_gemm, "logits_with_stats", spy)
-    return calls
+    """The live counts our logits GEMM is launched with (None: every row)."""
+    return _spy_own_gemm(monkeypatch, lambda args, live: None if live is None else
+                         int(live.item()))
 
 
 @pytest.mark.parametrize("dtype,ignored,dx_gemm,split", [

@@ -14,13 +14,12 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .logits_gemm import grouped_tile
+from .logits_gemm import INTERPRET_TILES, grouped_tile
 from .narrow_cast import round_bf16_bits
 
-# Tiles for Hopper (benchmarks/logits_gemm_probe.py --dx-shapes); the interpreter takes small
-# ones, so that tests cross several row, column and K tiles
+# Tiles for Hopper (benchmarks/logits_gemm_probe.py --dx-shapes); interpreted, the logits
+# GEMM's small ones, so that tests cross several row, column and K tiles
 GPU_TILES = dict(bm=128, bn=256, bk=64, group_m=8, stages=3, warps=8)
-INTERPRET_TILES = dict(bm=16, bn=32, bk=16, group_m=2, stages=1, warps=4)
 
 
 @triton.jit
