@@ -412,8 +412,8 @@ def test_vocabulary_masked_by_minus_inf_bias(kw, masked):
                                 dict(logits_gemm="triton")], ids=["fast", "low-memory", "own-gemm"])
 def test_softcap_far_above_the_logits_stays_accurate(kw, softcap):
     """Logits of |z| < 10 under a softcap far above them: capping is then nearly the identity.
-    fp32 must give the float64 result to fp32's accuracy; our GEMM (bf16/fp16 only) must give
-    backend="torch"'s (the same bf16 logits, capped by torch.tanh). tanh as
+    fp32 must give the float64 result to fp32's accuracy; our GEMM (bf16/fp16 only) must be as
+    close to it as backend="torch" (the same bf16 logits, capped by torch.tanh). tanh as
     (1 − e^(−2|u|)) / (1 + e^(−2|u|)) cancelled for small u: every capped logit was off by
     ~softcap·3e-8 (relative errors 3e-4 at softcap 1e5, 0.3 at 1e8)."""
     from logitless.specs import linear_cross_entropy as spec
@@ -423,17 +423,19 @@ def test_softcap_far_above_the_logits_stays_accurate(kw, softcap):
                           chunk_size=8, **kw)
     rel = lambda a, r: ((a.double().cpu() - r.double().cpu()).norm() / r.double().cpu().norm()
                         ).item()
-    if own:  # as close to backend="torch" as without a softcap (the GEMMs round differently)
-        want = _loss_and_grads(x, w, y, backend="torch", reduction="sum", softcap=softcap)
-        plain = zip(_loss_and_grads(x, w, y, backend="triton", reduction="sum", chunk_size=8,
-                                    **kw),
-                    _loss_and_grads(x, w, y, backend="torch", reduction="sum"))
-        tols = [2 * rel(a, r) + 1e-4 for a, r in plain]
+    ref = spec.reference(x.double().cpu().numpy(), w.double().cpu().numpy(), y.cpu().numpy(),
+                         options=spec.LinearCrossEntropyOptions(reduction="sum",
+                                                                softcap=softcap))
+    want = [torch.as_tensor(np.asarray(ref[k])) for k in ("loss", "dx", "dw")]
+    if own:
+        # As accurate against float64 as backend="torch" (the same bf16 logits, capped by
+        # torch.tanh). Not equal to it: the two tanh forms differ in the last fp32 bits, which
+        # flips the bf16 rounding of a few dz (seen: 3 of 192 dX elements one ulp apart, 1.2e-3
+        # norm-wise). The loss, fp32 from the same logits, carries the cancellation's error.
+        torch_errs = [rel(a, r) for a, r in zip(
+            _loss_and_grads(x, w, y, backend="torch", reduction="sum", softcap=softcap), want)]
+        tols = [1.25 * e + 1e-5 for e in torch_errs]
     else:
-        ref = spec.reference(x.double().cpu().numpy(), w.double().cpu().numpy(),
-                             y.cpu().numpy(), options=spec.LinearCrossEntropyOptions(
-                                 reduction="sum", softcap=softcap))
-        want = [torch.as_tensor(np.asarray(ref[k])) for k in ("loss", "dx", "dw")]
         tols = [2e-6] * 3
     for a, r, tol, key in zip(got, want, tols, ("loss", "dx", "dw")):
         err = rel(a, r)
