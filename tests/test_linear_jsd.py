@@ -499,9 +499,18 @@ def _kernel_backends(split_on_cpu: bool = True):
                                          or (b == "triton-split" and not split_on_cpu))]
 
 
-@pytest.mark.parametrize("beta, temperature, shift", [
-    (1e-6, 1.0, 0.0), (0.999, 2.0, 0.0), (1 - 1e-6, 1.0, 40.0), (1 - 1e-7, 2.0, 40.0)])
-@pytest.mark.parametrize("backend", _kernel_backends())
+NEAR_EDGE_BETAS = [(1e-6, 1.0, 0.0), (0.999, 2.0, 0.0), (1 - 1e-6, 1.0, 40.0),
+                   (1 - 1e-7, 2.0, 40.0)]
+
+
+def _near_edge_params():
+    """Every kernel backend at each β; interpreted (CI time), "triton-split" at the hardest
+    alone (~5 s a case there): its segment merge meets the others' too."""
+    return [(b,) + c for b in _kernel_backends() for c in NEAR_EDGE_BETAS
+            if not (interpreted() and b == "triton-split" and c != NEAR_EDGE_BETAS[-1])]
+
+
+@pytest.mark.parametrize("backend, beta, temperature, shift", _near_edge_params())
 def test_fp32_stays_accurate_as_beta_nears_0_or_1(backend, beta, temperature, shift):
     """The loss scales with β (or 1 − β) there while the log-probabilities stay O(10): any
     per-element log ratio formed as a difference loses the loss (it did: 7e-2 relative on
@@ -815,7 +824,7 @@ def test_triton_first_logits_gemms_are_queued_before_the_small_kernels(monkeypat
 
 TRITON_TUNINGS = {
     "sub-chunks": dict(chunk_size=24, logits_chunk_size=10),
-    "three-launches": dict(chunk_size=32, block_v=64, segment_size=128, row_sync=False),
+    "three-launches": dict(chunk_size=16, block_v=64, segment_size=128, row_sync=False),
     "blocks-ragged": dict(chunk_size=25, logits_chunk_size=11, block_v=32, segment_size=96),
     "bf16-logits": dict(chunk_size=24, fp32_logits=False),
     "bf16-accumulator": dict(chunk_size=24, grad_accum_dtype="bfloat16"),
@@ -829,10 +838,10 @@ def test_triton_tunings_match_the_torch_backend(tuning, reduction):
     kw = dict(TRITON_TUNINGS[tuning])
     if kw.get("grad_accum_dtype") == "bfloat16":
         kw["grad_accum_dtype"] = torch.bfloat16
-    # 40 tokens: two chunks of every tuning, each with a ragged end (CI time: interpreted,
-    # "blocks-ragged" runs rows x 3 segments x 3 passes of programs)
-    data = _data(40, 40, 24, 211, dtype="bfloat16", seed=1)
-    g = None if reduction == "mean" else torch.rand(40, device=data[0].device) - 0.5
+    # 30 tokens: two chunks of every tuning, the last ragged (CI time: interpreted, the
+    # programs are rows x segments x 3 passes; "blocks-ragged" has 3 segments a row)
+    data = _data(30, 40, 24, 211, dtype="bfloat16", seed=1)
+    g = None if reduction == "mean" else torch.rand(30, device=data[0].device) - 0.5
     opts = dict(beta=0.4, temperature=1.5, hard_loss_weight=0.2, reduction=reduction)
     ref = _loss_and_grads(*[t.double() if t.is_floating_point() else t for t in data],
                           None if g is None else g.double(), backend="torch", **opts)
