@@ -2,8 +2,10 @@
 plus the two-pass row kernel, against the statistics-epilogue Triton GEMM (several tile
 settings) plus the one-pass row kernel (``logits_gemm``); ``--grad-shapes``: the dz-epilogue
 GEMM; ``--plain-shapes``: the plain GEMM of ``skip_ignored`` with a live count;
-``--dx-shapes``: the dX GEMM of the live rows (``dx_gemm``) against cuBLAS. JSON lines to --out; not a user
-benchmark (DESIGN.md records what it found)."""
+``--dx-shapes``: the dX GEMM of the live rows (``dx_gemm``) against cuBLAS; ``--f32-shapes``:
+the plain GEMM with an fp32 output (what a JSD ``skip_ignored`` would need: its logits are
+fp32) against cuBLAS's fp32-output GEMM. JSON lines to --out; not a user benchmark (DESIGN.md
+records what it found)."""
 import argparse
 import json
 import sys
@@ -160,6 +162,42 @@ def probe_plain(c_tok, h, v, reps, out):
     each_tiling(PLAIN_TILES, dict(mode="plain", shape=rec["shape"]), measure, out)
 
 
+# fp32 epilogue tiles: a 128 x 256 fp32 tile is 128 KiB of shared memory for the TMA store,
+# so the deep pipelines of the 16-bit store no longer fit beside it
+F32_TILES = [
+    dict(bm=128, bn=256, bk=64, group_m=16, stages=2, warps=8),
+    dict(bm=128, bn=128, bk=64, group_m=16, stages=4, warps=4),
+    dict(bm=128, bn=128, bk=64, group_m=16, stages=4, warps=8),
+    dict(bm=128, bn=128, bk=64, group_m=8, stages=5, warps=8),
+    dict(bm=64, bn=256, bk=64, group_m=16, stages=4, warps=4),
+]
+
+
+def probe_f32(c_tok, h, v, reps, out):
+    """The plain GEMM writing fp32 logits (no statistics) with 100 / 90 / 50% of the rows
+    live, against cuBLAS's bf16 x bf16 -> fp32 GEMM over every row."""
+    dev = "cuda"
+    x = torch.randn(c_tok, h, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(v, h, device=dev, dtype=torch.bfloat16) * h ** -0.5
+    buf = rows_buffer(c_tok, v, torch.float32, dev)
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    rec = dict(mode="f32", shape=f"{c_tok}x{h}x{v}")
+    rec["cublas_f32"] = ms(lambda: torch.mm(x, w.t(), out_dtype=torch.float32, out=buf), reps)
+    emit(rec, out)
+    want = torch.mm(x, w.t(), out_dtype=torch.float32)
+
+    def measure(r):
+        for frac in (1.0, 0.9, 0.5):
+            live = torch.tensor([int(c_tok * frac)], dtype=torch.int32, device=dev)
+            t = ms(lambda: sg.logits_with_stats(x, w, None, buf, None, None, None, False, sms,
+                                                live=live), reps)
+            r[f"own_f32_live{frac}"] = t
+            r[f"ratio_live{frac}"] = t / rec["cublas_f32"]
+        sg.logits_with_stats(x, w, None, buf, None, None, None, False, sms)
+        r["max_rel_diff_vs_cublas"] = ((buf - want).abs().max() / want.abs().max()).item()
+    each_tiling(F32_TILES, dict(mode="f32", shape=rec["shape"]), measure, out)
+
+
 DX_TILES = [
     dict(bm=128, bn=256, bk=64, group_m=8, stages=3, warps=8),
     dict(bm=128, bn=256, bk=64, group_m=16, stages=3, warps=8),
@@ -215,6 +253,9 @@ def main():
                          "3277,4096,128256;4096,2304,256000)")
     ap.add_argument("--dx-shapes", default="",
                     help="tokens,H,V;... chunks for dx_gemm (e.g. 3277,4096,128256)")
+    ap.add_argument("--f32-shapes", default="",
+                    help="tokens,H,V;... sub-chunks for the fp32-output plain GEMM (e.g. "
+                         "384,4096,128256, the JSD's at Llama)")
     ap.add_argument("--reps", type=int, default=20)
     a = ap.parse_args()
     with open(a.out, "a") as out:
@@ -226,6 +267,8 @@ def main():
             probe_plain(*map(int, s.split(",")), a.reps, out)
         for s in filter(None, a.dx_shapes.split(";")):
             probe_dx(*map(int, s.split(",")), a.reps, out)
+        for s in filter(None, a.f32_shapes.split(";")):
+            probe_f32(*map(int, s.split(",")), a.reps, out)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """The Triton linear CE and JSD kernels with every option on ragged rows and vocabulary, in each
-mode, for compute-sanitizer memcheck (benchmarks/memcheck/README.md)."""
+mode (the CE's ``skip_ignored`` with a whole chunk ignored too), for compute-sanitizer memcheck
+(benchmarks/memcheck/README.md)."""
 import torch
 import logitless.torch as lt
 torch.manual_seed(0)
@@ -29,6 +30,19 @@ for dt, h in ((torch.float32, 33), (torch.bfloat16, 33), (torch.bfloat16, 40)):
         torch.cuda.synchronize()
         print("ce", dt, kw, red, float(x.grad.abs().sum()))
         x.grad = w.grad = b.grad = None
+    if dt != torch.float32 and h % 8 == 0:  # skip_ignored: live-first chunks, live counts
+        y_skip = y.clone()
+        y_skip[16:32] = -100  # a whole chunk of 16 ignored: a live count of 0
+        for kw in (dict(), dict(chunk_size=16), dict(chunk_size=16, dx_gemm="triton"),
+                   dict(chunk_size=16, block_v=16, segment_size=32),
+                   dict(chunk_size=16, block_v=16, segment_size=32, row_sync=False)):
+            loss = lt.linear_cross_entropy(x, w, y_skip, backend="triton", linear_bias=b,
+                                           weight=cw, label_smoothing=0.2, z_loss=1e-2,
+                                           softcap=5.0, skip_ignored=True, **kw)
+            loss.backward()
+            torch.cuda.synchronize()
+            print("ce skip_ignored", dt, kw, float(x.grad.abs().sum()))
+            x.grad = w.grad = b.grad = None
     for kw in (dict(), dict(block_v=32, segment_size=64),
                dict(block_v=32, segment_size=64, row_sync=True), dict(fp32_logits=False),
                dict(chunk_size=16)):
