@@ -174,18 +174,19 @@ def low_memory_takes(case):
     """Every case on a GPU; interpreted (CI time: ~2 s a case, 6-15 s at 130 x 48 x 509) all
     but the one-option and the no-option 37 x 33 ones: the every-option cases carry those
     options, every dtype and reduction through the same sweeps (the row kernel's math per
-    option is backend "triton"'s). Of the many-chunk 130 x 48 x 509 cases two: per-token
-    upstream gradients ("none": the recomputing token sweep) and the mean's forward dX over
-    several chunks (bf16, every option); fp16 sums and lse gradients take the same sweeps in
-    the smaller cases, and the one without smoothing is for the own GEMM. The interpreters'
-    tier (``op.cpu_tier``) applies on top: of the every-option 37 x 33 cases, one per dtype and
-    reduction."""
+    option is backend "triton"'s). Of the many-chunk 130 x 48 x 509 cases one: per-token
+    upstream gradients ("none": the recomputing token sweep over several chunks, then the
+    vocabulary sweep). The mean's forward dX over several chunks is the fast forward's code
+    with dW left out (``DX_ONLY``), which backend "triton" runs on the bf16 every-option 130 x
+    48 x 509 cases; the low-memory one (14 s interpreted) is the GPU runs'. fp16 sums and lse
+    gradients take the same sweeps in the smaller cases, and the one without smoothing is for
+    the own GEMM. The interpreters' tier (``op.cpu_tier``) applies on top: of the every-option
+    37 x 33 cases, one per dtype and reduction."""
     if not interpreted():
         return True
     plain = op.options_on(case) == 0 and not case.masked and case.n == 37
     if case.n == 130:
-        return case.reduction == "none" or (case.dtype == "bfloat16" and bool(
-            case.label_smoothing) and not case.lse_grad)
+        return case.reduction == "none"
     return not (op.single_option(case) or plain)
 
 
