@@ -12,4 +12,6 @@ from op_linear_cross_entropy import OP
 
 register(Backend("bridge-pallas", torch_backend_runner("pallas"), naive="naive-jax",
                  requires=("torch", "jax"),
-                 takes=crossing_cases(OP, lambda c: c.ignore == "all" or c.masked or c.n == 1)))
+                 takes=crossing_cases(OP, {"all ignored": lambda c: c.ignore == "all",
+                                           "masked classes": lambda c: c.masked,
+                                           "one token": lambda c: c.n == 1})))

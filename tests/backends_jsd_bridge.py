@@ -8,6 +8,8 @@ from harness import Backend, crossing_cases, register
 
 register(Backend("bridge-pallas", jsd_runner("pallas"), naive="naive-torch",
                  requires=("torch", "jax"), op=OP,
-                 takes=crossing_cases(op_linear_jsd.OP,
-                                      lambda c: not c.targets or c.ignore == "all" or c.n == 1
-                                      or bool(c.teacher_dtype))))
+                 takes=crossing_cases(op_linear_jsd.OP, {
+                     "no targets": lambda c: not c.targets,
+                     "all ignored": lambda c: c.ignore == "all",
+                     "one token": lambda c: c.n == 1,
+                     "teacher in another dtype": lambda c: bool(c.teacher_dtype)})))

@@ -119,14 +119,14 @@ def tier_takes(op: "Op", also: Optional[Callable[[Any], bool]] = None) -> Callab
     return takes
 
 
-def crossing_cases(op, distinct: Callable[[Any], bool]) -> Callable[[Any], bool]:
+def crossing_cases(op, kinds: Dict[str, Callable[[Any], bool]]) -> Callable[[Any], bool]:
     """A ``takes`` for the bridge backends off a GPU. The bridge runs the very JAX program that
     backend "pallas" runs on every case (and test_parity checks it equals that program); what
     it adds is the crossing: dtypes, shapes, which inputs get gradients, extra outputs. So in
     the interpreter (CI time) it takes the first case of each dtype and of each reduction (the
     dtype decides the conversions, the reduction the output's shape; neither depends on the
-    other) and every case where ``distinct(case)`` (a data path of its own); on a GPU, every
-    case."""
+    other) and the first case of each of ``kinds`` (name -> predicate: a data path of its own,
+    e.g. every token ignored); on a GPU, every case."""
     picked = {}
 
     def takes(case) -> bool:
@@ -136,7 +136,10 @@ def crossing_cases(op, distinct: Callable[[Any], bool]) -> Callable[[Any], bool]
             for c in op.cases():
                 picked.setdefault(("dtype", c.dtype), c.id)
                 picked.setdefault(("reduction", c.reduction), c.id)
-        return case.id in picked.values() or distinct(case)
+                for name, is_kind in kinds.items():
+                    if is_kind(c):
+                        picked.setdefault(("kind", name), c.id)
+        return case.id in picked.values()
     return takes
 
 
