@@ -137,29 +137,38 @@ PLAIN_TILES = [
 ]
 
 
-def probe_plain(c_tok, h, v, reps, out):
+def probe_plain(c_tok, h, v, reps, out, fp32_out=False):
     """The plain-store GEMM that ``skip_ignored`` runs (no statistics), against cuBLAS, with
-    every row live and with 90% / 50% of them (the rest skipped by the live count)."""
+    every row live and with 90% / 50% of them (the rest skipped by the live count).
+    ``fp32_out``: fp32 logits (what a JSD ``skip_ignored`` would need) against cuBLAS's
+    bf16 x bf16 -> fp32 GEMM, under ``F32_TILES`` (records of mode "f32")."""
     dev = "cuda"
     x = torch.randn(c_tok, h, device=dev, dtype=torch.bfloat16)
     w = torch.randn(v, h, device=dev, dtype=torch.bfloat16) * h ** -0.5
-    buf = rows_buffer(c_tok, v, torch.bfloat16, dev)
+    buf = rows_buffer(c_tok, v, torch.float32 if fp32_out else torch.bfloat16, dev)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    rec = dict(mode="plain", shape=f"{c_tok}x{h}x{v}")
-    rec["cublas_logits"] = ms(lambda: torch.mm(x, w.t(), out=buf), reps)
+    mode, ref = ("f32", "cublas_f32") if fp32_out else ("plain", "cublas_logits")
+    cublas = dict(out_dtype=torch.float32) if fp32_out else {}
+    rec = dict(mode=mode, shape=f"{c_tok}x{h}x{v}")
+    rec[ref] = ms(lambda: torch.mm(x, w.t(), out=buf, **cublas), reps)
     emit(rec, out)
+    want = torch.mm(x, w.t(), **cublas)
 
     def measure(r):
         for frac in (1.0, 0.9, 0.5):
             live = torch.tensor([int(c_tok * frac)], dtype=torch.int32, device=dev)
             t = ms(lambda: sg.logits_with_stats(x, w, None, buf, None, None, None, False, sms,
                                                 live=live), reps)
-            r[f"own_plain_live{frac}"] = t
-            r[f"ratio_live{frac}"] = t / rec["cublas_logits"]
-        want = torch.mm(x, w.t())
+            r[f"own_{mode}_live{frac}"] = t
+            r[f"ratio_live{frac}"] = t / rec[ref]
         sg.logits_with_stats(x, w, None, buf, None, None, None, False, sms)
-        r["max_abs_diff_vs_cublas"] = (buf.float() - want.float()).abs().max().item()
-    each_tiling(PLAIN_TILES, dict(mode="plain", shape=rec["shape"]), measure, out)
+        diff = (buf.float() - want.float()).abs().max()
+        if fp32_out:
+            r["max_rel_diff_vs_cublas"] = (diff / want.abs().max()).item()
+        else:
+            r["max_abs_diff_vs_cublas"] = diff.item()
+    each_tiling(F32_TILES if fp32_out else PLAIN_TILES, dict(mode=mode, shape=rec["shape"]),
+                measure, out)
 
 
 # fp32 epilogue tiles: a 128 x 256 fp32 tile is 128 KiB of shared memory for the TMA store,
@@ -171,31 +180,6 @@ F32_TILES = [
     dict(bm=128, bn=128, bk=64, group_m=8, stages=5, warps=8),
     dict(bm=64, bn=256, bk=64, group_m=16, stages=4, warps=4),
 ]
-
-
-def probe_f32(c_tok, h, v, reps, out):
-    """The plain GEMM writing fp32 logits (no statistics) with 100 / 90 / 50% of the rows
-    live, against cuBLAS's bf16 x bf16 -> fp32 GEMM over every row."""
-    dev = "cuda"
-    x = torch.randn(c_tok, h, device=dev, dtype=torch.bfloat16)
-    w = torch.randn(v, h, device=dev, dtype=torch.bfloat16) * h ** -0.5
-    buf = rows_buffer(c_tok, v, torch.float32, dev)
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    rec = dict(mode="f32", shape=f"{c_tok}x{h}x{v}")
-    rec["cublas_f32"] = ms(lambda: torch.mm(x, w.t(), out_dtype=torch.float32, out=buf), reps)
-    emit(rec, out)
-    want = torch.mm(x, w.t(), out_dtype=torch.float32)
-
-    def measure(r):
-        for frac in (1.0, 0.9, 0.5):
-            live = torch.tensor([int(c_tok * frac)], dtype=torch.int32, device=dev)
-            t = ms(lambda: sg.logits_with_stats(x, w, None, buf, None, None, None, False, sms,
-                                                live=live), reps)
-            r[f"own_f32_live{frac}"] = t
-            r[f"ratio_live{frac}"] = t / rec["cublas_f32"]
-        sg.logits_with_stats(x, w, None, buf, None, None, None, False, sms)
-        r["max_rel_diff_vs_cublas"] = ((buf - want).abs().max() / want.abs().max()).item()
-    each_tiling(F32_TILES, dict(mode="f32", shape=rec["shape"]), measure, out)
 
 
 DX_TILES = [
@@ -268,7 +252,7 @@ def main():
         for s in filter(None, a.dx_shapes.split(";")):
             probe_dx(*map(int, s.split(",")), a.reps, out)
         for s in filter(None, a.f32_shapes.split(";")):
-            probe_f32(*map(int, s.split(",")), a.reps, out)
+            probe_plain(*map(int, s.split(",")), a.reps, out, fp32_out=True)
 
 
 if __name__ == "__main__":
