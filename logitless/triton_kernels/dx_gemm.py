@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .logits_gemm import INTERPRET_TILES, grouped_tile
+from .logits_gemm import INTERPRET_TILES, grouped_tile, persistent_programs
 from .narrow_cast import round_bf16_bits
 
 # Tiles for Hopper (benchmarks/logits_gemm_probe.py --dx-shapes); interpreted, the logits
@@ -71,8 +71,7 @@ def dx_live(dz: torch.Tensor, w: torch.Tensor, out: torch.Tensor, live, interpre
         return
     t = tiles(interpret)
     bm, bn, bk = t["bm"], t["bn"], t["bk"]
-    n_tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
-    programs = max(1, min(num_sms, n_tiles))
+    programs = persistent_programs(m, n, t, num_sms)
     dx_kernel[(programs,)](
         TensorDescriptor.from_tensor(dz, [bm, bk]), TensorDescriptor.from_tensor(w, [bk, bn]),
         TensorDescriptor.from_tensor(out, [bm, bn]), out if live is None else live, m, n, k,

@@ -495,6 +495,11 @@ def _resolve_gemm(code, x, w, bias, low_memory):
     return code
 
 
+def _skip_asked_by(own_dx: bool) -> str:
+    """The keyword that asked for skip_ignored, as errors name it."""
+    return "dx_gemm='triton' (which skips ignored tokens)" if own_dx else "skip_ignored=True"
+
+
 def _resolve_skip(code, x, w, own_dx=False):
     """Whether the forward skips ignored tokens (``SKIP_IGNORED`` code): True once ``w``'s
     layout suits our GEMM's tensor descriptors (checked inside the op, where data pointers are
@@ -507,7 +512,7 @@ def _resolve_skip(code, x, w, own_dx=False):
     if code == SKIP_IGNORED["auto"]:
         return (x.is_cuda and torch.cuda.get_device_capability(x.device)[0] == 9 and not why
                 and x.shape[1] % 8 == 0)
-    who = "dx_gemm='triton' (which skips ignored tokens)" if own_dx else "skip_ignored=True"
+    who = _skip_asked_by(own_dx)
     if why:
         raise ValueError(f"{who} cannot run here: {why}")
     if x.shape[1] % 8:
@@ -830,9 +835,7 @@ def linear_cross_entropy(p: common.Prepared, opts: spec.LinearCrossEntropyOption
         why = _skip_conflict(x.dtype, opts, low_memory, gemm_given, grad_mode,
                              need_dx or need_dw or need_db)
         if why and skip is True:
-            who = "dx_gemm='triton' (which skips ignored tokens)" if own_dx else \
-                "skip_ignored=True"
-            raise ValueError(f"{who} cannot run here: {why}")
+            raise ValueError(f"{_skip_asked_by(own_dx)} cannot run here: {why}")
         skip = False if why else skip
     y = p.y if p.y.dtype in (torch.int32, torch.int64) else p.y.long()
     loss, lse, _denom, _dx, _dwa, _dwb, _db = _fwd_op(

@@ -192,10 +192,15 @@ def _persistent_launch(x, w, out, interpret: bool, num_sms: int):
     one program per SM, or per output tile where there are fewer."""
     t = tiles(interpret)
     bm, bn, bk = t["bm"], t["bn"], t["bk"]
-    n_tiles = triton.cdiv(out.shape[0], bm) * triton.cdiv(out.shape[1], bn)
-    return t, max(1, min(num_sms, n_tiles)), (
+    return t, persistent_programs(out.shape[0], out.shape[1], t, num_sms), (
         TensorDescriptor.from_tensor(x, [bm, bk]), TensorDescriptor.from_tensor(w, [bn, bk]),
         TensorDescriptor.from_tensor(out, [bm, bn]))
+
+
+def persistent_programs(m: int, n: int, t: dict, num_sms: int) -> int:
+    """Programs of a persistent GEMM writing an ``[m, n]`` output in tiles ``t``: one per SM,
+    or per output tile where there are fewer."""
+    return max(1, min(num_sms, triton.cdiv(m, t["bm"]) * triton.cdiv(n, t["bn"])))
 
 
 def tiles(interpret: bool) -> dict:
