@@ -58,7 +58,7 @@ def _check_backend(backend):
 # _TRITON_TUNING); tests/test_torch_errors.py checks it against the module's TUNING.
 _TRITON_TUNING = ("chunk_size", "logits_chunk_size", "memory_budget", "fp32_logits",
                   "grad_accum_dtype", "block_v", "segment_size", "num_warps", "programs_per_sm",
-                  "row_sync")
+                  "row_sync", "dx_chunk_size")
 
 
 def _tuning_names(backend: Optional[str]):
@@ -207,7 +207,8 @@ def linear_jsd(student_input, student_weight, teacher_input, teacher_weight, tar
       ``grad_accum_dtype`` (``torch.float32``, or the input dtype);
       ``block_v`` (None: 1024 on a GPU); ``segment_size`` (None: 8192 on a GPU);
       ``num_warps`` (None: 4); ``programs_per_sm`` (None: 2);
-      ``row_sync`` (None: one launch per pass).
+      ``row_sync`` (None: one launch per pass); ``dx_chunk_size`` (None: on a GPU, the
+      rows one wave of 256 x 128 output tiles covers), rows per dX GEMM call.
     * ``backend="pallas"``: the keywords of :func:`logitless.jax.linear_jsd`'s ``"pallas"``
       backend (``logitless.pallas_kernels.linear_jsd.TUNING``).
 

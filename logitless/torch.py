@@ -59,7 +59,7 @@ def _check_backend(backend):
 # dropped on CPU. tests/test_torch_errors.py checks it against the module's TUNING.
 _TRITON_TUNING = ("low_memory", "chunk_size", "vocab_chunk_size", "memory_budget",
                   "grad_accum_dtype", "block_v", "num_warps", "logits_gemm", "segment_size",
-                  "row_sync", "skip_ignored", "dx_gemm")
+                  "row_sync", "skip_ignored", "dx_gemm", "dx_chunk_size")
 
 
 def _tuning_names(backend: Optional[str]):
@@ -144,7 +144,9 @@ def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weig
       then, and the row kernel: bf16/fp16, lse not returned, mean/sum or no gradient, not
       with ``low_memory`` or ``logits_gemm="cublas"``; True raises where it cannot run;
       False computes every token); ``dx_gemm`` ("cublas"; "triton": with skip_ignored, dX
-      of the live rows only, by a GEMM of ours: pays where many tokens are ignored).
+      of the live rows only, by a GEMM of ours: pays where many tokens are ignored);
+      ``dx_chunk_size`` (None: on a GPU, the rows one wave of 256 x 128 output tiles
+      covers, 1024 at H = 4096 on 132 SMs), rows per cuBLAS dX GEMM call.
     * ``backend="pallas"``: the keywords of :func:`logitless.jax.linear_cross_entropy`'s
       ``"pallas"`` backend (``logitless.pallas_kernels.linear_cross_entropy.TUNING``).
     * with ``process_group``: ``chunk_size``, ``memory_budget`` (as ``"torch"``).

@@ -823,7 +823,8 @@ def test_triton_first_logits_gemms_are_queued_before_the_small_kernels(monkeypat
 
 
 TRITON_TUNINGS = {
-    "sub-chunks": dict(chunk_size=24, logits_chunk_size=10),
+    # dX in GEMMs of 7 rows: 7 + 7 + 7 + 3, each straddling the fp32 split pair or not
+    "sub-chunks": dict(chunk_size=24, logits_chunk_size=10, dx_chunk_size=7),
     "three-launches": dict(chunk_size=16, block_v=64, segment_size=128, row_sync=False),
     "blocks-ragged": dict(chunk_size=25, logits_chunk_size=11, block_v=32, segment_size=96),
     "bf16-logits": dict(chunk_size=24, fp32_logits=False),
@@ -1086,6 +1087,8 @@ def test_triton_argument_errors():
         (dict(segment_size=0), ValueError, "segment_size"),
         (dict(logits_chunk_size=-1), ValueError, "logits_chunk_size"),
         (dict(programs_per_sm=0), ValueError, "programs_per_sm"),
+        (dict(dx_chunk_size=0), ValueError, "dx_chunk_size"),
+        (dict(dx_chunk_size=16.0), ValueError, "dx_chunk_size"),
     ]
     for kw, exc, msg in bad:
         with pytest.raises(exc, match=msg):

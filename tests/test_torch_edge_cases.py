@@ -472,7 +472,8 @@ def test_default_backend_never_picks_triton_for_float64():
     (dict(block_v="64"), "block_v"), (dict(block_v=64.0), "block_v"),
     (dict(num_warps=4.0), "num_warps"), (dict(chunk_size=0), "chunk_size"),
     (dict(vocab_chunk_size=0), "vocab_chunk_size"), (dict(memory_budget=-1), "memory_budget"),
-    (dict(chunk_size=True), "chunk_size"),
+    (dict(chunk_size=True), "chunk_size"), (dict(dx_chunk_size=0), "dx_chunk_size"),
+    (dict(dx_chunk_size=True), "dx_chunk_size"), (dict(dx_chunk_size=8.0), "dx_chunk_size"),
 ])
 def test_triton_tuning_errors_name_the_keyword(kw, name):
     x, w, _, y = _lce_data(8, 16, 32)

@@ -207,6 +207,29 @@ def test_no_grad_forward_matches():
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("kw", [dict(chunk_size=16), dict(reduction="none", chunk_size=16),
+                                dict(low_memory=True, chunk_size=16, vocab_chunk_size=32)])
+def test_dx_in_row_pieces_equals_whole_chunks(kw):
+    """``dx_chunk_size`` issues each chunk's dX GEMM in pieces of rows (5 + 5 + 5 + 1 of a
+    16-token chunk, 5 + 2 of the last, 7-token one): the same gradients as whole chunks and as
+    backend="torch", in each sweep that computes dX (fast forward, recompute, low-memory)."""
+    x, w, y = _data(39, 24, 70, seed=23)
+    up = torch.rand(39, generator=torch.Generator().manual_seed(SEED + 24)).to(DEV) \
+        if kw.get("reduction") == "none" else None
+
+    def run(**k):
+        xg, wg = x.detach().requires_grad_(), w.detach().requires_grad_()
+        loss = lt.linear_cross_entropy(xg, wg, y, **k)
+        loss.backward(up)
+        return loss.detach(), xg.grad, wg.grad
+    ref = run(backend="torch", **{k: v for k, v in kw.items() if k == "reduction"})
+    whole = run(backend="triton", **kw)
+    got = run(backend="triton", dx_chunk_size=5, **kw)
+    for a, b, r in zip(got, whole, ref):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(a, r, rtol=1e-4, atol=1e-6)
+
+
 @pytest.mark.parametrize("case", ["fast", "low_memory", "none", "own_gemm"])
 def test_row_padding_is_loaded_but_never_counted(monkeypatch, case):
     """The row kernel loads and stores each row up to V rounded to 16 (``common.load_cols``;

@@ -50,7 +50,7 @@ from .narrow_cast import (accumulate_split_, accumulator_pair, finish_, hand_ove
 
 TUNING = ("low_memory", "chunk_size", "vocab_chunk_size", "memory_budget", "grad_accum_dtype",
           "block_v", "num_warps", "logits_gemm", "segment_size", "row_sync", "skip_ignored",
-          "dx_gemm")
+          "dx_gemm", "dx_chunk_size")
 # the target range check runs in the forward op (_fwd_op), as in torch_chunked (see there)
 CHECKS_TARGETS = True
 # backward finishes the forward's saved gradients in place (narrow_cast.hand_over_once): one
@@ -143,6 +143,7 @@ class Config:
     row_sync: bool = True  # split rows: one launch whose segments wait for each other
     skip_ignored: bool = False  # ignored tokens' rows skipped (resolved: see _resolve_skip)
     dx_gemm: bool = False  # with skip_ignored, dX of the live rows by dx_gemm.py
+    dx_rows: int = 0    # rows per cuBLAS dX GEMM call (0: whole chunks; common.dx_piece_rows)
 
 
 _INTERPRET = INTERPRETED
@@ -344,13 +345,13 @@ def _forward(x, w, bias, y, cw, opts_t, cfg, grad_mode, needs, accum_dtype, scal
               loss_run[s:e], g, None, opts_t, v, cfg, compute_lse=True,
               write_grad=need_dx or need_dw or need_db, stats=stats, live=lv)
         if need_dx and not skip:
-            common.mm_over_vocab(blk, w, dx[s:e])
+            common.mm_over_vocab(blk, w, dx[s:e], cfg.dx_rows)
         _accumulate(dw, db, blk, x_c, first=s == 0)
         if need_dx and skip:  # x_c (dx[s:e]) is free now: the chunk's dX in perm's order
             if cfg.dx_gemm:
                 dx_gemm.dx_live(blk, w, x_c, lv, _interpret(), sms)
             else:
-                common.mm_over_vocab(blk, w, x_c)
+                common.mm_over_vocab(blk, w, x_c, cfg.dx_rows)
             sc = scratch[: e - s].copy_(x_c)  # the block is not read again before the next
             x_c.index_copy_(0, in_chunk[s:e], sc)  # chunk's logits GEMM overwrites it
     if n == 0:
@@ -374,7 +375,7 @@ def _token_sweep(x, w, bias, y, cw, omega_sum, lse, g, h, opts_t, cfg, need_dx, 
                            g if g.numel() == 1 else g[s:e], None if h is None else h[s:e],
                            opts_t, v, cfg)
         if need_dx:
-            common.mm_over_vocab(blk, w, dx[s:e])
+            common.mm_over_vocab(blk, w, dx[s:e], cfg.dx_rows)
         _accumulate(dw_acc, db_acc, blk, x[s:e], first=s == 0)
     return dx
 
@@ -432,7 +433,7 @@ def _fwd_op(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], y: t
             z_loss: float, softcap: float, grad_mode: int, need_dx: bool, need_dw: bool,
             need_db: bool, low_memory: bool, chunk: int, vocab_chunk: int, block_v: int,
             num_warps: int, accum_fp32: bool, gemm: int, segment: int,
-            row_sync: bool, skip: int, own_dx: bool
+            row_sync: bool, skip: int, own_dx: bool, dx_rows: int
             ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                        torch.Tensor, torch.Tensor]:
     """-> (loss, lse, Σω or 1, dX, dW part a, dW part b, db): the gradients (for an upstream
@@ -445,7 +446,7 @@ def _fwd_op(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], y: t
     with common.on_device(x):
         cfg = Config(chunk, vocab_chunk, block_v, num_warps,
                      _resolve_gemm(gemm, x, w, bias, low_memory), segment, row_sync,
-                     _resolve_skip(skip, x, w, own_dx), own_dx)
+                     _resolve_skip(skip, x, w, own_dx), own_dx, dx_rows)
         opts_t = _opts_tuple(ignore_index, label_smoothing, z_loss, softcap)
         found = {}
 
@@ -550,7 +551,7 @@ def _accum_dtype(dtype, n, chunk, accum_fp32):
 @_fwd_op.register_fake
 def _(x, w, bias, y, cw, reduction, ignore_index, label_smoothing, z_loss, softcap, grad_mode,
       need_dx, need_dw, need_db, low_memory, chunk, vocab_chunk, block_v, num_warps, accum_fp32,
-      gemm, segment, row_sync, skip, own_dx):
+      gemm, segment, row_sync, skip, own_dx, dx_rows):
     n, hdim = x.shape
     v = w.shape[0]
     f32 = dict(dtype=torch.float32, device=x.device)
@@ -571,14 +572,15 @@ def _bwd_op(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], y: t
             label_smoothing: float, z_loss: float, softcap: float, need_dx: bool, need_dw: bool,
             need_db: bool, low_memory: bool, chunk: int, vocab_chunk: int, block_v: int,
             num_warps: int, accum_fp32: bool, gemm: int, segment: int,
-            row_sync: bool
+            row_sync: bool, dx_rows: int
             ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Recomputing backward. ``g``: per-token upstream gradient (N,) or a uniform one (1,);
     ``h``: upstream gradient of lse; ``post_scale`` multiplies the vocabulary-sweep results;
     ``gemm``: the forward's ``LOGITS_GEMM`` code, resolved as there."""
     with common.on_device(x):
         cfg = Config(chunk, vocab_chunk, block_v, num_warps,
-                     _resolve_gemm(gemm, x, w, bias, low_memory), segment, row_sync)
+                     _resolve_gemm(gemm, x, w, bias, low_memory), segment, row_sync,
+                     dx_rows=dx_rows)
         opts_t = _opts_tuple(ignore_index, label_smoothing, z_loss, softcap)
         v, hdim = w.shape
         omega_sum = _omega_sum(cw)
@@ -609,7 +611,7 @@ def _bwd_op(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], y: t
 @_bwd_op.register_fake
 def _(x, w, bias, y, cw, lse, g, h, post_scale, ignore_index, label_smoothing, z_loss, softcap,
       need_dx, need_dw, need_db, low_memory, chunk, vocab_chunk, block_v, num_warps, accum_fp32,
-      gemm, segment, row_sync):
+      gemm, segment, row_sync, dx_rows):
     need_db = need_db and bias is not None
     return (x.new_empty(x.shape) if need_dx else x.new_empty(0),
             w.new_empty(w.shape) if need_dw else x.new_empty(0),
@@ -627,14 +629,15 @@ def _cast(acc, scale, dtype, out=None):
 def _setup_context(ctx, inputs, output):
     (x, w, bias, y, cw, reduction, ignore_index, label_smoothing, z_loss, softcap, grad_mode,
      _need_dx, _need_dw, _need_db, low_memory, chunk, vocab_chunk, block_v, num_warps,
-     accum_fp32, gemm, segment, row_sync, _skip, _own_dx) = inputs
+     accum_fp32, gemm, segment, row_sync, _skip, _own_dx, dx_rows) = inputs
     loss, lse, denom, dx, dw_a, dw_b, db = output
     ctx.save_for_backward(x, w, bias, y, cw, lse, denom, dx, dw_a, dw_b, db)
     ctx.args = dict(reduction=reduction, ignore_index=ignore_index,
                     label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
                     grad_mode=grad_mode, low_memory=low_memory, chunk=chunk,
                     vocab_chunk=vocab_chunk, block_v=block_v, num_warps=num_warps,
-                    accum_fp32=accum_fp32, gemm=gemm, segment=segment, row_sync=row_sync)
+                    accum_fp32=accum_fp32, gemm=gemm, segment=segment, row_sync=row_sync,
+                    dx_rows=dx_rows)
     ctx.set_materialize_grads(False)
 
 
@@ -644,7 +647,7 @@ def _backward(ctx, g_loss, g_lse, _g_denom, _g_dx, _g_dwa, _g_dwb, _g_db):
     if torch.is_grad_enabled():
         raise RuntimeError(common.NO_DOUBLE_BACKWARD.format(op="linear_cross_entropy"))
     grads = _gradients(ctx, g_loss, g_lse)
-    return tuple(None if t is None else t.detach() for t in grads) + (None,) * 22
+    return tuple(None if t is None else t.detach() for t in grads) + (None,) * 23
 
 
 def _gradients(ctx, g_loss, g_lse):
@@ -686,7 +689,7 @@ def _gradients(ctx, g_loss, g_lse):
                             a["label_smoothing"], a["z_loss"], a["softcap"], False, need_w,
                             need_b, True, a["chunk"], a["vocab_chunk"], a["block_v"],
                             a["num_warps"], a["accum_fp32"], a["gemm"], a["segment"],
-                            a["row_sync"])
+                            a["row_sync"], a["dx_rows"])
         return gx, gw if need_w else None, gb if (need_b and bias is not None) else None
     # Per-token upstream (reduction="none") or a gradient on lse: recompute.
     if g_loss is None:
@@ -698,7 +701,7 @@ def _gradients(ctx, g_loss, g_lse):
                          a["label_smoothing"], a["z_loss"], a["softcap"], need_x, need_w,
                          need_b, low_memory, a["chunk"], a["vocab_chunk"], a["block_v"],
                          a["num_warps"], a["accum_fp32"], a["gemm"], a["segment"],
-                         a["row_sync"])
+                         a["row_sync"], a["dx_rows"])
     return (gx if need_x else None, gw if need_w else None,
             gb if (need_b and bias is not None) else None)
 
@@ -712,7 +715,8 @@ def linear_cross_entropy(p: common.Prepared, opts: spec.LinearCrossEntropyOption
                          low_memory=False, chunk_size=None, vocab_chunk_size=None,
                          memory_budget=None, grad_accum_dtype=torch.float32, block_v=None,
                          num_warps=None, logits_gemm="auto", segment_size=None,
-                         row_sync=True, skip_ignored="auto", dx_gemm="cublas"):
+                         row_sync=True, skip_ignored="auto", dx_gemm="cublas",
+                         dx_chunk_size=None):
     """Returns ``(loss, lse)``; see the module docstring for the two operating points.
 
     Tuning (defaults in parentheses): ``low_memory`` (False), ``chunk_size`` (None: from
@@ -761,7 +765,10 @@ def linear_cross_entropy(p: common.Prepared, opts: spec.LinearCrossEntropyOption
     True unless given False, which is an error) dX of each chunk's live rows only, by our
     GEMM (:mod:`.dx_gemm`), instead of cuBLAS over every row: ours is slower on a whole chunk,
     so it pays where many tokens are ignored (H200, Llama shape: 0.86x the whole call with
-    half of them ignored, about even with 10%)).
+    half of them ignored, about even with 10%)), ``dx_chunk_size`` (None: on a GPU, the rows
+    one wave of cuBLAS's 256 x 128 output tiles covers, 1024 at H = 4096 on 132 SMs, see
+    ``common.dx_piece_rows``; rows per cuBLAS dX GEMM call: a chunk's dX in pieces of at most
+    this many rows).
 
     One backward per forward: the fast path hands its saved gradients over in place, so a
     second backward through the same graph (``retain_graph=True``) raises (backend="torch"
@@ -795,6 +802,7 @@ def linear_cross_entropy(p: common.Prepared, opts: spec.LinearCrossEntropyOption
     if not isinstance(dx_gemm, str) or dx_gemm not in DX_GEMMS:
         raise ValueError(f"dx_gemm must be one of {list(DX_GEMMS)}, got {dx_gemm!r}")
     own_dx = dx_gemm == "triton"
+    dx_rows = common.check_dx_chunk_size(dx_chunk_size, x)
     if own_dx and skip_ignored is False:
         raise ValueError("dx_gemm='triton' computes the live rows of dX only: it needs "
                          "skip_ignored (True or 'auto'), not False")
@@ -843,7 +851,7 @@ def linear_cross_entropy(p: common.Prepared, opts: spec.LinearCrossEntropyOption
         float(opts.label_smoothing), float(opts.z_loss), float(opts.softcap or 0.0), grad_mode,
         need_dx, need_dw, need_db, low_memory, chunk, vocab_chunk, block_v or 0, num_warps or 0,
         grad_accum_dtype == torch.float32, LOGITS_GEMM[logits_gemm], segment_size or 0,
-        row_sync, SKIP_IGNORED[skip], own_dx and skip is True)
+        row_sync, SKIP_IGNORED[skip], own_dx and skip is True, dx_rows)
     return loss, lse
 
 

@@ -47,7 +47,7 @@ from . import jsd_rows
 from .narrow_cast import accumulate_split_, accumulator_pair, finish_, hand_over_once
 
 TUNING = ("chunk_size", "logits_chunk_size", "memory_budget", "fp32_logits", "grad_accum_dtype",
-          "block_v", "segment_size", "num_warps", "programs_per_sm", "row_sync")
+          "block_v", "segment_size", "num_warps", "programs_per_sm", "row_sync", "dx_chunk_size")
 # the target range check runs in the forward op (_fwd_op), as in torch_chunked (see there)
 CHECKS_TARGETS = True
 
@@ -90,6 +90,7 @@ class Config:
     num_warps: int
     grid: int             # persistent programs (fused kernel); 0 = one per SM x programs_per_sm
     row_sync: int         # 1 fused with per-row barriers, 0 or -1 (default) one launch per pass
+    dx_rows: int = 0      # rows per dX GEMM call (0: whole chunks; common.dx_piece_rows)
 
 
 # ----------------------------------------------------------------------------- launching
@@ -150,17 +151,18 @@ def _logits(x, w, out, fp32):
     return out
 
 
-def _mm_rows_f32(a, w, parts, s):
+def _mm_rows_f32(a, w, parts, s, rows):
     """Rows [s, s + len(a)) of ``a @ w`` in fp32 into the split pair ``parts`` (one or two
-    GEMMs: a chunk may straddle the split)."""
+    GEMMs, a chunk may straddle the split; each in pieces of ``rows``, see
+    ``common.mm_over_vocab``)."""
     top, bottom = parts
     r1 = top.shape[0]
     e = s + a.shape[0]
     if s < r1:
-        common.mm_over_vocab(a[: min(e, r1) - s], w, top[s:min(e, r1)])
+        common.mm_over_vocab(a[: min(e, r1) - s], w, top[s:min(e, r1)], rows)
     if e > r1:
         lo = max(s, r1)
-        common.mm_over_vocab(a[lo - s:], w, bottom[lo - r1:e - r1])
+        common.mm_over_vocab(a[lo - s:], w, bottom[lo - r1:e - r1], rows)
 
 
 def _sweep(xs, ws, xt, wt, y, g, opts_t, cfg: Config, want_loss, want_grad, accum, dx_fp32,
@@ -206,9 +208,9 @@ def _sweep(xs, ws, xt, wt, y, g, opts_t, cfg: Config, want_loss, want_grad, accu
         dz = dz_buf[: e - s] if want_grad else None
         if want_grad and need_dx:
             if dx_fp32:
-                _mm_rows_f32(dz, ws, dx, s)
+                _mm_rows_f32(dz, ws, dx, s, cfg.dx_rows)
             else:
-                common.mm_over_vocab(dz, ws, dx[0][s:e])
+                common.mm_over_vocab(dz, ws, dx[0][s:e], cfg.dx_rows)
         if want_grad and need_dw:
             accumulate_split_(dw, dz, xs[s:e], first=s == 0)
     if callable(g):  # no tokens
@@ -233,8 +235,9 @@ def _accum(dtype, accum_fp32, fused=False):
     return "fp32" if (accum_fp32 and dtype != torch.float32) else "input"
 
 
-def _cfg(chunk, sub_chunk, fp32_logits, block, segment, num_warps, grid, row_sync):
-    return Config(chunk, sub_chunk, fp32_logits, block, segment, num_warps, grid, row_sync)
+def _cfg(chunk, sub_chunk, fp32_logits, block, segment, num_warps, grid, row_sync, dx_rows):
+    return Config(chunk, sub_chunk, fp32_logits, block, segment, num_warps, grid, row_sync,
+                  dx_rows)
 
 
 # ----------------------------------------------------------------------------- custom ops
@@ -243,14 +246,15 @@ def _fwd_op(xs: torch.Tensor, ws: torch.Tensor, xt: torch.Tensor, wt: torch.Tens
             y: Optional[torch.Tensor], reduction: int, beta: float, temperature: float,
             ignore_index: int, hard_w: float, grad_mode: int, need_dx: bool, need_dw: bool,
             chunk: int, sub_chunk: int, fp32_logits: bool, accum_fp32: bool, block: int,
-            segment: int, num_warps: int, grid: int, row_sync: int
+            segment: int, num_warps: int, grid: int, row_sync: int, dx_rows: int
             ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                        torch.Tensor]:
     """-> (loss, Σm or 1, dX part a, dX part b, dW part a, dW part b): the gradients (for an
     upstream 1, with 1/Σm folded in unless fp16) only with ``grad_mode`` (mean/sum) and only
     those needed, in fp32 split pairs for half-precision inputs (see :func:`_sweep`)."""
     with common.on_device(xs):
-        cfg = _cfg(chunk, sub_chunk, fp32_logits, block, segment, num_warps, grid, row_sync)
+        cfg = _cfg(chunk, sub_chunk, fp32_logits, block, segment, num_warps, grid, row_sync,
+                   dx_rows)
         n = xs.shape[0]
         opts_t = _opts_tuple(beta, temperature, ignore_index, hard_w)
         found = {}
@@ -279,7 +283,7 @@ def _fwd_op(xs: torch.Tensor, ws: torch.Tensor, xt: torch.Tensor, wt: torch.Tens
 @_fwd_op.register_fake
 def _(xs, ws, xt, wt, y, reduction, beta, temperature, ignore_index, hard_w, grad_mode, need_dx,
       need_dw, chunk, sub_chunk, fp32_logits, accum_fp32, block, segment, num_warps, grid,
-      row_sync):
+      row_sync, dx_rows):
     n, hs, v = xs.shape[0], xs.shape[1], ws.shape[0]
     f32 = dict(dtype=torch.float32)
     loss = xs.new_empty(n, **f32) if reduction == REDUCTIONS["none"] else xs.new_empty((), **f32)
@@ -298,12 +302,14 @@ def _bwd_op(xs: torch.Tensor, ws: torch.Tensor, xt: torch.Tensor, wt: torch.Tens
             y: Optional[torch.Tensor], g: torch.Tensor, beta: float, temperature: float,
             ignore_index: int, hard_w: float, need_dx: bool, need_dw: bool, chunk: int,
             sub_chunk: int, fp32_logits: bool, accum_fp32: bool, block: int, segment: int,
-            num_warps: int, grid: int, row_sync: int) -> Tuple[torch.Tensor, torch.Tensor]:
+            num_warps: int, grid: int, row_sync: int, dx_rows: int
+            ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Recomputing backward for per-token upstream gradients ``g`` (N,): (dX, dW), each empty
     unless needed. g is in dz already, so dX is written (rounded) once; dW is narrowed from
     fp32 without a scale."""
     with common.on_device(xs):
-        cfg = _cfg(chunk, sub_chunk, fp32_logits, block, segment, num_warps, grid, row_sync)
+        cfg = _cfg(chunk, sub_chunk, fp32_logits, block, segment, num_warps, grid, row_sync,
+                   dx_rows)
         v, hs = ws.shape
         _, dx, _, dw_a, dw_b = _sweep(xs, ws, xt, wt, y, g, _opts_tuple(beta, temperature,
                                                                        ignore_index, hard_w),
@@ -315,7 +321,7 @@ def _bwd_op(xs: torch.Tensor, ws: torch.Tensor, xt: torch.Tensor, wt: torch.Tens
 
 @_bwd_op.register_fake
 def _(xs, ws, xt, wt, y, g, beta, temperature, ignore_index, hard_w, need_dx, need_dw, chunk,
-      sub_chunk, fp32_logits, accum_fp32, block, segment, num_warps, grid, row_sync):
+      sub_chunk, fp32_logits, accum_fp32, block, segment, num_warps, grid, row_sync, dx_rows):
     return (xs.new_empty(xs.shape) if need_dx else xs.new_empty(0),
             xs.new_empty(ws.shape) if need_dw else xs.new_empty(0))
 
@@ -323,14 +329,14 @@ def _(xs, ws, xt, wt, y, g, beta, temperature, ignore_index, hard_w, need_dx, ne
 def _setup_context(ctx, inputs, output):
     (xs, ws, xt, wt, y, reduction, beta, temperature, ignore_index, hard_w, grad_mode, _need_dx,
      _need_dw, chunk, sub_chunk, fp32_logits, accum_fp32, block, segment, num_warps, grid,
-     row_sync) = inputs
+     row_sync, dx_rows) = inputs
     loss, denom, dx_a, dx_b, dw_a, dw_b = output
     ctx.save_for_backward(xs, ws, xt, wt, y, denom, dx_a, dx_b, dw_a, dw_b)
     ctx.args = dict(reduction=reduction, beta=beta, temperature=temperature,
                     ignore_index=ignore_index, hard_w=hard_w, grad_mode=grad_mode, chunk=chunk,
                     sub_chunk=sub_chunk, fp32_logits=fp32_logits, accum_fp32=accum_fp32,
                     block=block, segment=segment, num_warps=num_warps, grid=grid,
-                    row_sync=row_sync)
+                    row_sync=row_sync, dx_rows=dx_rows)
     ctx.set_materialize_grads(False)
 
 
@@ -341,7 +347,7 @@ def _finish(a, b, scale, shape, dtype):
 def _backward(ctx, g_loss, _g_denom, _g_dxa, _g_dxb, _g_dwa, _g_dwb):
     a = ctx.args
     need_x, need_w = ctx.needs_input_grad[:2]
-    none = (None,) * 20
+    none = (None,) * 21
     if torch.is_grad_enabled():
         raise RuntimeError(common.NO_DOUBLE_BACKWARD.format(op="linear_jsd"))
     if g_loss is None or not (need_x or need_w):
@@ -363,7 +369,7 @@ def _backward(ctx, g_loss, _g_denom, _g_dxa, _g_dxb, _g_dwa, _g_dwb):
     gx, gw = _bwd_op(xs, ws, xt, wt, y, g_loss.float().contiguous(), a["beta"],
                      a["temperature"], a["ignore_index"], a["hard_w"], need_x, need_w,
                      a["chunk"], a["sub_chunk"], a["fp32_logits"], a["accum_fp32"], a["block"],
-                     a["segment"], a["num_warps"], a["grid"], a["row_sync"])
+                     a["segment"], a["num_warps"], a["grid"], a["row_sync"], a["dx_rows"])
     return (gx if need_x else None, gw if need_w else None) + none
 
 
@@ -381,7 +387,7 @@ def _check_pow2(name, value, lo):
 def linear_jsd(p: jsd_common.Prepared, opts: spec.LinearJSDOptions, *, chunk_size=None,
                logits_chunk_size=None, memory_budget=None, fp32_logits=True,
                grad_accum_dtype=torch.float32, block_v=None, segment_size=None, num_warps=None,
-               programs_per_sm=None, row_sync=None):
+               programs_per_sm=None, row_sync=None, dx_chunk_size=None):
     """Returns the loss reduced per ``opts.reduction`` (flat ``(N,)`` for "none").
 
     Tuning (defaults in parentheses): ``chunk_size`` (None: from ``memory_budget``; tokens
@@ -394,7 +400,10 @@ def linear_jsd(p: jsd_common.Prepared, opts: spec.LinearJSDOptions, *, chunk_siz
     columns per step, a power of 2), ``segment_size`` (None: 8192 on a GPU; columns of a row
     per program, a multiple of ``block_v``), ``num_warps`` (None: 4),
     ``programs_per_sm`` (None: 2; persistent grid), ``row_sync`` (None or False: one launch
-    per pass, the measured faster default; True: one fused launch with per-row barriers).
+    per pass, the measured faster default; True: one fused launch with per-row barriers),
+    ``dx_chunk_size`` (None: on a GPU, the rows one wave of cuBLAS's 256 x 128 output tiles
+    covers, 1024 at H = 4096 on 132 SMs, see ``common.dx_piece_rows``; rows per dX GEMM call,
+    a chunk's dX is issued in pieces of at most this many rows).
     """
     xs = p.xs
     for name, t in (("student_input", xs), ("teacher_input", p.xt)):
@@ -418,6 +427,7 @@ def linear_jsd(p: jsd_common.Prepared, opts: spec.LinearJSDOptions, *, chunk_siz
         raise ValueError(f"programs_per_sm must be a positive int, got {programs_per_sm!r}")
     n, v = p.problem.n, p.problem.v
     gpu = xs.is_cuda and not _interpret()
+    dx_rows = common.check_dx_chunk_size(dx_chunk_size, xs)
     block = block_v or (GPU_BLOCK if gpu else 1024)
     block = min(block, max(16, next_power_of_2(v)))
     if segment_size is None:
@@ -454,5 +464,5 @@ def linear_jsd(p: jsd_common.Prepared, opts: spec.LinearJSDOptions, *, chunk_siz
         xs, p.ws, p.xt, p.wt, y, REDUCTIONS[opts.reduction], opts.beta, opts.temperature,
         opts.ignore_index, opts.hard_loss_weight, grad_mode, need_dx, need_dw, chunk, sub,
         fp32_logits, grad_accum_dtype == torch.float32, block, segment, num_warps or GPU_WARPS,
-        grid, -1 if row_sync is None else int(row_sync))
+        grid, -1 if row_sync is None else int(row_sync), dx_rows)
     return loss
