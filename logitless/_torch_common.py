@@ -146,16 +146,20 @@ def vocab_mm_(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, axis: int) ->
 
 # dX GEMM row pieces: as many rows as one wave of 256 x 128 output tiles covers (cuBLAS's tile
 # for these shapes). The whole K = V loop then runs once per SM, with no partial last wave. H200,
-# dX [rows, 128256] @ [128256, 4096] (results/nvidia-h200-s33-dx-rows-*): 1.27 us per token at
-# 1024 rows (128 tiles) against 1.53 at 1792 and 1.47 at 8192; at H = 2304, V = 256000 the
-# rule gives 1792 rows (126 tiles), already the chunk there.
+# dX [rows, 128256] @ [128256, 4096] alone (results/nvidia-h200-s33-dx-rows-llama.jsonl): 1.27 us
+# per token at 1024 rows (128 tiles) against 1.53 at 1792 and 1.47 at 8192. Whole calls,
+# interleaved A/B against whole chunks (…-s33-dx-rows-ab.jsonl): CE Llama 0.98x, JSD 0.985x,
+# low-memory 0.993x; but CE Gemma (H = 2304, chunks of 4096) 1.010x in pieces of 1792 and
+# 1.042x in pieces of 1024, though 1792 rows ran faster alone. So only from H = 4096 on.
 DX_TILE_ROWS, DX_TILE_COLS = 256, 128
+DX_SPLIT_MIN_H = 4096
 
 
 def dx_piece_rows(h: int, device) -> int:
-    """Default rows per dX GEMM call (``dx_chunk_size``): one wave of output tiles on a CUDA
-    device, at least one tile row; 0 (whole chunks) elsewhere."""
-    if not (isinstance(device, torch.device) and device.type == "cuda"):
+    """Default rows per dX GEMM call (``dx_chunk_size``): on a CUDA device and from
+    ``DX_SPLIT_MIN_H`` on, one wave of output tiles (at least one tile row); else 0 (whole
+    chunks)."""
+    if not (isinstance(device, torch.device) and device.type == "cuda") or h < DX_SPLIT_MIN_H:
         return 0
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     return DX_TILE_ROWS * max(1, sms // -(-h // DX_TILE_COLS))

@@ -207,8 +207,9 @@ def linear_jsd(student_input, student_weight, teacher_input, teacher_weight, tar
       ``grad_accum_dtype`` (``torch.float32``, or the input dtype);
       ``block_v`` (None: 1024 on a GPU); ``segment_size`` (None: 8192 on a GPU);
       ``num_warps`` (None: 4); ``programs_per_sm`` (None: 2);
-      ``row_sync`` (None: one launch per pass); ``dx_chunk_size`` (None: on a GPU, the
-      rows one wave of 256 x 128 output tiles covers), rows per dX GEMM call.
+      ``row_sync`` (None: one launch per pass); ``dx_chunk_size`` (None: on a GPU with
+      H >= 4096, the rows one wave of 256 x 128 output tiles covers; else whole chunks),
+      rows per dX GEMM call.
     * ``backend="pallas"``: the keywords of :func:`logitless.jax.linear_jsd`'s ``"pallas"``
       backend (``logitless.pallas_kernels.linear_jsd.TUNING``).
 

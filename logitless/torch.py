@@ -145,8 +145,9 @@ def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weig
       with ``low_memory`` or ``logits_gemm="cublas"``; True raises where it cannot run;
       False computes every token); ``dx_gemm`` ("cublas"; "triton": with skip_ignored, dX
       of the live rows only, by a GEMM of ours: pays where many tokens are ignored);
-      ``dx_chunk_size`` (None: on a GPU, the rows one wave of 256 x 128 output tiles
-      covers, 1024 at H = 4096 on 132 SMs), rows per cuBLAS dX GEMM call.
+      ``dx_chunk_size`` (None: on a GPU with H >= 4096, the rows one wave of 256 x 128
+      output tiles covers, 1024 at H = 4096 on 132 SMs; else whole chunks), rows per cuBLAS
+      dX GEMM call.
     * ``backend="pallas"``: the keywords of :func:`logitless.jax.linear_cross_entropy`'s
       ``"pallas"`` backend (``logitless.pallas_kernels.linear_cross_entropy.TUNING``).
     * with ``process_group``: ``chunk_size``, ``memory_budget`` (as ``"torch"``).

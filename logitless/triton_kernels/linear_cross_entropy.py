@@ -765,9 +765,9 @@ def linear_cross_entropy(p: common.Prepared, opts: spec.LinearCrossEntropyOption
     True unless given False, which is an error) dX of each chunk's live rows only, by our
     GEMM (:mod:`.dx_gemm`), instead of cuBLAS over every row: ours is slower on a whole chunk,
     so it pays where many tokens are ignored (H200, Llama shape: 0.86x the whole call with
-    half of them ignored, about even with 10%)), ``dx_chunk_size`` (None: on a GPU, the rows
-    one wave of cuBLAS's 256 x 128 output tiles covers, 1024 at H = 4096 on 132 SMs, see
-    ``common.dx_piece_rows``; rows per cuBLAS dX GEMM call: a chunk's dX in pieces of at most
+    half of them ignored, about even with 10%)), ``dx_chunk_size`` (None: on a GPU with H >=
+    4096, the rows one wave of cuBLAS's 256 x 128 output tiles covers, 1024 at H = 4096 on
+    132 SMs, else whole chunks; see ``common.dx_piece_rows``; rows per cuBLAS dX GEMM call: a chunk's dX in pieces of at most
     this many rows).
 
     One backward per forward: the fast path hands its saved gradients over in place, so a

@@ -401,9 +401,10 @@ def linear_jsd(p: jsd_common.Prepared, opts: spec.LinearJSDOptions, *, chunk_siz
     per program, a multiple of ``block_v``), ``num_warps`` (None: 4),
     ``programs_per_sm`` (None: 2; persistent grid), ``row_sync`` (None or False: one launch
     per pass, the measured faster default; True: one fused launch with per-row barriers),
-    ``dx_chunk_size`` (None: on a GPU, the rows one wave of cuBLAS's 256 x 128 output tiles
-    covers, 1024 at H = 4096 on 132 SMs, see ``common.dx_piece_rows``; rows per dX GEMM call,
-    a chunk's dX is issued in pieces of at most this many rows).
+    ``dx_chunk_size`` (None: on a GPU with H >= 4096, the rows one wave of cuBLAS's
+    256 x 128 output tiles covers, 1024 at H = 4096 on 132 SMs, else whole chunks; see
+    ``common.dx_piece_rows``; rows per dX GEMM call: a chunk's dX in pieces of at most this
+    many rows).
     """
     xs = p.xs
     for name, t in (("student_input", xs), ("teacher_input", p.xt)):
