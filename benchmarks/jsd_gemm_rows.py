@@ -46,6 +46,10 @@ def main():
     ap.add_argument("--chunk-rows", default="768,1024,1280,1536,1792,2048")
     ap.add_argument("--dx-rows", default="",
                     help="only the dX GEMM, bf16 and fp32 out, at these row counts")
+    ap.add_argument("--neighbour", type=int, default=0,
+                    help="rows c: the fp32 logits GEMM's kernel time (profiler) back to back "
+                         "against the same GEMM between memory-bound kernels over both heads' "
+                         "[c, V] fp32 buffers (the row kernel's traffic), then exit")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", default="")
     a = ap.parse_args()
@@ -62,6 +66,35 @@ def main():
         recs.append(r)
         print(json.dumps(r), flush=True)
 
+    if a.neighbour:
+        c = a.neighbour
+        zs = torch.empty(c, a.v, device=dev, dtype=torch.float32)
+        zt = torch.randn(c, a.v, device=dev, dtype=torch.float32)
+
+        def gemm():
+            torch.mm(x[:c], w.t(), out_dtype=torch.float32, out=zs)
+
+        def mixed():
+            gemm()
+            torch.mm(x[c:2 * c], w.t(), out_dtype=torch.float32, out=zt)
+            zs.mul_(1.0000001)  # read + write both heads: ~4x the row kernel's HBM bytes
+            zt.mul_(1.0000001)
+
+        for name, fn in (("alone", gemm), ("between memory-bound kernels", mixed)):
+            for _ in range(3):
+                fn()
+            torch.cuda.synchronize()
+            acts = [torch.profiler.ProfilerActivity.CUDA]
+            with torch.profiler.profile(activities=acts) as prof:
+                for _ in range(a.reps):
+                    fn()
+                torch.cuda.synchronize()
+            for e in prof.key_averages():
+                if e.device_type == torch.autograd.DeviceType.CUDA and "mul" not in e.key:
+                    us = getattr(e, "device_time", None) or e.cuda_time
+                    print(json.dumps(dict(mode=name, rows=c, kernel=e.key[:70], calls=e.count,
+                                          us_per_call=us)), flush=True)
+        return
     if a.dx_rows:  # the dX GEMM alone: how its time per token depends on the rows it gets
         for r in map(int, a.dx_rows.split(",")):
             dz = torch.randn(r, a.v, **bf)
