@@ -102,9 +102,7 @@ def main():
                 dx = torch.empty(r, a.h, device=dev, dtype=odt)
                 record(f"dx_{str(odt)[6:]}", r, lambda: torch.mm(dz, w, out_dtype=odt, out=dx))
             del dz, dx
-        if a.out:
-            Path(a.out).write_text("".join(json.dumps(r) + "\n" for r in recs))
-        return
+        return save(a.out, recs)
     # the floor's shares: each GEMM over all N tokens in bf16
     g = torch.randn(a.n, a.v, **bf)
     record("floor_logits", a.n, lambda: torch.mm(x, w.t()))
@@ -124,8 +122,12 @@ def main():
         record("dw", cc, lambda: torch.addmm(acc, dz.t(), x[:cc], out_dtype=torch.float32,
                                              out=acc))
         del dz, dx
-    if a.out:
-        Path(a.out).write_text("".join(json.dumps(r) + "\n" for r in recs))
+    save(a.out, recs)
+
+
+def save(path, recs):
+    if path:
+        Path(path).write_text("".join(json.dumps(r) + "\n" for r in recs))
 
 
 if __name__ == "__main__":

@@ -155,11 +155,11 @@ DX_TILE_ROWS, DX_TILE_COLS = 256, 128
 DX_SPLIT_MIN_H = 4096
 
 
-def dx_piece_rows(h: int, device) -> int:
+def dx_piece_rows(h: int, device: torch.device) -> int:
     """Default rows per dX GEMM call (``dx_chunk_size``): on a CUDA device and from
     ``DX_SPLIT_MIN_H`` on, one wave of output tiles (at least one tile row); else 0 (whole
     chunks)."""
-    if not (isinstance(device, torch.device) and device.type == "cuda") or h < DX_SPLIT_MIN_H:
+    if device.type != "cuda" or h < DX_SPLIT_MIN_H:
         return 0
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     return DX_TILE_ROWS * max(1, sms // -(-h // DX_TILE_COLS))
