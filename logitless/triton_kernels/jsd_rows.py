@@ -143,16 +143,20 @@ def _seg_stats(s_row, t_row, col0, col1, col1_load, y_local, inv_t, KIND: tl.con
     offs = tl.arange(0, BLOCK)
     zero = tl.sum(tl.zeros([BLOCK], dtype=tl.float32), 0)
     ms = zero - float("inf")
-    s_a = zero
     mt = zero - float("inf")
-    s_b = zero
-    u = zero
-    md = zero - float("inf")
-    w = zero
-    wf = zero
     m_z = zero - float("inf")
     s_z = zero
-    z_y = zero
+    # The sums are kept per lane and reduced once at the end: a cross-warp reduction per block
+    # and sum cost ~3 instructions per element (one here). Only the maxima, which every
+    # exponent of the block needs, are reduced per block.
+    lane = tl.zeros([BLOCK], dtype=tl.float32)
+    s_a = lane
+    s_b = lane
+    u = lane
+    md = lane - float("inf")
+    w = lane
+    wf = lane
+    z_y = lane
     for start in tl.range(col0, col1, BLOCK, num_stages=STAGES):
         cols = start + offs
         cmask = cols < col1
@@ -166,25 +170,28 @@ def _seg_stats(s_row, t_row, col0, col1, col1_load, y_local, inv_t, KIND: tl.con
         rb = exp_ftz((mt - mt_new) * inv_t)
         ea = tl.where(cmask, exp_ftz(xa), 0.0)
         eb = tl.where(cmask, exp_ftz(xb), 0.0)
-        u = u * ra + tl.sum(ea * _expm1(tl.minimum(d, FAR)), 0)
-        md = tl.maximum(md, tl.max(tl.where(cmask, d, -float("inf")), 0))
+        u = u * ra + ea * _expm1(tl.minimum(d, FAR))
+        md = tl.maximum(md, tl.where(cmask, d, -float("inf")))
+        # a live column seen before this block (the sums of _max_shift's rule are per lane)
+        seen = tl.where(ms > -float("inf"), 1.0, 0.0)
         if KIND == 0:   # forward KL: Σ P·δ, weights of the teacher
-            shift = _max_shift(ms, ms_new, mt, mt_new, s_b, inv_t)
-            w = w * rb + tl.sum(eb * d, 0)
-            wf = (wf - s_b * shift) * rb + tl.sum(tl.where(cmask, eb * (xb - xa), 0.0), 0)
+            shift = _max_shift(ms, ms_new, mt, mt_new, seen, inv_t)
+            w = w * rb + eb * d
+            wf = (wf - s_b * shift) * rb + tl.where(cmask, eb * (xb - xa), 0.0)
         elif KIND == 1:  # reverse KL: −Σ Q·δ, weights of the student
-            shift = _max_shift(ms, ms_new, mt, mt_new, s_a, inv_t)
-            w = w * ra - tl.sum(ea * d, 0)
-            wf = (wf + s_a * shift) * ra - tl.sum(tl.where(cmask, ea * (xb - xa), 0.0), 0)
-        s_a = s_a * ra + tl.sum(ea, 0)
-        s_b = s_b * rb + tl.sum(eb, 0)
+            shift = _max_shift(ms, ms_new, mt, mt_new, seen, inv_t)
+            w = w * ra - ea * d
+            wf = (wf + s_a * shift) * ra - tl.where(cmask, ea * (xb - xa), 0.0)
+        s_a = s_a * ra + ea
+        s_b = s_b * rb + eb
         ms = ms_new
         mt = mt_new
         if HARD:
             if not T_ONE:
                 m_z, s_z = _online(m_z, s_z, tl.where(cmask, zs, -float("inf")))
-            z_y += tl.sum(tl.where(cols == y_local, zs, 0.0), 0)
-    return ms, s_a, mt, s_b, u, md, w, wf, m_z, s_z, z_y
+            z_y += tl.where(cols == y_local, zs, 0.0)
+    return (ms, tl.sum(s_a, 0), mt, tl.sum(s_b, 0), tl.sum(u, 0), tl.max(md, 0), tl.sum(w, 0),
+            tl.sum(wf, 0), m_z, s_z, tl.sum(z_y, 0))
 
 
 @triton.jit
@@ -343,13 +350,16 @@ def _log_p_over_m(delta, lam, beta, omb, FORM: tl.constexpr):
 
 @triton.jit
 def _seg_jsd_sums(s_row, t_row, col0, col1, col1_load, inv_t, ms, ls_a, mt, ls_b, c, oa, ob, oc,
-                  beta, omb, FORM: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr):
+                  beta, omb, FORM: tl.constexpr, KEEP_LAM: tl.constexpr, BLOCK: tl.constexpr,
+                  STAGES: tl.constexpr):
     """Pass 2 (0 < β < 1) over [col0, col1): −Σ Q·Λ and Σ Q (K is their ratio: Q carries the
     rounding of L_a as a factor common to the row, which K must not; see
     ``_jax_jsd.jsd_k``) and Σ β·P·log(P/M) − (1−β)·Q·Λ (→ J); ``omb`` = 1 − β, computed on
-    the host (in fp32, 1 − β would lose it as β → 1)."""
+    the host (in fp32, 1 − β would lose it as β → 1). ``KEEP_LAM``: Λ overwrites the teacher's
+    logits (fp32 scratch, read by nothing after this pass but pass 3), so that pass 3 need not
+    recompute it: Λ is 2/3 of that pass's instructions, the store one per 8 elements."""
     offs = tl.arange(0, BLOCK)
-    k = tl.sum(tl.zeros([BLOCK], dtype=tl.float32), 0)
+    k = tl.zeros([BLOCK], dtype=tl.float32)  # per lane, reduced at the end (see _seg_stats)
     j = k
     qs = k
     for start in tl.range(col0, col1, BLOCK, num_stages=STAGES):
@@ -364,28 +374,37 @@ def _seg_jsd_sums(s_row, t_row, col0, col1, col1_load, inv_t, ms, ls_a, mt, ls_b
         # normalizer gap c is large (one exp either way)
         p = exp_ftz(tl.where(tl.maximum(tl.abs(delta), tl.abs(c)) < 1.0, lq + delta,
                             _log_q(zt, mt, ls_b, inv_t)))
+        if KEEP_LAM:  # the padding too (junk in, junk out): pass 3 reads up to col1_load
+            tl.store(t_row + cols, lam, mask=cols < col1_load)
         qlam = q * lam
-        k -= tl.sum(tl.where(cmask, qlam, 0.0), 0)
-        qs += tl.sum(tl.where(cmask, q, 0.0), 0)
+        k -= tl.where(cmask, qlam, 0.0)
+        qs += tl.where(cmask, q, 0.0)
         lpm = _log_p_over_m(delta, lam, beta, omb, FORM)
-        j += tl.sum(tl.where(cmask, beta * p * lpm - omb * qlam, 0.0), 0)
-    return k, j, qs
+        j += tl.where(cmask, beta * p * lpm - omb * qlam, 0.0)
+    return tl.sum(k, 0), tl.sum(j, 0), tl.sum(qs, 0)
 
 
 @triton.jit
 def _seg_grad(s_row, t_row, dz_row, col0, col1_load, y_local, inv_t, ms, ls_a, mt, ls_b, oa,
               ob, oc, l_z, kk, beta, omb, coef, hard_coef, poison, KIND: tl.constexpr,
               HARD: tl.constexpr, T_ONE: tl.constexpr, ROUND_BF16: tl.constexpr, FORM: tl.constexpr,
-              BLOCK: tl.constexpr, STAGES: tl.constexpr):
+              KEEP_LAM: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr):
     """Pass 3 over [col0, col1_load): dz = coef·∂J/∂a + hard_coef·(S − [v = y]) (+ poison),
-    with coef = g·m/T, hard_coef = g·m·w_h, kk the row's KL (reverse KL) or K (JSD)."""
+    with coef = g·m/T, hard_coef = g·m·w_h, kk the row's KL (reverse KL) or K (JSD).
+    ``KEEP_LAM`` (JSD): Λ is read from where pass 2 left it, in the teacher's buffer."""
     offs = tl.arange(0, BLOCK)
     for start in tl.range(col0, col1_load, BLOCK, num_stages=STAGES):
         cols = start + offs
         lmask = cols < col1_load  # the padding too: junk there, read by no GEMM
-        zs, zt, _ = _load_block(s_row, t_row, cols, lmask, inv_t)
-        lq = _log_q(zs, ms, ls_a, inv_t)
-        delta = _log_ratio(zs, zt, oa, ob, oc, inv_t)
+        if KIND == 2 and KEEP_LAM:
+            zs = tl.load(s_row + cols, mask=lmask, other=0.0).to(tl.float32)
+            lam = tl.load(t_row + cols, mask=lmask, other=0.0)
+            lq = _log_q(zs, ms, ls_a, inv_t)
+            delta = lq  # unused
+        else:
+            zs, zt, _ = _load_block(s_row, t_row, cols, lmask, inv_t)
+            lq = _log_q(zs, ms, ls_a, inv_t)
+            delta = _log_ratio(zs, zt, oa, ob, oc, inv_t)
         if KIND == 0:
             q = exp_ftz(lq)
             # Q − P: as −Q·expm1(δ) where P ≈ Q (no cancellation); elsewhere P from the
@@ -395,6 +414,9 @@ def _seg_grad(s_row, t_row, dz_row, col0, col1_load, y_local, inv_t, ms, ls_a, m
         elif KIND == 1:
             q = exp_ftz(lq)
             g = -q * (delta + kk)
+        elif KEEP_LAM:
+            q = exp_ftz(lq)  # as _jsd_terms makes it: the same dz, bit for bit
+            g = -omb * q * (lam + kk)
         else:
             q, lam = _jsd_terms(lq, delta, beta, omb, FORM)
             g = -omb * q * (lam + kk)
@@ -427,7 +449,8 @@ def _row_segment(row, seg, s_ptr, s_stride, t_ptr, t_stride, dz_ptr, dz_stride, 
                  T_ONE: tl.constexpr, WRITE_LOSS: tl.constexpr, WRITE_GRAD: tl.constexpr,
                  PHASE: tl.constexpr, SEGS: tl.constexpr, SEGS_P2: tl.constexpr,
                  SEG: tl.constexpr, BLOCK: tl.constexpr, ROUND_BF16: tl.constexpr,
-                 MAX_SPIN: tl.constexpr, FORM: tl.constexpr, STAGES: tl.constexpr):
+                 MAX_SPIN: tl.constexpr, FORM: tl.constexpr, STAGES: tl.constexpr,
+                 KEEP_LAM: tl.constexpr):
     row64 = tl.cast(row, tl.int64)
     s_row = s_ptr + row64 * s_stride
     t_row = t_ptr + row64 * t_stride
@@ -491,7 +514,8 @@ def _row_segment(row, seg, s_ptr, s_stride, t_ptr, t_stride, dz_ptr, dz_stride, 
                 if PHASE != 3:
                     k_seg, j_seg, q_seg = _seg_jsd_sums(s_row, t_row, col0, col1, col1_load,
                                                         inv_t, ms, ls_a, mt, ls_b, c, oa, ob,
-                                                        oc, beta, omb, FORM, BLOCK, STAGES)
+                                                        oc, beta, omb, FORM, KEEP_LAM, BLOCK,
+                                                        STAGES)
                     if SEGS > 1:
                         tl.store(part + seg * _NF + F_K, k_seg)
                         tl.store(part + seg * _NF + F_J, j_seg)
@@ -502,6 +526,8 @@ def _row_segment(row, seg, s_ptr, s_stride, t_ptr, t_stride, dz_ptr, dz_stride, 
                 if sync:
                     ok = ok & _wait_row(sync_ptr + 2 + row64, sync_ptr + 1, 2 * SEGS,
                                         MAX_SPIN)
+                elif KEEP_LAM and PHASE == 0:
+                    tl.debug_barrier()  # pass 2's Λ stores before pass 3's loads of them
                 if PHASE != 2:
                     if SEGS > 1:
                         kk = tl.sum(_load_field(part, F_K, segs_idx, smask, 0.0), 0) / \
@@ -525,7 +551,8 @@ def _row_segment(row, seg, s_ptr, s_stride, t_ptr, t_stride, dz_ptr, dz_stride, 
                     g = tl.load(g_ptr + row64 * g_stride).to(tl.float32)
                     _seg_grad(s_row, t_row, dz_row, col0, col1_load, y_local, inv_t, ms, ls_a,
                               mt, ls_b, oa, ob, oc, l_z, kk, beta, omb, g * inv_t, g * hard_w,
-                              nan, KIND, HARD, T_ONE, ROUND_BF16, FORM, BLOCK, STAGES)
+                              nan, KIND, HARD, T_ONE, ROUND_BF16, FORM, KEEP_LAM, BLOCK,
+                              STAGES)
     else:
         if PHASE == 0 or PHASE == 3:
             if WRITE_LOSS:
@@ -544,7 +571,7 @@ def jsd_rows_kernel(
     WRITE_LOSS: tl.constexpr, WRITE_GRAD: tl.constexpr, PHASE: tl.constexpr,
     SEGS: tl.constexpr, SEGS_P2: tl.constexpr, SEG: tl.constexpr, BLOCK: tl.constexpr,
     ROUND_BF16: tl.constexpr = False, MAX_SPIN: tl.constexpr = 1 << 20,
-    FORM: tl.constexpr = 0, STAGES: tl.constexpr = 1,
+    FORM: tl.constexpr = 0, STAGES: tl.constexpr = 1, KEEP_LAM: tl.constexpr = False,
 ):
     """Per-token loss (``loss_ptr``, fp32) and/or the student logit gradient (``dz_ptr``) for
     rows [0, n_rows) of the student / teacher logits buffers. ``inv_t`` = 1/T, ``g`` the
@@ -552,7 +579,8 @@ def jsd_rows_kernel(
     fp32 [n_rows, SEGS, NUM_FIELDS] partials (SEGS > 1), ``sync_ptr`` int32 [2 + n_rows] zeros
     (``PHASE`` 0 with SEGS > 1: the ticket counter, the abort flag, one counter per row).
     ``V_LOAD`` >= V: the columns every row of the buffers has (``common.load_cols``; a load
-    bound that is a multiple of 16 vectorizes, one of V = 50257 does not)."""
+    bound that is a multiple of 16 vectorizes, one of V = 50257 does not). ``KEEP_LAM`` (JSD,
+    fp32 teacher buffer): pass 2 overwrites the teacher's logits with Λ, which pass 3 reads."""
     if PHASE == 0:
         if SEGS > 1:
             total = n_rows * SEGS
@@ -562,7 +590,7 @@ def jsd_rows_kernel(
                              dz_ptr, dz_stride, y_ptr, g_ptr, g_stride, loss_ptr, part_ptr,
                              sync_ptr, V, V_LOAD, ignore_index, inv_t, beta, omb, hard_w, KIND,
                              HAS_Y, HARD, T_ONE, WRITE_LOSS, WRITE_GRAD, PHASE, SEGS, SEGS_P2,
-                             SEG, BLOCK, ROUND_BF16, MAX_SPIN, FORM, STAGES)
+                             SEG, BLOCK, ROUND_BF16, MAX_SPIN, FORM, STAGES, KEEP_LAM)
                 ticket = tl.atomic_add(sync_ptr, 1, sem="relaxed")
         else:
             for row in range(tl.program_id(0), n_rows, tl.num_programs(0)):
@@ -570,14 +598,14 @@ def jsd_rows_kernel(
                              y_ptr, g_ptr, g_stride, loss_ptr, part_ptr, sync_ptr, V, V_LOAD,
                              ignore_index, inv_t, beta, omb, hard_w, KIND, HAS_Y, HARD, T_ONE,
                              WRITE_LOSS, WRITE_GRAD, PHASE, SEGS, SEGS_P2, SEG, BLOCK,
-                             ROUND_BF16, MAX_SPIN, FORM, STAGES)
+                             ROUND_BF16, MAX_SPIN, FORM, STAGES, KEEP_LAM)
     else:
         pid = tl.program_id(0)
         _row_segment(pid // SEGS, pid % SEGS, s_ptr, s_stride, t_ptr, t_stride, dz_ptr,
                      dz_stride, y_ptr, g_ptr, g_stride, loss_ptr, part_ptr, sync_ptr, V, V_LOAD,
                      ignore_index, inv_t, beta, omb, hard_w, KIND, HAS_Y, HARD, T_ONE,
                      WRITE_LOSS, WRITE_GRAD, PHASE, SEGS, SEGS_P2, SEG, BLOCK, ROUND_BF16,
-                     MAX_SPIN, FORM, STAGES)
+                     MAX_SPIN, FORM, STAGES, KEEP_LAM)
 
 
 # ----------------------------------------------------------------------------- diagnostics
@@ -639,9 +667,10 @@ def compile_report(arch: int = 90, variants=None) -> str:
 
     base = dict(KIND=KIND_JSD, HAS_Y=True, HARD=False, T_ONE=True, WRITE_LOSS=True,
                 WRITE_GRAD=True, PHASE=0, SEGS=16, SEGS_P2=16, SEG=8192, BLOCK=1024,
-                ROUND_BF16=False, MAX_SPIN=1 << 20, FORM=0, STAGES=1)
+                ROUND_BF16=False, MAX_SPIN=1 << 20, FORM=0, STAGES=1, KEEP_LAM=True)
     variants = variants or [
-        dict(), dict(KIND=KIND_FORWARD_KL), dict(KIND=KIND_REVERSE_KL, HARD=True),
+        dict(), dict(KEEP_LAM=False), dict(SEGS=1, SEGS_P2=2, SEG=131072, KEEP_LAM=False),
+        dict(KIND=KIND_FORWARD_KL), dict(KIND=KIND_REVERSE_KL, HARD=True),
         dict(HARD=True, T_ONE=False), dict(SEGS=1, SEGS_P2=2, SEG=131072),
         dict(PHASE=1), dict(PHASE=2), dict(PHASE=3, HAS_Y=False), dict(WRITE_GRAD=False),
         dict(FORM=1), dict(PHASE=2, FORM=1), dict(PHASE=3, FORM=1), dict(PHASE=2, FORM=2),
