@@ -350,14 +350,11 @@ def _log_p_over_m(delta, lam, beta, omb, FORM: tl.constexpr):
 
 @triton.jit
 def _seg_jsd_sums(s_row, t_row, col0, col1, col1_load, inv_t, ms, ls_a, mt, ls_b, c, oa, ob, oc,
-                  beta, omb, FORM: tl.constexpr, KEEP_LAM: tl.constexpr, BLOCK: tl.constexpr,
-                  STAGES: tl.constexpr):
+                  beta, omb, FORM: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr):
     """Pass 2 (0 < β < 1) over [col0, col1): −Σ Q·Λ and Σ Q (K is their ratio: Q carries the
     rounding of L_a as a factor common to the row, which K must not; see
     ``_jax_jsd.jsd_k``) and Σ β·P·log(P/M) − (1−β)·Q·Λ (→ J); ``omb`` = 1 − β, computed on
-    the host (in fp32, 1 − β would lose it as β → 1). ``KEEP_LAM``: Λ overwrites the teacher's
-    logits (fp32 scratch, read by nothing after this pass but pass 3), so that pass 3 need not
-    recompute it: Λ is 2/3 of that pass's instructions, the store one per 8 elements."""
+    the host (in fp32, 1 − β would lose it as β → 1)."""
     offs = tl.arange(0, BLOCK)
     k = tl.zeros([BLOCK], dtype=tl.float32)  # per lane, reduced at the end (see _seg_stats)
     j = k
@@ -374,8 +371,6 @@ def _seg_jsd_sums(s_row, t_row, col0, col1, col1_load, inv_t, ms, ls_a, mt, ls_b
         # normalizer gap c is large (one exp either way)
         p = exp_ftz(tl.where(tl.maximum(tl.abs(delta), tl.abs(c)) < 1.0, lq + delta,
                             _log_q(zt, mt, ls_b, inv_t)))
-        if KEEP_LAM:  # the padding too (junk in, junk out): pass 3 reads up to col1_load
-            tl.store(t_row + cols, lam, mask=cols < col1_load)
         qlam = q * lam
         k -= tl.where(cmask, qlam, 0.0)
         qs += tl.where(cmask, q, 0.0)
@@ -388,23 +383,16 @@ def _seg_jsd_sums(s_row, t_row, col0, col1, col1_load, inv_t, ms, ls_a, mt, ls_b
 def _seg_grad(s_row, t_row, dz_row, col0, col1_load, y_local, inv_t, ms, ls_a, mt, ls_b, oa,
               ob, oc, l_z, kk, beta, omb, coef, hard_coef, poison, KIND: tl.constexpr,
               HARD: tl.constexpr, T_ONE: tl.constexpr, ROUND_BF16: tl.constexpr, FORM: tl.constexpr,
-              KEEP_LAM: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr):
+              BLOCK: tl.constexpr, STAGES: tl.constexpr):
     """Pass 3 over [col0, col1_load): dz = coef·∂J/∂a + hard_coef·(S − [v = y]) (+ poison),
-    with coef = g·m/T, hard_coef = g·m·w_h, kk the row's KL (reverse KL) or K (JSD).
-    ``KEEP_LAM`` (JSD): Λ is read from where pass 2 left it, in the teacher's buffer."""
+    with coef = g·m/T, hard_coef = g·m·w_h, kk the row's KL (reverse KL) or K (JSD)."""
     offs = tl.arange(0, BLOCK)
     for start in tl.range(col0, col1_load, BLOCK, num_stages=STAGES):
         cols = start + offs
         lmask = cols < col1_load  # the padding too: junk there, read by no GEMM
-        if KIND == 2 and KEEP_LAM:
-            zs = tl.load(s_row + cols, mask=lmask, other=0.0).to(tl.float32)
-            lam = tl.load(t_row + cols, mask=lmask, other=0.0)
-            lq = _log_q(zs, ms, ls_a, inv_t)
-            delta = lq  # unused
-        else:
-            zs, zt, _ = _load_block(s_row, t_row, cols, lmask, inv_t)
-            lq = _log_q(zs, ms, ls_a, inv_t)
-            delta = _log_ratio(zs, zt, oa, ob, oc, inv_t)
+        zs, zt, _ = _load_block(s_row, t_row, cols, lmask, inv_t)
+        lq = _log_q(zs, ms, ls_a, inv_t)
+        delta = _log_ratio(zs, zt, oa, ob, oc, inv_t)
         if KIND == 0:
             q = exp_ftz(lq)
             # Q − P: as −Q·expm1(δ) where P ≈ Q (no cancellation); elsewhere P from the
@@ -414,9 +402,6 @@ def _seg_grad(s_row, t_row, dz_row, col0, col1_load, y_local, inv_t, ms, ls_a, m
         elif KIND == 1:
             q = exp_ftz(lq)
             g = -q * (delta + kk)
-        elif KEEP_LAM:
-            q = exp_ftz(lq)  # as _jsd_terms makes it: the same dz, bit for bit
-            g = -omb * q * (lam + kk)
         else:
             q, lam = _jsd_terms(lq, delta, beta, omb, FORM)
             g = -omb * q * (lam + kk)
@@ -449,8 +434,7 @@ def _row_segment(row, seg, s_ptr, s_stride, t_ptr, t_stride, dz_ptr, dz_stride, 
                  T_ONE: tl.constexpr, WRITE_LOSS: tl.constexpr, WRITE_GRAD: tl.constexpr,
                  PHASE: tl.constexpr, SEGS: tl.constexpr, SEGS_P2: tl.constexpr,
                  SEG: tl.constexpr, BLOCK: tl.constexpr, ROUND_BF16: tl.constexpr,
-                 MAX_SPIN: tl.constexpr, FORM: tl.constexpr, STAGES: tl.constexpr,
-                 KEEP_LAM: tl.constexpr):
+                 MAX_SPIN: tl.constexpr, FORM: tl.constexpr, STAGES: tl.constexpr):
     row64 = tl.cast(row, tl.int64)
     s_row = s_ptr + row64 * s_stride
     t_row = t_ptr + row64 * t_stride
@@ -514,8 +498,7 @@ def _row_segment(row, seg, s_ptr, s_stride, t_ptr, t_stride, dz_ptr, dz_stride, 
                 if PHASE != 3:
                     k_seg, j_seg, q_seg = _seg_jsd_sums(s_row, t_row, col0, col1, col1_load,
                                                         inv_t, ms, ls_a, mt, ls_b, c, oa, ob,
-                                                        oc, beta, omb, FORM, KEEP_LAM, BLOCK,
-                                                        STAGES)
+                                                        oc, beta, omb, FORM, BLOCK, STAGES)
                     if SEGS > 1:
                         tl.store(part + seg * _NF + F_K, k_seg)
                         tl.store(part + seg * _NF + F_J, j_seg)
@@ -526,8 +509,6 @@ def _row_segment(row, seg, s_ptr, s_stride, t_ptr, t_stride, dz_ptr, dz_stride, 
                 if sync:
                     ok = ok & _wait_row(sync_ptr + 2 + row64, sync_ptr + 1, 2 * SEGS,
                                         MAX_SPIN)
-                elif KEEP_LAM and PHASE == 0:
-                    tl.debug_barrier()  # pass 2's Λ stores before pass 3's loads of them
                 if PHASE != 2:
                     if SEGS > 1:
                         kk = tl.sum(_load_field(part, F_K, segs_idx, smask, 0.0), 0) / \
@@ -551,8 +532,7 @@ def _row_segment(row, seg, s_ptr, s_stride, t_ptr, t_stride, dz_ptr, dz_stride, 
                     g = tl.load(g_ptr + row64 * g_stride).to(tl.float32)
                     _seg_grad(s_row, t_row, dz_row, col0, col1_load, y_local, inv_t, ms, ls_a,
                               mt, ls_b, oa, ob, oc, l_z, kk, beta, omb, g * inv_t, g * hard_w,
-                              nan, KIND, HARD, T_ONE, ROUND_BF16, FORM, KEEP_LAM, BLOCK,
-                              STAGES)
+                              nan, KIND, HARD, T_ONE, ROUND_BF16, FORM, BLOCK, STAGES)
     else:
         if PHASE == 0 or PHASE == 3:
             if WRITE_LOSS:
@@ -571,7 +551,7 @@ def jsd_rows_kernel(
     WRITE_LOSS: tl.constexpr, WRITE_GRAD: tl.constexpr, PHASE: tl.constexpr,
     SEGS: tl.constexpr, SEGS_P2: tl.constexpr, SEG: tl.constexpr, BLOCK: tl.constexpr,
     ROUND_BF16: tl.constexpr = False, MAX_SPIN: tl.constexpr = 1 << 20,
-    FORM: tl.constexpr = 0, STAGES: tl.constexpr = 1, KEEP_LAM: tl.constexpr = False,
+    FORM: tl.constexpr = 0, STAGES: tl.constexpr = 1,
 ):
     """Per-token loss (``loss_ptr``, fp32) and/or the student logit gradient (``dz_ptr``) for
     rows [0, n_rows) of the student / teacher logits buffers. ``inv_t`` = 1/T, ``g`` the
@@ -579,8 +559,7 @@ def jsd_rows_kernel(
     fp32 [n_rows, SEGS, NUM_FIELDS] partials (SEGS > 1), ``sync_ptr`` int32 [2 + n_rows] zeros
     (``PHASE`` 0 with SEGS > 1: the ticket counter, the abort flag, one counter per row).
     ``V_LOAD`` >= V: the columns every row of the buffers has (``common.load_cols``; a load
-    bound that is a multiple of 16 vectorizes, one of V = 50257 does not). ``KEEP_LAM`` (JSD,
-    fp32 teacher buffer): pass 2 overwrites the teacher's logits with Λ, which pass 3 reads."""
+    bound that is a multiple of 16 vectorizes, one of V = 50257 does not)."""
     if PHASE == 0:
         if SEGS > 1:
             total = n_rows * SEGS
@@ -590,7 +569,7 @@ def jsd_rows_kernel(
                              dz_ptr, dz_stride, y_ptr, g_ptr, g_stride, loss_ptr, part_ptr,
                              sync_ptr, V, V_LOAD, ignore_index, inv_t, beta, omb, hard_w, KIND,
                              HAS_Y, HARD, T_ONE, WRITE_LOSS, WRITE_GRAD, PHASE, SEGS, SEGS_P2,
-                             SEG, BLOCK, ROUND_BF16, MAX_SPIN, FORM, STAGES, KEEP_LAM)
+                             SEG, BLOCK, ROUND_BF16, MAX_SPIN, FORM, STAGES)
                 ticket = tl.atomic_add(sync_ptr, 1, sem="relaxed")
         else:
             for row in range(tl.program_id(0), n_rows, tl.num_programs(0)):
@@ -598,14 +577,14 @@ def jsd_rows_kernel(
                              y_ptr, g_ptr, g_stride, loss_ptr, part_ptr, sync_ptr, V, V_LOAD,
                              ignore_index, inv_t, beta, omb, hard_w, KIND, HAS_Y, HARD, T_ONE,
                              WRITE_LOSS, WRITE_GRAD, PHASE, SEGS, SEGS_P2, SEG, BLOCK,
-                             ROUND_BF16, MAX_SPIN, FORM, STAGES, KEEP_LAM)
+                             ROUND_BF16, MAX_SPIN, FORM, STAGES)
     else:
         pid = tl.program_id(0)
         _row_segment(pid // SEGS, pid % SEGS, s_ptr, s_stride, t_ptr, t_stride, dz_ptr,
                      dz_stride, y_ptr, g_ptr, g_stride, loss_ptr, part_ptr, sync_ptr, V, V_LOAD,
                      ignore_index, inv_t, beta, omb, hard_w, KIND, HAS_Y, HARD, T_ONE,
                      WRITE_LOSS, WRITE_GRAD, PHASE, SEGS, SEGS_P2, SEG, BLOCK, ROUND_BF16,
-                     MAX_SPIN, FORM, STAGES, KEEP_LAM)
+                     MAX_SPIN, FORM, STAGES)
 
 
 # ----------------------------------------------------------------------------- diagnostics
@@ -667,10 +646,9 @@ def compile_report(arch: int = 90, variants=None) -> str:
 
     base = dict(KIND=KIND_JSD, HAS_Y=True, HARD=False, T_ONE=True, WRITE_LOSS=True,
                 WRITE_GRAD=True, PHASE=0, SEGS=16, SEGS_P2=16, SEG=8192, BLOCK=1024,
-                ROUND_BF16=False, MAX_SPIN=1 << 20, FORM=0, STAGES=1, KEEP_LAM=True)
+                ROUND_BF16=False, MAX_SPIN=1 << 20, FORM=0, STAGES=1)
     variants = variants or [
-        dict(), dict(KEEP_LAM=False), dict(SEGS=1, SEGS_P2=2, SEG=131072, KEEP_LAM=False),
-        dict(KIND=KIND_FORWARD_KL), dict(KIND=KIND_REVERSE_KL, HARD=True),
+        dict(), dict(KIND=KIND_FORWARD_KL), dict(KIND=KIND_REVERSE_KL, HARD=True),
         dict(HARD=True, T_ONE=False), dict(SEGS=1, SEGS_P2=2, SEG=131072),
         dict(PHASE=1), dict(PHASE=2), dict(PHASE=3, HAS_Y=False), dict(WRITE_GRAD=False),
         dict(FORM=1), dict(PHASE=2, FORM=1), dict(PHASE=3, FORM=1), dict(PHASE=2, FORM=2),

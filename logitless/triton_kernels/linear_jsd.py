@@ -68,9 +68,6 @@ GPU_PROGRAMS_PER_SM = 2
 # than 1 (1.007x, 1.012x; intervals include 1; benchmarks/row_stages_ab.py; a segment is only
 # 4 blocks long). Above 1, mind the shared memory it takes (see linear_cross_entropy._rows).
 GPU_ROW_STAGES = 1
-# JSD (0 < β < 1) with fp32 logits: pass 2 leaves Λ in the teacher's buffer for pass 3 instead
-# of pass 3 recomputing it (jsd_rows ``KEEP_LAM``; False: recompute, the A/B baseline)
-KEEP_LAM = True
 REDUCTIONS = common.REDUCTION_CODES
 KINDS = {"forward_kl": jsd_rows.KIND_FORWARD_KL, "reverse_kl": jsd_rows.KIND_REVERSE_KL,
          "jsd": jsd_rows.KIND_JSD}
@@ -128,11 +125,7 @@ def _row_kernel(zs, zt, dz, y, g, loss, opts_t, v, cfg: Config, write_loss, writ
                 SEGS_P2=max(2, next_power_of_2(segs)), SEG=cfg.segment, BLOCK=cfg.block,
                 ROUND_BF16=_interpret() and dz is not None and dz.dtype == torch.bfloat16,
                 FORM=spec.beta_form(beta) if kind == jsd_rows.KIND_JSD else 0,
-                STAGES=1 if _interpret() else GPU_ROW_STAGES, num_warps=cfg.num_warps,
-                # nothing reads the teacher's logits after this kernel; a bf16 buffer would
-                # round Λ
-                KEEP_LAM=(KEEP_LAM and kind == jsd_rows.KIND_JSD and write_grad
-                          and zt.dtype == torch.float32))
+                STAGES=1 if _interpret() else GPU_ROW_STAGES, num_warps=cfg.num_warps)
     if fused:
         grid = rows if _interpret() else min(cfg.grid, rows * segs)
         jsd_rows.jsd_rows_kernel[(max(1, grid),)](*args, PHASE=0, **meta)
