@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -41,20 +40,6 @@ def _module(path):
     sys.modules[spec.name] = mod
     spec.loader.exec_module(mod)
     return mod
-
-
-def _innermost_loops(sass):
-    code = [(int(m.group(1), 16), m.group(2)) for m in
-            (re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", ln) for ln in sass.splitlines()) if m]
-    ends = {}
-    for addr, text in code:
-        m = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)
-        if m and int(m.group(1), 16) < addr:
-            ends[int(m.group(1), 16)] = addr
-    loops = list(ends.items())
-    inner = [(a, b) for a, b in loops
-             if not any((a, b) != (c, d) and a <= c and d <= b for c, d in loops)]
-    return [[t for ad, t in code if a <= ad <= b] for a, b in inner]
 
 
 def main():
@@ -86,7 +71,8 @@ def main():
                             os.path.join(d, "k.cubin")], check=True)
             sass = subprocess.run([cuobjdump, "-sass", os.path.join(d, "k.cubin")],
                                   capture_output=True, text=True, check=True).stdout
-        loops = _innermost_loops(sass)
+        code, inner = jsd_rows.sass_loops(sass)
+        loops = [[t for addr, t in code if a <= addr <= b] for a, b in inner]
         print(f"{label}: " + "; ".join(
             f"{len(body) / per_thread:.1f} instructions/element "
             f"({sum('MUFU' in t for t in body) / per_thread:.2f} MUFU)" for body in loops))

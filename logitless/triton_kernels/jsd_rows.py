@@ -610,11 +610,11 @@ def _cuda_tool(name: str, arch: int) -> str:
     raise RuntimeError(f"{name} not found (Triton's own, its bundle, PATH, /usr/local/cuda/bin)")
 
 
-def _local_ops(sass: str):
-    """(local-memory loads/stores, those inside an innermost loop) of a kernel's SASS. A loop
-    is [header, last backward branch to it] (all back-edges to one header are one loop); the
-    innermost ones contain no other (the column loops: the persistent row loop and the
-    passes' sequence hold them)."""
+def sass_loops(sass: str):
+    """(instructions as (address, text), innermost loops as (first, last) addresses) of a
+    kernel's SASS. A loop is [header, last backward branch to it] (all back-edges to one header
+    are one loop); the innermost ones contain no other (the column loops: the persistent row
+    loop and the passes' sequence hold them). ``benchmarks/jsd_rows_sass.py`` counts them."""
     import re
     code = []
     for line in sass.splitlines():
@@ -629,6 +629,13 @@ def _local_ops(sass: str):
     loops = list(ends.items())
     inner = [(a, b) for a, b in loops
              if not any((a, b) != (c, d) and a <= c and d <= b for c, d in loops)]
+    return code, inner
+
+
+def _local_ops(sass: str):
+    """(local-memory loads/stores, those inside an innermost loop) of a kernel's SASS."""
+    import re
+    code, inner = sass_loops(sass)
     local = [addr for addr, text in code if re.search(r"\b(STL|LDL)\b", text)]
     return len(local), sum(any(a <= x <= b for a, b in inner) for x in local)
 
