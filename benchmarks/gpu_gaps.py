@@ -1,11 +1,14 @@
 """Where a fused op leaves the GPU idle: one fwd+bwd of ``backend="triton"`` under the profiler,
 its kernels laid end to end. Prints the span from the first kernel's start to the last one's
 end, the time some kernel runs, the idle gaps between them (the largest, with the kernels on
-either side) and the lead-in (step called -> first kernel starts: host work before the first
-launch; the profiler's first launch adds ~2.5 ms to it), and, without the profiler, the step
-timed alone against the same step queued behind a GPU spin that hides the host's work
-(``host_bound_ms``: what the host's pace costs a step timed from an idle GPU). A sum of kernel times below the timed step is only half a story: this says whether
-the rest is idle GPU time (the host behind, or a sync) and where.
+either side) and the lead-in (step called -> first kernel starts; the profiler's own first
+launch adds ~2.5 ms to it). Without the profiler it times the step alone (CUDA events, the
+host running ahead as in training), queued behind a 30 ms GPU spin, and queued behind 30 ms
+of GEMMs, each minus the spin or GEMMs alone. Behind GEMMs the host's work before the first
+launch is hidden and the GPU stays as loaded as in the step: ``host_bound_loaded_ms`` is
+what the host's pace costs. Behind the spin the GPU starts cool and under its power limit:
+``host_bound_ms`` mixes the host with clocks (H200: 14-18% faster behind a spin, equal
+behind GEMMs; results/nvidia-h200-s34-behind-spin.txt).
 
     PYTHONPATH=. python3 benchmarks/gpu_gaps.py --op jsd [--kwargs '{"row_sync": true}']
 """
