@@ -51,14 +51,16 @@ def _gaps(trace_path, t_call_us):
     events = json.loads(Path(trace_path).read_text())["traceEvents"]
     ks = sorted((e["ts"], e["ts"] + e.get("dur", 0), e["name"]) for e in events
                 if e.get("cat") in GPU_CATS and e.get("ph") == "X")
+    if not ks:
+        raise SystemExit("no GPU activity in the trace (profiler without CUDA?)")
     gaps, busy, end = [], 0.0, ks[0][0]
-    prev = None
+    prev = None  # the kernel whose end is `end` (with overlapping kernels, not the last begun)
     for s, e, name in ks:
         if s > end:
             gaps.append((s - end, prev, name))
         busy += max(0.0, e - max(s, end))
-        end = max(end, e)
-        prev = name
+        if e >= end:
+            end, prev = e, name
     span = end - ks[0][0]
     lead = ks[0][0] - t_call_us if t_call_us is not None else None
     return dict(kernels=len(ks), span_ms=span / 1e3, busy_ms=busy / 1e3,
@@ -71,8 +73,8 @@ def _gaps(trace_path, t_call_us):
 def _host_before_first_launch(events, top=30):
     """The host's Python functions and ops that started before the first kernel launch,
     longest first (nested: an outer one includes the inner ones), clipped at that launch."""
-    launches = [e["ts"] for e in events if e.get("cat") == "cuda_runtime"
-                and "aunch" in e.get("name", "")]
+    launches = [e["ts"] for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")
+                and ("aunch" in e.get("name", "") or "emset" in e.get("name", ""))]
     if not launches:
         return []
     first = min(launches)
@@ -94,7 +96,6 @@ def main():
     n, h, v = (map(int, a.shape.split(",")) if a.shape else
                ((8192, 4096, 128256) if a.op == "jsd" else (16384, 4096, 128256)))
     step = _step(a.op, n, h, v, json.loads(a.kwargs))
-    timed = common.time_fn(step, device="cuda", reps=a.reps, warmup=2).median_ms
     # The same step queued behind a GPU spin long enough to hide the host's work before its
     # first launch (and any stretch where the host falls behind): what the step costs the GPU
     # when a training loop's host runs ahead, as it does between layers.
@@ -120,9 +121,11 @@ def main():
     def behind_gemms():
         gemms()
         step()
-    t_g = common.time_interleaved([behind_gemms, gemms], device="cuda", reps=a.reps,
+    # the step alone in the same rotation, so that clock drift between runs does not enter
+    t_g = common.time_interleaved([step, behind_gemms, gemms], device="cuda", reps=a.reps,
                                   warmup_calls=2)
-    gpu_loaded_ms = t_g[0].median_ms - t_g[1].median_ms
+    timed = t_g[0].median_ms
+    gpu_loaded_ms = t_g[1].median_ms - t_g[2].median_ms
     torch.cuda.synchronize()
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with tempfile.TemporaryDirectory() as d:
@@ -133,7 +136,8 @@ def main():
             torch.cuda.synchronize()
         prof.export_chrome_trace(path)
         events = json.loads(Path(path).read_text())["traceEvents"]
-        mark = [e["ts"] for e in events if e.get("name") == "gpu_gaps.step"]
+        mark = [e["ts"] for e in events if e.get("name") == "gpu_gaps.step"
+                and e.get("cat") == "user_annotation"]  # the host's, not its GPU twin
         rec = _gaps(path, mark[0] if mark else None)
         if a.host:
             rec["host_before_first_launch_us"] = _host_before_first_launch(events)

@@ -1,9 +1,10 @@
 """Instructions per element of the JSD row kernel's column loops, from its SASS, on a CPU.
 
 Compiles ``jsd_rows_kernel`` for sm_90 (no GPU needed: Triton's compiler and the bundled
-ptxas / cuobjdump), finds the innermost loops of each launch's SASS and prints their sizes
-divided by the elements a thread handles per iteration (BLOCK / (32 · warps)), with the
-MUFU (exp2 / lg2) count. Pass a file to count another version of the kernel (an A/B of code:
+ptxas / cuobjdump), finds the innermost loops of each launch's SASS and prints the largest
+(the pass's column loop, one block per iteration) divided by the elements a thread handles
+per iteration (BLOCK / (32 · warps)), with the MUFU (exp2 / lg2) count; the other loops
+(pass 3's zero fill of an ignored row, unrolled by ptxas) as raw instruction counts. Pass a file to count another version of the kernel (an A/B of code:
 ``git show <commit>:logitless/triton_kernels/jsd_rows.py > /tmp/old.py``).
 
     PYTHONPATH=. python3 benchmarks/jsd_rows_sass.py [path/to/jsd_rows.py]
@@ -72,10 +73,14 @@ def main():
             sass = subprocess.run([cuobjdump, "-sass", os.path.join(d, "k.cubin")],
                                   capture_output=True, text=True, check=True).stdout
         code, inner = jsd_rows.sass_loops(sass)
-        loops = [[t for addr, t in code if a <= addr <= b] for a, b in inner]
-        print(f"{label}: " + "; ".join(
-            f"{len(body) / per_thread:.1f} instructions/element "
-            f"({sum('MUFU' in t for t in body) / per_thread:.2f} MUFU)" for body in loops))
+        loops = sorted(([t for addr, t in code if a <= addr <= b] for a, b in inner), key=len,
+                       reverse=True)
+        col = loops[0]  # the pass's column loop: one block per iteration, not unrolled
+        others = ", ".join(str(len(b)) for b in loops[1:])
+        print(f"{label}: {len(col) / per_thread:.1f} instructions/element "
+              f"({sum('MUFU' in t for t in col) / per_thread:.2f} MUFU)"
+              + (f"; other innermost loops (an ignored row's zero fill, unrolled): {others} "
+                 "instructions" if others else ""))
 
 
 if __name__ == "__main__":

@@ -51,9 +51,9 @@ def pytest_report_header(config):
 def _in_a_deep_frame():
     """``run(fn)``: ``fn()`` called from inside one frame of ~70k slots.
 
-    CPython keeps frames in 16 KiB chunks of a per-thread stack and, before 3.13 (gh-142183),
-    frees a chunk as soon as the frame that opened it returns: a loop that calls across a
-    chunk boundary mmaps and munmaps 16 KiB on every call. The interpreted kernels (Triton's
+    CPython (3.11 on; 3.13.0 too: gh-142183) keeps frames in 16 KiB chunks of a per-thread
+    stack and frees a chunk as soon as the frame that opened it returns: a loop that calls
+    across a chunk boundary mmaps and munmaps 16 KiB on every call. The interpreted kernels (Triton's
     interpreter, Pallas' interpret mode) are such loops: strace counted ~485k 16 KiB mmaps in
     six interpreted JSD cases, whose time was ~40% system time. A frame this large makes
     CPython open a 1 MiB chunk for it with ~480 KiB free above, more than any test's stack
@@ -70,15 +70,15 @@ def _in_a_deep_frame():
 _RUN_DEEP = _in_a_deep_frame()
 
 
-@pytest.hookimpl(tryfirst=True)
 def pytest_pyfunc_call(pyfuncitem):
-    # pytest's own implementation (its return-value checks), one frame up; coroutine tests are
-    # left to whichever plugin runs them
-    import inspect
-    if inspect.iscoroutinefunction(pyfuncitem.obj) or inspect.isasyncgenfunction(pyfuncitem.obj):
-        return None
+    # pytest's own implementation (its return-value checks), one frame up. A plain hook: the
+    # plugins' tryfirst ones (async runners) come first, pytest's own (trylast) never.
     from _pytest import python as _pytest_python
-    return _RUN_DEEP(lambda: _pytest_python.pytest_pyfunc_call(pyfuncitem))
+    from _pytest.compat import is_async_function
+    if is_async_function(pyfuncitem.obj):
+        return None
+    _RUN_DEEP(lambda: _pytest_python.pytest_pyfunc_call(pyfuncitem))
+    return True
 
 
 def pytest_configure(config):

@@ -302,7 +302,13 @@ def _gloo_rank(rank, body, world, port, out_dir, args, torch_interpret, backend=
         res = {"crash": traceback.format_exc()}
     finally:
         torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
-        dist.destroy_process_group()
+        # every rank done before any tears its gloo pairs down: a rank whose peer closed
+        # first can die in gloo's threads ("terminate called without an active exception",
+        # SIGABRT: seen twice in a row in the thirty-fourth session, not reproduced since)
+        try:
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
 
 
 def run_gloo_ranks(body, world, out_dir, *args, triton_interpret=False, backend="gloo"):

@@ -121,12 +121,13 @@ def _online(m, s, x):
 
 
 @triton.jit
-def _max_shift(ms_old, ms_new, mt_old, mt_new, s_old, inv_t):
+def _max_shift(ms_old, ms_new, mt_old, mt_new, seen, inv_t):
     """How much the far-form KL terms ((z_t − M_t) − (z_s − M_s))/T of the columns summed so
-    far drop when the raw maxima move from old to new; 0 before any live column (s_old = 0,
-    maxima −inf). See ``_jax_jsd.max_shift``."""
-    ms_old = tl.where(s_old > 0, ms_old, ms_new)  # no inf − inf computed (and discarded)
-    mt_old = tl.where(s_old > 0, mt_old, mt_new)
+    far drop when the raw maxima move from old to new; 0 before any live column (``seen`` 0,
+    maxima −inf; ``seen`` > 0 once one was summed: a 0/1 flag, or a segment's Σ e^(…)). See
+    ``_jax_jsd.max_shift``."""
+    ms_old = tl.where(seen > 0, ms_old, ms_new)  # no inf − inf computed (and discarded)
+    mt_old = tl.where(seen > 0, mt_old, mt_new)
     return ((mt_new - mt_old) - (ms_new - ms_old)) * inv_t
 
 
@@ -148,7 +149,8 @@ def _seg_stats(s_row, t_row, col0, col1, col1_load, y_local, inv_t, KIND: tl.con
     s_z = zero
     # The sums are kept per lane and reduced once at the end: a cross-warp reduction per block
     # and sum cost ~3 instructions per element (one here). Only the maxima, which every
-    # exponent of the block needs, are reduced per block.
+    # exponent of the block needs, are reduced per block (and the hard-label normalizer's
+    # online sum at T != 1, a rare path).
     lane = tl.zeros([BLOCK], dtype=tl.float32)
     s_a = lane
     s_b = lane
