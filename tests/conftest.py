@@ -53,8 +53,8 @@ def _in_a_deep_frame():
 
     CPython (3.11 on; 3.13.0 too: gh-142183) keeps frames in 16 KiB chunks of a per-thread
     stack and frees a chunk as soon as the frame that opened it returns: a loop that calls
-    across a chunk boundary mmaps and munmaps 16 KiB on every call. The interpreted kernels (Triton's
-    interpreter, Pallas' interpret mode) are such loops: strace counted ~485k 16 KiB mmaps in
+    across a chunk boundary mmaps and munmaps 16 KiB on every call. The interpreted kernels
+    (Triton's interpreter, Pallas' interpret mode) are such loops: strace counted ~485k 16 KiB mmaps in
     six interpreted JSD cases, whose time was ~40% system time. A frame this large makes
     CPython open a 1 MiB chunk for it with ~480 KiB free above, more than any test's stack
     needs, so the test runs inside one chunk (those six cases 12.4 -> 5.3 s on Python 3.11,

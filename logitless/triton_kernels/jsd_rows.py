@@ -642,10 +642,17 @@ def _local_ops(sass: str):
     return len(local), sum(any(a <= x <= b for a, b in inner) for x in local)
 
 
-def compile_report(arch: int = 90, variants=None) -> str:
-    """Compile the kernel for a CUDA ``arch`` without a GPU (CI runs interpreted and never
-    compiles) and report ptxas' registers and spills per variant, one ``variant ...`` line
-    each. Needs no driver; run it without TRITON_INTERPRET."""
+BASE_VARIANT = dict(KIND=KIND_JSD, HAS_Y=True, HARD=False, T_ONE=True, WRITE_LOSS=True,
+                    WRITE_GRAD=True, PHASE=0, SEGS=16, SEGS_P2=16, SEG=8192, BLOCK=1024,
+                    ROUND_BF16=False, MAX_SPIN=1 << 20, FORM=0, STAGES=1)
+
+
+def compile_sass(variant, arch: int = 90, num_warps: int = 4, kernel=None):
+    """(ptxas' register / spill lines, SASS) of ``kernel`` (default ``jsd_rows_kernel``; a
+    saved version's for code A/Bs) for a CUDA ``arch`` with ``BASE_VARIANT`` updated by
+    ``variant``, as the launcher specializes it at runtime: 16-aligned buffers and row strides
+    (the buffers' rows are padded), V a multiple of 16 (as 128256). Needs no driver; run it
+    without TRITON_INTERPRET."""
     import os
     import subprocess
     import tempfile
@@ -653,9 +660,41 @@ def compile_report(arch: int = 90, variants=None) -> str:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    base = dict(KIND=KIND_JSD, HAS_Y=True, HARD=False, T_ONE=True, WRITE_LOSS=True,
-                WRITE_GRAD=True, PHASE=0, SEGS=16, SEGS_P2=16, SEG=8192, BLOCK=1024,
-                ROUND_BF16=False, MAX_SPIN=1 << 20, FORM=0, STAGES=1)
+    sig = dict(s_ptr="*fp32", s_stride="i32", t_ptr="*fp32", t_stride="i32", dz_ptr="*bf16",
+               dz_stride="i32", y_ptr="*i64", g_ptr="*fp32", g_stride="i32", loss_ptr="*fp32",
+               part_ptr="*fp32", sync_ptr="*i32", n_rows="i32", V="i32", V_LOAD="i32",
+               ignore_index="i32", inv_t="fp32", beta="fp32", omb="fp32", hard_w="fp32")
+    names = list(sig)
+    aligned = [n for n in names if n.endswith("_ptr") or n.endswith("_stride")
+               or n in ("V", "V_LOAD")]
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned
+             if n != "g_stride"}
+    cons = {**BASE_VARIANT, **variant}
+    src = ASTSource(fn=kernel or jsd_rows_kernel, constexprs=cons, attrs=attrs,
+                    signature={**sig, **{k: "constexpr" for k in cons}})
+    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                              options={"num_warps": num_warps})
+    ptxas = _cuda_tool("ptxas", arch)
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.ptx")
+        with open(path, "w") as f:
+            f.write(compiled.asm["ptx"])
+        cubin = os.path.join(d, "k.cubin")
+        r = subprocess.run([ptxas, f"-arch=sm_{arch}a", "-v", path, "-o", cubin],
+                           capture_output=True, text=True)
+        if r.returncode:
+            raise RuntimeError(f"{ptxas} failed:\n{r.stderr[-2000:]}")
+        info = "; ".join(ln.split("info    : ")[-1].strip() for ln in r.stderr.splitlines()
+                         if "registers" in ln or "spill" in ln)
+        sass = subprocess.run([_cuda_tool("cuobjdump", arch), "-sass", cubin],
+                              capture_output=True, text=True, check=True).stdout
+    return info, sass
+
+
+def compile_report(arch: int = 90, variants=None) -> str:
+    """Compile the kernel for a CUDA ``arch`` without a GPU (CI runs interpreted and never
+    compiles) and report ptxas' registers and spills per variant, one ``variant ...`` line
+    each. Needs no driver; run it without TRITON_INTERPRET."""
     variants = variants or [
         dict(), dict(KIND=KIND_FORWARD_KL), dict(KIND=KIND_REVERSE_KL, HARD=True),
         dict(HARD=True, T_ONE=False), dict(SEGS=1, SEGS_P2=2, SEG=131072),
@@ -663,43 +702,14 @@ def compile_report(arch: int = 90, variants=None) -> str:
         dict(FORM=1), dict(PHASE=2, FORM=1), dict(PHASE=3, FORM=1), dict(PHASE=2, FORM=2),
         dict(num_warps=16, BLOCK=4096, SEG=16384, SEGS=8, SEGS_P2=8),
     ]
-    ptxas = _cuda_tool("ptxas", arch)
-    sig = dict(s_ptr="*fp32", s_stride="i32", t_ptr="*fp32", t_stride="i32", dz_ptr="*bf16",
-               dz_stride="i32", y_ptr="*i64", g_ptr="*fp32", g_stride="i32", loss_ptr="*fp32",
-               part_ptr="*fp32", sync_ptr="*i32", n_rows="i32", V="i32", V_LOAD="i32",
-               ignore_index="i32", inv_t="fp32", beta="fp32", omb="fp32", hard_w="fp32")
-    # what the launcher's specialization sees at runtime: 16-aligned buffers and row strides
-    # (the buffers' rows are padded), V a multiple of 16 (as 128256)
-    names = list(sig)
-    aligned = [n for n in names if n.endswith("_ptr") or n.endswith("_stride")
-               or n in ("V", "V_LOAD")]
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned
-             if n != "g_stride"}
     lines = []
     for v in variants:
         v = dict(v)
         num_warps = v.pop("num_warps", 4)  # with BLOCK: linear_jsd's GPU defaults
-        cons = {**base, **v}
-        src = ASTSource(fn=jsd_rows_kernel, signature={**sig, **{k: "constexpr" for k in cons}},
-                        constexprs=cons, attrs=attrs)
-        compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                                  options={"num_warps": num_warps})
-        with tempfile.TemporaryDirectory() as d:
-            path = os.path.join(d, "k.ptx")
-            with open(path, "w") as f:
-                f.write(compiled.asm["ptx"])
-            cubin = os.path.join(d, "k.cubin")
-            r = subprocess.run([ptxas, f"-arch=sm_{arch}a", "-v", path, "-o", cubin],
-                               capture_output=True, text=True)
-            if r.returncode:
-                raise RuntimeError(f"{ptxas} failed:\n{r.stderr[-2000:]}")
-            info = "; ".join(ln.split("info    : ")[-1].strip() for ln in r.stderr.splitlines()
-                             if "registers" in ln or "spill" in ln)
-            # A few per-row scalars spilled outside the column loops cost nothing (once per
-            # row); a spill inside a column loop costs per block.
-            sass = subprocess.run([_cuda_tool("cuobjdump", arch), "-sass", cubin],
-                                  capture_output=True, text=True, check=True).stdout
-            n_local, n_inner = _local_ops(sass)
-            info += f"; {n_local} local ops, {n_inner} in innermost loops"
+        info, sass = compile_sass(v, arch, num_warps)
+        # A few per-row scalars spilled outside the column loops cost nothing (once per
+        # row); a spill inside a column loop costs per block.
+        n_local, n_inner = _local_ops(sass)
+        info += f"; {n_local} local ops, {n_inner} in innermost loops"
         lines.append(f"variant {v} num_warps={num_warps}: {info}")
     return "\n".join(lines)
