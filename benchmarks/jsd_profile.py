@@ -47,6 +47,27 @@ def time_ms(fn, reps=10, warmup=2):
     return common.time_fn(fn, device="cuda", reps=reps, warmup=warmup).median_ms
 
 
+def kernel_split(step):
+    """Device time (ms) of one profiled ``step()`` by kind: the JSD row kernel, GEMMs
+    (cuBLAS's nvjet kernels, ours), everything else; kernels only (the ops that launch them
+    carry the same time again)."""
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        step()
+        torch.cuda.synchronize()
+    split = {"rows": 0.0, "gemms": 0.0, "other": 0.0}
+    for e in prof.key_averages():
+        if e.cpu_time_total > 0:  # an op on the host (its kernels are listed on their own)
+            continue
+        us = getattr(e, "self_device_time_total", None)
+        us = e.self_cuda_time_total if us is None else us
+        name = e.key.lower()
+        kind = ("rows" if "jsd_rows" in name else
+                "gemms" if ("nvjet" in name or "gemm" in name or "xmma" in name) else "other")
+        split[kind] += us / 1e3
+    return {k: round(v, 3) for k, v in split.items()}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=8192)
@@ -54,6 +75,9 @@ def main():
     ap.add_argument("--v", type=int, default=128256)
     ap.add_argument("--sweep", default=None,
                     help="JSON list of tuning-keyword dicts (default: the built-in SWEEP)")
+    ap.add_argument("--kernels", action="store_true",
+                    help="also profile one call of each sweep entry: its row kernel's, GEMMs' "
+                         "and other kernels' device time")
     a = ap.parse_args()
     sweep = json.loads(a.sweep) if a.sweep else SWEEP
     xs, ws, xt, wt, y = inputs(a.n, a.h, a.v)
@@ -90,6 +114,8 @@ def main():
         t = time_ms(step)
         print(f"{kw}: {t:.2f} ms ({t / fl:.3f}x), extra {peak / 1e9:.2f} GB, "
               f"dX/dW rel diff to the first {diff[0]:.1e}/{diff[1]:.1e}", flush=True)
+        if a.kernels:
+            print("   kernels (ms): " + json.dumps(kernel_split(step)), flush=True)
 
     def step():
         loss = lt.linear_jsd(xs, ws, xt, wt, y, backend="triton")

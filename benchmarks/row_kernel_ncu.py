@@ -8,6 +8,8 @@ that ncu can compare the two row kernels on the same logits:
     sm__warps_active.avg.pct_of_peak_sustained_active python3 benchmarks/row_kernel_ncu.py triton
 
 (``-s 2`` skips the first call's kernels.) Results: ``results/…-s17-row-kernel-ncu.txt``.
+``jsd``: one Triton linear JSD fwd+bwd (β = 0.5, N = 2048, the default chunks: 384-row
+launches of the three-pass row kernel, ``-k regex:jsd_rows``; ``results/…-s35-jsd-rows-ncu.txt``).
 """
 import sys
 
@@ -38,8 +40,22 @@ def main(which: str) -> None:
             x, w, y, backend="pallas", chunk_size=CHUNK), argnums=(0, 1)))
         for _ in range(2):
             jax.block_until_ready(f(x, w))
+    elif which == "jsd":
+        import torch
+
+        import logitless.torch as lt
+        g = torch.Generator(device="cuda").manual_seed(0)
+        xs = (torch.randn(2048, H, device="cuda", generator=g) * 0.5).bfloat16()
+        ws = (torch.randn(V, H, device="cuda", generator=g) * H ** -0.5).bfloat16()
+        xt = (torch.randn(2048, H, device="cuda", generator=g) * 0.5).bfloat16()
+        wt = (torch.randn(V, H, device="cuda", generator=g) * H ** -0.5).bfloat16()
+        xs.requires_grad_()
+        ws.requires_grad_()
+        for _ in range(2):
+            lt.linear_jsd(xs, ws, xt, wt, beta=0.5, backend="triton").backward()
+        torch.cuda.synchronize()
     else:
-        raise SystemExit("usage: row_kernel_ncu.py triton|pallas")
+        raise SystemExit("usage: row_kernel_ncu.py triton|pallas|jsd")
 
 
 if __name__ == "__main__":

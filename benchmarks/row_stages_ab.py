@@ -51,6 +51,11 @@ CASES = {
     "ce-llama-ign50": ("ce", (16384, 4096, 128256), {"ignore_frac": 0.5}),
     "jsd-llama": ("jsd", (8192, 4096, 128256), {}),
     "jsd-llama-fkl": ("jsd", (8192, 4096, 128256), {"beta": 0.0}),  # one pass fewer
+    # with the hard-label cross-entropy term on the student (targets drawn at random)
+    "jsd-llama-hard": ("jsd", (8192, 4096, 128256), {"hard_loss_weight": 0.5}),
+    "jsd-llama-fkl-hard": ("jsd", (8192, 4096, 128256), {"beta": 0.0, "hard_loss_weight": 0.5}),
+    "jsd-llama-hard-t2": ("jsd", (8192, 4096, 128256), {"hard_loss_weight": 0.5,
+                                                        "temperature": 2.0}),
 }
 
 
@@ -114,10 +119,12 @@ def _jsd_step(shape, kw):
     ws = (torch.randn(v, h, device="cuda", generator=g) * h ** -0.5).bfloat16().requires_grad_()
     xt = (torch.randn(n, h, device="cuda", generator=g) * 0.5).bfloat16()
     wt = (torch.randn(v, h, device="cuda", generator=g) * h ** -0.5).bfloat16()
+    y = (torch.randint(0, v, (n,), device="cuda", generator=g)
+         if kw.get("hard_loss_weight") else None)
 
     def step(variant):
         _set(variant)
-        lt.linear_jsd(xs, ws, xt, wt, backend="triton", **{"beta": 0.5, **kw},
+        lt.linear_jsd(xs, ws, xt, wt, y, backend="triton", **{"beta": 0.5, **kw},
                       **variant.get("kwargs", {})).backward()
         xs.grad = ws.grad = None
     return step

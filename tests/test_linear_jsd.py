@@ -829,6 +829,9 @@ TRITON_TUNINGS = {
     "blocks-ragged": dict(chunk_size=25, logits_chunk_size=11, block_v=32, segment_size=96),
     "bf16-logits": dict(chunk_size=24, fp32_logits=False),
     "bf16-accumulator": dict(chunk_size=24, grad_accum_dtype="bfloat16"),
+    # fp16 logits beside per-tile maxima (the interpreter's GEMM tiles are 32 columns wide:
+    # 7 tiles a row at V = 211, the last ragged) and Λ kept by pass 2 for pass 3
+    "fp16-tile-logits": dict(chunk_size=24, fp16_tile_logits=True),
 }
 
 
@@ -848,10 +851,34 @@ def test_triton_tunings_match_the_torch_backend(tuning, reduction):
                           None if g is None else g.double(), backend="torch", **opts)
     got = _loss_and_grads(*data, g, backend="triton", **kw, **opts)
     loose = tuning in ("bf16-logits", "bf16-accumulator")
-    assert _rel(got[0], ref[0]) < (3e-2 if loose else 1e-5)
+    # fp16 tile offsets: each logit to ~2^-12 of its distance to its tile's maximum moves
+    # the loss (a divergence, small) by ~2e-5 relative; gradients as with fp32 logits
+    assert _rel(got[0], ref[0]) < (3e-2 if loose else 1e-4 if tuning == "fp16-tile-logits"
+                                   else 1e-5)
     for a, b in zip(got[1:], ref[1:]):
         assert a.dtype == torch.bfloat16
         assert _rel(a, b) < (5e-2 if loose else 1e-2)
+
+
+@pytest.mark.parametrize("beta, temperature", [(0.0, 1.0), (0.5, 1.0), (1.0, 2.0), (0.3, 0.5)])
+def test_triton_fp16_tile_logits_are_as_accurate_as_fp32_logits(beta, temperature):
+    """``fp16_tile_logits``: the gradients' errors against the float64 spec are within 5% of
+    fp32 logits' (both are mostly the bf16 rounding of dz and of the result), for every
+    kind (the JSD's pass 3 reads the Λ pass 2 left in the teacher's buffer; the KL kinds
+    reload both heads), with ignored tokens and the hard-label term. Offsets lost or
+    misplaced would move them by orders of magnitude."""
+    torch = _torch()
+    data = _data(30, 40, 24, 211, dtype="bfloat16", seed=11)
+    opts = dict(beta=beta, temperature=temperature, hard_loss_weight=0.2)
+    ref = _loss_and_grads(*[t.double() if t.is_floating_point() else t for t in data],
+                          backend="torch", **opts)
+    fp32 = _loss_and_grads(*data, backend="triton", chunk_size=24, **opts)
+    tiles = _loss_and_grads(*data, backend="triton", chunk_size=24, fp16_tile_logits=True,
+                            **opts)
+    assert _rel(tiles[0], ref[0]) < 1e-4
+    for a, b, r in zip(tiles[1:], fp32[1:], ref[1:]):
+        assert a.dtype == torch.bfloat16
+        assert _rel(a, r) < 1.05 * _rel(b, r) + 1e-4, (_rel(a, r), _rel(b, r))
 
 
 @pytest.mark.parametrize("beta", [0.0, 1.0])
@@ -1089,12 +1116,17 @@ def test_triton_argument_errors():
         (dict(programs_per_sm=0), ValueError, "programs_per_sm"),
         (dict(dx_chunk_size=0), ValueError, "dx_chunk_size"),
         (dict(dx_chunk_size=16.0), ValueError, "dx_chunk_size"),
+        (dict(fp16_tile_logits=1), TypeError, "fp16_tile_logits"),
+        (dict(fp16_tile_logits=True, fp32_logits=False), ValueError, "fp16_tile_logits"),
     ]
     for kw, exc, msg in bad:
         with pytest.raises(exc, match=msg):
             lt.linear_jsd(xs, ws, xt, wt, y, backend="triton", **kw)
     with pytest.raises(TypeError, match="backend='triton' supports"):
         lt.linear_jsd(xs.double(), ws.double(), xt, wt, y, backend="triton")
+    with pytest.raises(ValueError, match="fp16_tile_logits needs bfloat16/float16 inputs"):
+        lt.linear_jsd(xs.float(), ws.float(), xt.float(), wt.float(), y, backend="triton",
+                      fp16_tile_logits=True)
 
 
 def test_empty_batch():

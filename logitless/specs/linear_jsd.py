@@ -295,9 +295,22 @@ def reference(x_s, W_s, x_t, W_t, y=None, *, options: LinearJSDOptions = None,
     if y is not None:
         check_targets(y, v, opts.ignore_index)
         y = np.asarray(y).astype(np.int64)
+    out = logits_reference(x_s @ W_s.T, x_t @ W_t.T, y, options=opts, grad_output=grad_output)
+    dz = out["grad_logits"]
+    return dict(out, dx=dz @ W_s, dw=dz.T @ x_s)
+
+
+def logits_reference(z, zeta, y=None, *, options: LinearJSDOptions = None, grad_output=None):
+    """:func:`reference` from the logits: the student's ``z`` and the teacher's ``zeta``
+    (N, V), float64 math whatever their dtype (a probe feeds logits rounded as a kernel would
+    store them). Returns its dict without ``dx`` and ``dw``."""
+    opts = options or LinearJSDOptions()
+    z, zeta = np.asarray(z, np.float64), np.asarray(zeta, np.float64)
+    n = z.shape[0]
+    if y is not None:
+        y = np.asarray(y).astype(np.int64)
     beta, T = opts.beta, opts.temperature
 
-    z, zeta = x_s @ W_s.T, x_t @ W_t.T
     logq = _log_softmax(z / T)
     q, p = np.exp(logq), np.exp(_log_softmax(zeta / T))
     delta = _log_ratio(z, zeta, T, logq, q)
@@ -335,5 +348,4 @@ def reference(x_s, W_s, x_t, W_t, y=None, *, options: LinearJSDOptions = None,
     g_tok = g if opts.reduction == "none" else np.full(n, g / denom)
     g_tok = np.where(m > 0, g_tok * m, 0.0)  # ignored: 0 whatever g is (inf or NaN included)
     dz = g_tok[:, None] * (da / T + opts.hard_loss_weight * dce)
-    return dict(loss=loss, token_loss=token_loss, jsd=jsd, ce=ce, grad_logits=dz,
-                dx=dz @ W_s, dw=dz.T @ x_s)
+    return dict(loss=loss, token_loss=token_loss, jsd=jsd, ce=ce, grad_logits=dz)

@@ -76,15 +76,27 @@ GAP = tl.constexpr(spec.GAP)
 
 
 @triton.jit
-def _load_block(s_row, t_row, cols, lmask, inv_t):
+def _load_logits(row, o_row, cols, lmask, TILE_W: tl.constexpr):
+    """One head's raw logits (fp32) where ``lmask``; ``TILE_W`` > 0: stored as fp16 z − o
+    relative to the maximum o of their ``TILE_W``-column GEMM tile (``o_row``: the row's
+    fp32 offsets, see ``logits_gemm.logits_tile_offsets``)."""
+    z = tl.load(row + cols, mask=lmask, other=0.0).to(tl.float32)
+    if TILE_W > 0:
+        z += tl.load(o_row + cols // TILE_W, mask=lmask, other=0.0)
+    return z
+
+
+@triton.jit
+def _load_block(s_row, t_row, cols, lmask, inv_t, so_row, to_row, TILE_W: tl.constexpr):
     """The raw logits z_s, z_t (fp32) and d = (z_t − z_s)/T, loaded where ``lmask``: it may
     reach into the rows' padding (see ``common.load_cols``), junk the callers mask. d is the
     difference scaled, not z_t/T − z_s/T: with the multiply fused into the subtraction (an
     FMA, as the GPU compiles it) that is z_t·(1/T) − round(z_s·(1/T)), the rounding residual
     of z/T where the heads are equal, not 0 (a JSD of equal heads at T = 0.3 had come out
-    1e-6, with gradients to match)."""
-    zs = tl.load(s_row + cols, mask=lmask, other=0.0).to(tl.float32)
-    zt = tl.load(t_row + cols, mask=lmask, other=0.0).to(tl.float32)
+    1e-6, with gradients to match). Equal heads stored as tile offsets stay equal (same
+    tile maxima, same fp16 remainders)."""
+    zs = _load_logits(s_row, so_row, cols, lmask, TILE_W)
+    zt = _load_logits(t_row, to_row, cols, lmask, TILE_W)
     return zs, zt, (zt - zs) * inv_t
 
 
@@ -132,9 +144,9 @@ def _max_shift(ms_old, ms_new, mt_old, mt_new, seen, inv_t):
 
 
 @triton.jit
-def _seg_stats(s_row, t_row, col0, col1, col1_load, y_local, inv_t, KIND: tl.constexpr,
-               HARD: tl.constexpr, T_ONE: tl.constexpr, BLOCK: tl.constexpr,
-               STAGES: tl.constexpr):
+def _seg_stats(s_row, t_row, so_row, to_row, col0, col1, col1_load, y_local, inv_t,
+               KIND: tl.constexpr, HARD: tl.constexpr, T_ONE: tl.constexpr, BLOCK: tl.constexpr,
+               STAGES: tl.constexpr, TILE_W: tl.constexpr):
     """Pass 1 over columns [col0, col1): (M_s, s_a, M_t, s_b, u, md, w, w_far, m_z, s_z, z_y)
     with M_s, M_t the heads' raw maxima, s_a = Σ e^((z_s − M_s)/T) (s_b likewise),
     u = Σ e^((z_s−M_s)/T)·expm1(d), md = max d, for the KL kinds the row KL's sums in both
@@ -162,7 +174,8 @@ def _seg_stats(s_row, t_row, col0, col1, col1_load, y_local, inv_t, KIND: tl.con
     for start in tl.range(col0, col1, BLOCK, num_stages=STAGES):
         cols = start + offs
         cmask = cols < col1
-        zs, zt, d = _load_block(s_row, t_row, cols, cols < col1_load, inv_t)
+        zs, zt, d = _load_block(s_row, t_row, cols, cols < col1_load, inv_t, so_row, to_row,
+                                TILE_W)
         d = tl.where(cmask, d, 0.0)
         ms_new = tl.maximum(ms, tl.max(tl.where(cmask, zs, -float("inf")), 0))
         mt_new = tl.maximum(mt, tl.max(tl.where(cmask, zt, -float("inf")), 0))
@@ -351,12 +364,16 @@ def _log_p_over_m(delta, lam, beta, omb, FORM: tl.constexpr):
 
 
 @triton.jit
-def _seg_jsd_sums(s_row, t_row, col0, col1, col1_load, inv_t, ms, ls_a, mt, ls_b, c, oa, ob, oc,
-                  beta, omb, FORM: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr):
+def _seg_jsd_sums(s_row, t_row, so_row, to_row, col0, col1, col1_load, inv_t, ms, ls_a, mt,
+                  ls_b, c, oa, ob, oc, beta, omb, FORM: tl.constexpr, BLOCK: tl.constexpr,
+                  STAGES: tl.constexpr, TILE_W: tl.constexpr):
     """Pass 2 (0 < β < 1) over [col0, col1): −Σ Q·Λ and Σ Q (K is their ratio: Q carries the
     rounding of L_a as a factor common to the row, which K must not; see
     ``_jax_jsd.jsd_k``) and Σ β·P·log(P/M) − (1−β)·Q·Λ (→ J); ``omb`` = 1 − β, computed on
-    the host (in fp32, 1 − β would lose it as β → 1)."""
+    the host (in fp32, 1 − β would lose it as β → 1). With tile offsets (``TILE_W`` > 0)
+    each Λ also goes, in fp16, over the teacher's logit it came from (read only here): pass
+    3 then reads Λ instead of recomputing it, at the same bytes (fp16 Λ moves the
+    gradients by ~1% of their bf16 error: ``benchmarks/jsd_logit_storage_probe.py``)."""
     offs = tl.arange(0, BLOCK)
     k = tl.zeros([BLOCK], dtype=tl.float32)  # per lane, reduced at the end (see _seg_stats)
     j = k
@@ -364,10 +381,13 @@ def _seg_jsd_sums(s_row, t_row, col0, col1, col1_load, inv_t, ms, ls_a, mt, ls_b
     for start in tl.range(col0, col1, BLOCK, num_stages=STAGES):
         cols = start + offs
         cmask = cols < col1
-        zs, zt, _ = _load_block(s_row, t_row, cols, cols < col1_load, inv_t)
+        lmask = cols < col1_load
+        zs, zt, _ = _load_block(s_row, t_row, cols, lmask, inv_t, so_row, to_row, TILE_W)
         lq = _log_q(zs, ms, ls_a, inv_t)
         delta = _log_ratio(zs, zt, oa, ob, oc, inv_t)
         q, lam = _jsd_terms(lq, delta, beta, omb, FORM)
+        if TILE_W > 0:
+            tl.store(t_row + cols, lam.to(t_row.dtype.element_ty), mask=lmask)
         # P as Q·e^δ where the heads are close (consistent with δ), else from the teacher's
         # own statistics: log Q + δ cancels two terms of O(|z|/T) or O(|c|) where δ or the
         # normalizer gap c is large (one exp either way)
@@ -382,19 +402,25 @@ def _seg_jsd_sums(s_row, t_row, col0, col1, col1_load, inv_t, ms, ls_a, mt, ls_b
 
 
 @triton.jit
-def _seg_grad(s_row, t_row, dz_row, col0, col1_load, y_local, inv_t, ms, ls_a, mt, ls_b, oa,
-              ob, oc, l_z, kk, beta, omb, coef, hard_coef, poison, KIND: tl.constexpr,
-              HARD: tl.constexpr, T_ONE: tl.constexpr, ROUND_BF16: tl.constexpr, FORM: tl.constexpr,
-              BLOCK: tl.constexpr, STAGES: tl.constexpr):
+def _seg_grad(s_row, t_row, so_row, to_row, dz_row, col0, col1_load, y_local, inv_t, ms, ls_a,
+              mt, ls_b, oa, ob, oc, l_z, kk, beta, omb, coef, hard_coef, poison,
+              KIND: tl.constexpr, HARD: tl.constexpr, T_ONE: tl.constexpr,
+              ROUND_BF16: tl.constexpr, FORM: tl.constexpr, BLOCK: tl.constexpr,
+              STAGES: tl.constexpr, TILE_W: tl.constexpr):
     """Pass 3 over [col0, col1_load): dz = coef·∂J/∂a + hard_coef·(S − [v = y]) (+ poison),
-    with coef = g·m/T, hard_coef = g·m·w_h, kk the row's KL (reverse KL) or K (JSD)."""
+    with coef = g·m/T, hard_coef = g·m·w_h, kk the row's KL (reverse KL) or K (JSD); the
+    JSD's Λ read from the teacher's buffer where pass 2 left it (``TILE_W`` > 0)."""
     offs = tl.arange(0, BLOCK)
     for start in tl.range(col0, col1_load, BLOCK, num_stages=STAGES):
         cols = start + offs
         lmask = cols < col1_load  # the padding too: junk there, read by no GEMM
-        zs, zt, _ = _load_block(s_row, t_row, cols, lmask, inv_t)
-        lq = _log_q(zs, ms, ls_a, inv_t)
-        delta = _log_ratio(zs, zt, oa, ob, oc, inv_t)
+        if KIND == 2 and TILE_W > 0:
+            zs = _load_logits(s_row, so_row, cols, lmask, TILE_W)
+            lq = _log_q(zs, ms, ls_a, inv_t)
+        else:
+            zs, zt, _ = _load_block(s_row, t_row, cols, lmask, inv_t, so_row, to_row, TILE_W)
+            lq = _log_q(zs, ms, ls_a, inv_t)
+            delta = _log_ratio(zs, zt, oa, ob, oc, inv_t)
         if KIND == 0:
             q = exp_ftz(lq)
             # Q − P: as −Q·expm1(δ) where P ≈ Q (no cancellation); elsewhere P from the
@@ -405,7 +431,11 @@ def _seg_grad(s_row, t_row, dz_row, col0, col1_load, y_local, inv_t, ms, ls_a, m
             q = exp_ftz(lq)
             g = -q * (delta + kk)
         else:
-            q, lam = _jsd_terms(lq, delta, beta, omb, FORM)
+            if TILE_W > 0:
+                q = exp_ftz(lq)
+                lam = tl.load(t_row + cols, mask=lmask, other=0.0).to(tl.float32)
+            else:
+                q, lam = _jsd_terms(lq, delta, beta, omb, FORM)
             g = -omb * q * (lam + kk)
         dz = coef * g
         if HARD:
@@ -431,15 +461,18 @@ def _zero_seg(dz_row, col0, col1, BLOCK: tl.constexpr):
 
 @triton.jit
 def _row_segment(row, seg, s_ptr, s_stride, t_ptr, t_stride, dz_ptr, dz_stride, y_ptr, g_ptr,
-                 g_stride, loss_ptr, part_ptr, sync_ptr, V, V_LOAD, ignore_index, inv_t, beta,
-                 omb, hard_w, KIND: tl.constexpr, HAS_Y: tl.constexpr, HARD: tl.constexpr,
+                 g_stride, loss_ptr, part_ptr, sync_ptr, so_ptr, to_ptr, o_stride, V, V_LOAD,
+                 ignore_index, inv_t, beta, omb, hard_w, KIND: tl.constexpr, HAS_Y: tl.constexpr, HARD: tl.constexpr,
                  T_ONE: tl.constexpr, WRITE_LOSS: tl.constexpr, WRITE_GRAD: tl.constexpr,
                  PHASE: tl.constexpr, SEGS: tl.constexpr, SEGS_P2: tl.constexpr,
                  SEG: tl.constexpr, BLOCK: tl.constexpr, ROUND_BF16: tl.constexpr,
-                 MAX_SPIN: tl.constexpr, FORM: tl.constexpr, STAGES: tl.constexpr):
+                 MAX_SPIN: tl.constexpr, FORM: tl.constexpr, STAGES: tl.constexpr,
+                 TILE_W: tl.constexpr):
     row64 = tl.cast(row, tl.int64)
     s_row = s_ptr + row64 * s_stride
     t_row = t_ptr + row64 * t_stride
+    so_row = so_ptr + row64 * o_stride  # tile offsets (TILE_W > 0), else never read
+    to_row = to_ptr + row64 * o_stride
     dz_row = dz_ptr + row64 * dz_stride
     col0 = seg * SEG
     col1 = tl.minimum(col0 + SEG, V)
@@ -463,8 +496,8 @@ def _row_segment(row, seg, s_ptr, s_stride, t_ptr, t_stride, dz_ptr, dz_stride, 
         # ---------------------------------------------------------------- pass 1
         if PHASE <= 1:
             ms, s_a, mt, s_b, u, md, w, wf, m_z, s_z, z_y = _seg_stats(
-                s_row, t_row, col0, col1, col1_load, y_local, inv_t, KIND, HARD, T_ONE, BLOCK,
-                STAGES)
+                s_row, t_row, so_row, to_row, col0, col1, col1_load, y_local, inv_t, KIND, HARD,
+                T_ONE, BLOCK, STAGES, TILE_W)
             if SEGS > 1:
                 p = part + seg * _NF
                 tl.store(p + F_MS, ms)
@@ -498,9 +531,12 @@ def _row_segment(row, seg, s_ptr, s_stride, t_ptr, t_stride, dz_ptr, dz_stride, 
             jj = zero
             if KIND == 2:
                 if PHASE != 3:
-                    k_seg, j_seg, q_seg = _seg_jsd_sums(s_row, t_row, col0, col1, col1_load,
-                                                        inv_t, ms, ls_a, mt, ls_b, c, oa, ob,
-                                                        oc, beta, omb, FORM, BLOCK, STAGES)
+                    k_seg, j_seg, q_seg = _seg_jsd_sums(s_row, t_row, so_row, to_row, col0, col1,
+                                                        col1_load, inv_t, ms, ls_a, mt, ls_b, c,
+                                                        oa, ob, oc, beta, omb, FORM, BLOCK,
+                                                        STAGES, TILE_W)
+                    if TILE_W > 0 and PHASE == 0:
+                        tl.debug_barrier()  # pass 3 of this program reads the Λ it stored
                     if SEGS > 1:
                         tl.store(part + seg * _NF + F_K, k_seg)
                         tl.store(part + seg * _NF + F_J, j_seg)
@@ -532,9 +568,10 @@ def _row_segment(row, seg, s_ptr, s_stride, t_ptr, t_stride, dz_ptr, dz_stride, 
                         tl.store(loss_ptr + row64, loss + nan)
                 if WRITE_GRAD:
                     g = tl.load(g_ptr + row64 * g_stride).to(tl.float32)
-                    _seg_grad(s_row, t_row, dz_row, col0, col1_load, y_local, inv_t, ms, ls_a,
-                              mt, ls_b, oa, ob, oc, l_z, kk, beta, omb, g * inv_t, g * hard_w,
-                              nan, KIND, HARD, T_ONE, ROUND_BF16, FORM, BLOCK, STAGES)
+                    _seg_grad(s_row, t_row, so_row, to_row, dz_row, col0, col1_load, y_local,
+                              inv_t, ms, ls_a, mt, ls_b, oa, ob, oc, l_z, kk, beta, omb,
+                              g * inv_t, g * hard_w, nan, KIND, HARD, T_ONE, ROUND_BF16, FORM,
+                              BLOCK, STAGES, TILE_W)
     else:
         if PHASE == 0 or PHASE == 3:
             if WRITE_LOSS:
@@ -547,13 +584,13 @@ def _row_segment(row, seg, s_ptr, s_stride, t_ptr, t_stride, dz_ptr, dz_stride, 
 @triton.jit
 def jsd_rows_kernel(
     s_ptr, s_stride, t_ptr, t_stride, dz_ptr, dz_stride,
-    y_ptr, g_ptr, g_stride, loss_ptr, part_ptr, sync_ptr,
+    y_ptr, g_ptr, g_stride, loss_ptr, part_ptr, sync_ptr, so_ptr, to_ptr, o_stride,
     n_rows, V, V_LOAD, ignore_index, inv_t, beta, omb, hard_w,
     KIND: tl.constexpr, HAS_Y: tl.constexpr, HARD: tl.constexpr, T_ONE: tl.constexpr,
     WRITE_LOSS: tl.constexpr, WRITE_GRAD: tl.constexpr, PHASE: tl.constexpr,
     SEGS: tl.constexpr, SEGS_P2: tl.constexpr, SEG: tl.constexpr, BLOCK: tl.constexpr,
     ROUND_BF16: tl.constexpr = False, MAX_SPIN: tl.constexpr = 1 << 20,
-    FORM: tl.constexpr = 0, STAGES: tl.constexpr = 1,
+    FORM: tl.constexpr = 0, STAGES: tl.constexpr = 1, TILE_W: tl.constexpr = 0,
 ):
     """Per-token loss (``loss_ptr``, fp32) and/or the student logit gradient (``dz_ptr``) for
     rows [0, n_rows) of the student / teacher logits buffers. ``inv_t`` = 1/T, ``g`` the
@@ -561,7 +598,10 @@ def jsd_rows_kernel(
     fp32 [n_rows, SEGS, NUM_FIELDS] partials (SEGS > 1), ``sync_ptr`` int32 [2 + n_rows] zeros
     (``PHASE`` 0 with SEGS > 1: the ticket counter, the abort flag, one counter per row).
     ``V_LOAD`` >= V: the columns every row of the buffers has (``common.load_cols``; a load
-    bound that is a multiple of 16 vectorizes, one of V = 50257 does not)."""
+    bound that is a multiple of 16 vectorizes, one of V = 50257 does not). ``TILE_W`` > 0: the
+    logits buffers hold fp16 z − o with o per row and ``TILE_W`` columns in ``so_ptr`` /
+    ``to_ptr`` (fp32, row stride ``o_stride``), and the JSD's pass 2 leaves Λ in the teacher's
+    buffer for pass 3 (see :func:`_seg_jsd_sums`)."""
     if PHASE == 0:
         if SEGS > 1:
             total = n_rows * SEGS
@@ -569,24 +609,26 @@ def jsd_rows_kernel(
             while ticket < total:
                 _row_segment(ticket // SEGS, ticket % SEGS, s_ptr, s_stride, t_ptr, t_stride,
                              dz_ptr, dz_stride, y_ptr, g_ptr, g_stride, loss_ptr, part_ptr,
-                             sync_ptr, V, V_LOAD, ignore_index, inv_t, beta, omb, hard_w, KIND,
-                             HAS_Y, HARD, T_ONE, WRITE_LOSS, WRITE_GRAD, PHASE, SEGS, SEGS_P2,
-                             SEG, BLOCK, ROUND_BF16, MAX_SPIN, FORM, STAGES)
+                             sync_ptr, so_ptr, to_ptr, o_stride, V, V_LOAD, ignore_index, inv_t, beta,
+                             omb, hard_w, KIND, HAS_Y, HARD, T_ONE, WRITE_LOSS, WRITE_GRAD,
+                             PHASE, SEGS, SEGS_P2, SEG, BLOCK, ROUND_BF16, MAX_SPIN, FORM,
+                             STAGES, TILE_W)
                 ticket = tl.atomic_add(sync_ptr, 1, sem="relaxed")
         else:
             for row in range(tl.program_id(0), n_rows, tl.num_programs(0)):
                 _row_segment(row, 0, s_ptr, s_stride, t_ptr, t_stride, dz_ptr, dz_stride,
-                             y_ptr, g_ptr, g_stride, loss_ptr, part_ptr, sync_ptr, V, V_LOAD,
-                             ignore_index, inv_t, beta, omb, hard_w, KIND, HAS_Y, HARD, T_ONE,
-                             WRITE_LOSS, WRITE_GRAD, PHASE, SEGS, SEGS_P2, SEG, BLOCK,
-                             ROUND_BF16, MAX_SPIN, FORM, STAGES)
+                             y_ptr, g_ptr, g_stride, loss_ptr, part_ptr, sync_ptr, so_ptr,
+                             to_ptr, o_stride, V, V_LOAD, ignore_index, inv_t, beta, omb,
+                             hard_w, KIND, HAS_Y, HARD, T_ONE, WRITE_LOSS, WRITE_GRAD, PHASE,
+                             SEGS, SEGS_P2, SEG, BLOCK, ROUND_BF16, MAX_SPIN, FORM, STAGES,
+                             TILE_W)
     else:
         pid = tl.program_id(0)
         _row_segment(pid // SEGS, pid % SEGS, s_ptr, s_stride, t_ptr, t_stride, dz_ptr,
-                     dz_stride, y_ptr, g_ptr, g_stride, loss_ptr, part_ptr, sync_ptr, V, V_LOAD,
-                     ignore_index, inv_t, beta, omb, hard_w, KIND, HAS_Y, HARD, T_ONE,
-                     WRITE_LOSS, WRITE_GRAD, PHASE, SEGS, SEGS_P2, SEG, BLOCK, ROUND_BF16,
-                     MAX_SPIN, FORM, STAGES)
+                     dz_stride, y_ptr, g_ptr, g_stride, loss_ptr, part_ptr, sync_ptr, so_ptr,
+                     to_ptr, o_stride, V, V_LOAD, ignore_index, inv_t, beta, omb, hard_w, KIND,
+                     HAS_Y, HARD, T_ONE, WRITE_LOSS, WRITE_GRAD, PHASE, SEGS, SEGS_P2, SEG,
+                     BLOCK, ROUND_BF16, MAX_SPIN, FORM, STAGES, TILE_W)
 
 
 # ----------------------------------------------------------------------------- diagnostics
@@ -644,7 +686,7 @@ def _local_ops(sass: str):
 
 BASE_VARIANT = dict(KIND=KIND_JSD, HAS_Y=True, HARD=False, T_ONE=True, WRITE_LOSS=True,
                     WRITE_GRAD=True, PHASE=0, SEGS=16, SEGS_P2=16, SEG=8192, BLOCK=1024,
-                    ROUND_BF16=False, MAX_SPIN=1 << 20, FORM=0, STAGES=1)
+                    ROUND_BF16=False, MAX_SPIN=1 << 20, FORM=0, STAGES=1, TILE_W=0)
 
 
 def compile_sass(variant, arch: int = 90, num_warps: int = 4, kernel=None):
@@ -660,15 +702,18 @@ def compile_sass(variant, arch: int = 90, num_warps: int = 4, kernel=None):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    sig = dict(s_ptr="*fp32", s_stride="i32", t_ptr="*fp32", t_stride="i32", dz_ptr="*bf16",
+    tiled = (variant.get("TILE_W") or 0) > 0  # fp16 logits beside fp32 tile offsets
+    sig = dict(s_ptr="*fp16" if tiled else "*fp32", s_stride="i32",
+               t_ptr="*fp16" if tiled else "*fp32", t_stride="i32", dz_ptr="*bf16",
                dz_stride="i32", y_ptr="*i64", g_ptr="*fp32", g_stride="i32", loss_ptr="*fp32",
-               part_ptr="*fp32", sync_ptr="*i32", n_rows="i32", V="i32", V_LOAD="i32",
+               part_ptr="*fp32", sync_ptr="*i32", so_ptr="*fp32", to_ptr="*fp32",
+               o_stride="i32", n_rows="i32", V="i32", V_LOAD="i32",
                ignore_index="i32", inv_t="fp32", beta="fp32", omb="fp32", hard_w="fp32")
     names = list(sig)
     aligned = [n for n in names if n.endswith("_ptr") or n.endswith("_stride")
                or n in ("V", "V_LOAD")]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned
-             if n != "g_stride"}
+             if n not in ("g_stride", "o_stride")}
     cons = {**BASE_VARIANT, **variant}
     src = ASTSource(fn=kernel or jsd_rows_kernel, constexprs=cons, attrs=attrs,
                     signature={**sig, **{k: "constexpr" for k in cons}})
@@ -701,6 +746,8 @@ def compile_report(arch: int = 90, variants=None) -> str:
         dict(PHASE=1), dict(PHASE=2), dict(PHASE=3, HAS_Y=False), dict(WRITE_GRAD=False),
         dict(FORM=1), dict(PHASE=2, FORM=1), dict(PHASE=3, FORM=1), dict(PHASE=2, FORM=2),
         dict(num_warps=16, BLOCK=4096, SEG=16384, SEGS=8, SEGS_P2=8),
+        dict(TILE_W=256), dict(PHASE=1, TILE_W=256), dict(PHASE=2, TILE_W=256),
+        dict(PHASE=3, TILE_W=256), dict(PHASE=3, KIND=KIND_FORWARD_KL, TILE_W=256),
     ]
     lines = []
     for v in variants:

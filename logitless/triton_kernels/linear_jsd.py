@@ -44,10 +44,12 @@ from ..specs import linear_jsd as spec
 from ..specs.tiling import next_power_of_2, plan_token_chunks
 from . import INTERPRETED
 from . import jsd_rows
+from . import logits_gemm
 from .narrow_cast import accumulate_split_, accumulator_pair, finish_, hand_over_once
 
 TUNING = ("chunk_size", "logits_chunk_size", "memory_budget", "fp32_logits", "grad_accum_dtype",
-          "block_v", "segment_size", "num_warps", "programs_per_sm", "row_sync", "dx_chunk_size")
+          "block_v", "segment_size", "num_warps", "programs_per_sm", "row_sync", "dx_chunk_size",
+          "fp16_tile_logits")
 # the target range check runs in the forward op (_fwd_op), as in torch_chunked (see there)
 CHECKS_TARGETS = True
 
@@ -72,6 +74,8 @@ REDUCTIONS = common.REDUCTION_CODES
 KINDS = {"forward_kl": jsd_rows.KIND_FORWARD_KL, "reverse_kl": jsd_rows.KIND_REVERSE_KL,
          "jsd": jsd_rows.KIND_JSD}
 NO_GRAD, FULL_GRAD = 0, 1
+# How the logits are stored between their GEMMs and the row kernel (the ops' ``logits_mode``)
+LOGITS_INPUT, LOGITS_FP32, LOGITS_TILES = 0, 1, 2
 
 _INTERPRET = INTERPRETED
 
@@ -91,11 +95,14 @@ class Config:
     grid: int             # persistent programs (fused kernel); 0 = one per SM x programs_per_sm
     row_sync: int         # 1 fused with per-row barriers, 0 or -1 (default) one launch per pass
     dx_rows: int = 0      # rows per dX GEMM call (0: whole chunks; common.dx_piece_rows)
+    tile_w: int = 0       # > 0: fp16 logits relative to the maxima of tiles this wide
 
 
 # ----------------------------------------------------------------------------- launching
-def _row_kernel(zs, zt, dz, y, g, loss, opts_t, v, cfg: Config, write_loss, write_grad):
-    """Row kernel over ``zs[:rows]`` / ``zt[:rows]`` (see jsd_rows)."""
+def _row_kernel(zs, zt, dz, y, g, loss, opts_t, v, cfg: Config, write_loss, write_grad,
+                offs=None):
+    """Row kernel over ``zs[:rows]`` / ``zt[:rows]`` (see jsd_rows); ``offs``: the (student,
+    teacher) tile offsets of fp16 logits (``cfg.tile_w``)."""
     kind, beta, temperature, ignore_index, hard_w = opts_t
     rows = zs.shape[0]
     if rows == 0:
@@ -118,14 +125,16 @@ def _row_kernel(zs, zt, dz, y, g, loss, opts_t, v, cfg: Config, write_loss, writ
             y if y is not None else dummy, g if g is not None else dummy,
             0 if (g is None or g.numel() == 1) else 1,
             loss if loss is not None else dummy, part, sync,
-            rows, v, common.load_cols(v, *(t for t in (zs, zt, dz) if t is not None)),
+            *(offs if offs is not None else (dummy, dummy)),
+            offs[0].stride(0) if offs is not None else 0, rows, v, common.load_cols(v, *(t for t in (zs, zt, dz) if t is not None)),
             ignore_index, 1.0 / temperature, beta, 1.0 - beta, hard_w)
     meta = dict(KIND=kind, HAS_Y=y is not None, HARD=hard_w > 0, T_ONE=temperature == 1.0,
                 WRITE_LOSS=write_loss, WRITE_GRAD=write_grad, SEGS=segs,
                 SEGS_P2=max(2, next_power_of_2(segs)), SEG=cfg.segment, BLOCK=cfg.block,
                 ROUND_BF16=_interpret() and dz is not None and dz.dtype == torch.bfloat16,
                 FORM=spec.beta_form(beta) if kind == jsd_rows.KIND_JSD else 0,
-                STAGES=1 if _interpret() else GPU_ROW_STAGES, num_warps=cfg.num_warps)
+                STAGES=1 if _interpret() else GPU_ROW_STAGES, TILE_W=cfg.tile_w,
+                num_warps=cfg.num_warps)
     if fused:
         grid = rows if _interpret() else min(cfg.grid, rows * segs)
         jsd_rows.jsd_rows_kernel[(max(1, grid),)](*args, PHASE=0, **meta)
@@ -143,8 +152,12 @@ def _max_resident_segments(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _logits(x, w, out, fp32):
-    if not fp32:
+def _logits(x, w, out, cfg: Config, offs=None):
+    if cfg.tile_w:
+        logits_gemm.logits_tile_offsets(x, w, out, offs, _interpret(),
+                                        _max_resident_segments(x.device) if x.is_cuda else 1)
+        return out
+    if not cfg.fp32_logits:
         return common.vocab_mm_(x, w.t(), out, axis=1)
     for s, e in common.vocab_parts(w.shape[0]):  # fp32 results: no thin-GEMM concern
         jsd_common.logits_f32(x, w[s:e], out=out[:, s:e])
@@ -187,24 +200,28 @@ def _sweep(xs, ws, xt, wt, y, g, opts_t, cfg: Config, want_loss, want_grad, accu
     if want_grad and need_dw:
         dw = accumulator_pair(v, hs, torch.float32 if accum == "fp32" else dt, dt, xs,
                               zero=n == 0)
-    ldt = torch.float32 if cfg.fp32_logits else dt
+    ldt = torch.float16 if cfg.tile_w else torch.float32 if cfg.fp32_logits else dt
     c = min(cfg.sub_chunk, n)
     zs_buf = common.rows_buffer(c, v, ldt, dev)
     zt_buf = common.rows_buffer(c, v, ldt if cfg.fp32_logits else xt.dtype, dev)
+    offs_buf = ((torch.empty(c, triton.cdiv(v, cfg.tile_w), dtype=torch.float32, device=dev),
+                 torch.empty(c, triton.cdiv(v, cfg.tile_w), dtype=torch.float32, device=dev))
+                if cfg.tile_w else None)
     dz_buf = common.rows_buffer(min(cfg.chunk, n), v, dt, dev) if want_grad else None
     for s in range(0, n, cfg.chunk):
         e = min(s + cfg.chunk, n)
         for ss in range(s, e, cfg.sub_chunk):
             ee = min(ss + cfg.sub_chunk, e)
-            zs = _logits(xs[ss:ee], ws, zs_buf[: ee - ss], cfg.fp32_logits)
-            zt = _logits(xt[ss:ee], wt, zt_buf[: ee - ss], cfg.fp32_logits)
+            offs = None if offs_buf is None else tuple(o[: ee - ss] for o in offs_buf)
+            zs = _logits(xs[ss:ee], ws, zs_buf[: ee - ss], cfg, None if offs is None else offs[0])
+            zt = _logits(xt[ss:ee], wt, zt_buf[: ee - ss], cfg, None if offs is None else offs[1])
             if callable(g):
                 g = g()
             _row_kernel(zs, zt, None if dz_buf is None else dz_buf[ss - s: ee - s],
                         None if y is None else y[ss:ee],
                         None if not want_grad else (g if g.numel() == 1 else g[ss:ee]),
                         None if token_loss is None else token_loss[ss:ee], opts_t, v, cfg,
-                        write_loss=want_loss, write_grad=want_grad)
+                        write_loss=want_loss, write_grad=want_grad, offs=offs)
         dz = dz_buf[: e - s] if want_grad else None
         if want_grad and need_dx:
             if dx_fp32:
@@ -235,9 +252,10 @@ def _accum(dtype, accum_fp32, fused=False):
     return "fp32" if (accum_fp32 and dtype != torch.float32) else "input"
 
 
-def _cfg(chunk, sub_chunk, fp32_logits, block, segment, num_warps, grid, row_sync, dx_rows):
-    return Config(chunk, sub_chunk, fp32_logits, block, segment, num_warps, grid, row_sync,
-                  dx_rows)
+def _cfg(chunk, sub_chunk, logits_mode, block, segment, num_warps, grid, row_sync, dx_rows):
+    tile_w = logits_gemm.tiles(_interpret())["bn"] if logits_mode == LOGITS_TILES else 0
+    return Config(chunk, sub_chunk, logits_mode != LOGITS_INPUT, block, segment, num_warps, grid,
+                  row_sync, dx_rows, tile_w)
 
 
 # ----------------------------------------------------------------------------- custom ops
@@ -245,7 +263,7 @@ def _cfg(chunk, sub_chunk, fp32_logits, block, segment, num_warps, grid, row_syn
 def _fwd_op(xs: torch.Tensor, ws: torch.Tensor, xt: torch.Tensor, wt: torch.Tensor,
             y: Optional[torch.Tensor], reduction: int, beta: float, temperature: float,
             ignore_index: int, hard_w: float, grad_mode: int, need_dx: bool, need_dw: bool,
-            chunk: int, sub_chunk: int, fp32_logits: bool, accum_fp32: bool, block: int,
+            chunk: int, sub_chunk: int, logits_mode: int, accum_fp32: bool, block: int,
             segment: int, num_warps: int, grid: int, row_sync: int, dx_rows: int
             ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                        torch.Tensor]:
@@ -253,7 +271,7 @@ def _fwd_op(xs: torch.Tensor, ws: torch.Tensor, xt: torch.Tensor, wt: torch.Tens
     upstream 1, with 1/Σm folded in unless fp16) only with ``grad_mode`` (mean/sum) and only
     those needed, in fp32 split pairs for half-precision inputs (see :func:`_sweep`)."""
     with common.on_device(xs):
-        cfg = _cfg(chunk, sub_chunk, fp32_logits, block, segment, num_warps, grid, row_sync,
+        cfg = _cfg(chunk, sub_chunk, logits_mode, block, segment, num_warps, grid, row_sync,
                    dx_rows)
         n = xs.shape[0]
         opts_t = _opts_tuple(beta, temperature, ignore_index, hard_w)
@@ -282,7 +300,7 @@ def _fwd_op(xs: torch.Tensor, ws: torch.Tensor, xt: torch.Tensor, wt: torch.Tens
 
 @_fwd_op.register_fake
 def _(xs, ws, xt, wt, y, reduction, beta, temperature, ignore_index, hard_w, grad_mode, need_dx,
-      need_dw, chunk, sub_chunk, fp32_logits, accum_fp32, block, segment, num_warps, grid,
+      need_dw, chunk, sub_chunk, logits_mode, accum_fp32, block, segment, num_warps, grid,
       row_sync, dx_rows):
     n, hs, v = xs.shape[0], xs.shape[1], ws.shape[0]
     f32 = dict(dtype=torch.float32)
@@ -301,14 +319,14 @@ def _(xs, ws, xt, wt, y, reduction, beta, temperature, ignore_index, hard_w, gra
 def _bwd_op(xs: torch.Tensor, ws: torch.Tensor, xt: torch.Tensor, wt: torch.Tensor,
             y: Optional[torch.Tensor], g: torch.Tensor, beta: float, temperature: float,
             ignore_index: int, hard_w: float, need_dx: bool, need_dw: bool, chunk: int,
-            sub_chunk: int, fp32_logits: bool, accum_fp32: bool, block: int, segment: int,
+            sub_chunk: int, logits_mode: int, accum_fp32: bool, block: int, segment: int,
             num_warps: int, grid: int, row_sync: int, dx_rows: int
             ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Recomputing backward for per-token upstream gradients ``g`` (N,): (dX, dW), each empty
     unless needed. g is in dz already, so dX is written (rounded) once; dW is narrowed from
     fp32 without a scale."""
     with common.on_device(xs):
-        cfg = _cfg(chunk, sub_chunk, fp32_logits, block, segment, num_warps, grid, row_sync,
+        cfg = _cfg(chunk, sub_chunk, logits_mode, block, segment, num_warps, grid, row_sync,
                    dx_rows)
         v, hs = ws.shape
         _, dx, _, dw_a, dw_b = _sweep(xs, ws, xt, wt, y, g, _opts_tuple(beta, temperature,
@@ -321,20 +339,20 @@ def _bwd_op(xs: torch.Tensor, ws: torch.Tensor, xt: torch.Tensor, wt: torch.Tens
 
 @_bwd_op.register_fake
 def _(xs, ws, xt, wt, y, g, beta, temperature, ignore_index, hard_w, need_dx, need_dw, chunk,
-      sub_chunk, fp32_logits, accum_fp32, block, segment, num_warps, grid, row_sync, dx_rows):
+      sub_chunk, logits_mode, accum_fp32, block, segment, num_warps, grid, row_sync, dx_rows):
     return (xs.new_empty(xs.shape) if need_dx else xs.new_empty(0),
             xs.new_empty(ws.shape) if need_dw else xs.new_empty(0))
 
 
 def _setup_context(ctx, inputs, output):
     (xs, ws, xt, wt, y, reduction, beta, temperature, ignore_index, hard_w, grad_mode, _need_dx,
-     _need_dw, chunk, sub_chunk, fp32_logits, accum_fp32, block, segment, num_warps, grid,
+     _need_dw, chunk, sub_chunk, logits_mode, accum_fp32, block, segment, num_warps, grid,
      row_sync, dx_rows) = inputs
     loss, denom, dx_a, dx_b, dw_a, dw_b = output
     ctx.save_for_backward(xs, ws, xt, wt, y, denom, dx_a, dx_b, dw_a, dw_b)
     ctx.args = dict(reduction=reduction, beta=beta, temperature=temperature,
                     ignore_index=ignore_index, hard_w=hard_w, grad_mode=grad_mode, chunk=chunk,
-                    sub_chunk=sub_chunk, fp32_logits=fp32_logits, accum_fp32=accum_fp32,
+                    sub_chunk=sub_chunk, logits_mode=logits_mode, accum_fp32=accum_fp32,
                     block=block, segment=segment, num_warps=num_warps, grid=grid,
                     row_sync=row_sync, dx_rows=dx_rows)
     ctx.set_materialize_grads(False)
@@ -368,7 +386,7 @@ def _backward(ctx, g_loss, _g_denom, _g_dxa, _g_dxb, _g_dwa, _g_dwb):
     # reduction="none": per-token upstream gradients, recompute.
     gx, gw = _bwd_op(xs, ws, xt, wt, y, g_loss.float().contiguous(), a["beta"],
                      a["temperature"], a["ignore_index"], a["hard_w"], need_x, need_w,
-                     a["chunk"], a["sub_chunk"], a["fp32_logits"], a["accum_fp32"], a["block"],
+                     a["chunk"], a["sub_chunk"], a["logits_mode"], a["accum_fp32"], a["block"],
                      a["segment"], a["num_warps"], a["grid"], a["row_sync"], a["dx_rows"])
     return (gx if need_x else None, gw if need_w else None) + none
 
@@ -387,7 +405,7 @@ def _check_pow2(name, value, lo):
 def linear_jsd(p: jsd_common.Prepared, opts: spec.LinearJSDOptions, *, chunk_size=None,
                logits_chunk_size=None, memory_budget=None, fp32_logits=True,
                grad_accum_dtype=torch.float32, block_v=None, segment_size=None, num_warps=None,
-               programs_per_sm=None, row_sync=None, dx_chunk_size=None):
+               programs_per_sm=None, row_sync=None, dx_chunk_size=None, fp16_tile_logits=False):
     """Returns the loss reduced per ``opts.reduction`` (flat ``(N,)`` for "none").
 
     Tuning (defaults in parentheses): ``chunk_size`` (None: from ``memory_budget``; tokens
@@ -404,7 +422,11 @@ def linear_jsd(p: jsd_common.Prepared, opts: spec.LinearJSDOptions, *, chunk_siz
     ``dx_chunk_size`` (None: on a GPU with H >= 4096, the rows one wave of cuBLAS's
     256 x 128 output tiles covers, 1024 at H = 4096 on 132 SMs, else whole chunks; see
     ``common.dx_piece_rows``; rows per dX GEMM call: a chunk's dX in pieces of at most this
-    many rows).
+    many rows), ``fp16_tile_logits`` (False; True: the logits GEMMs are our TMA GEMM, which
+    stores each logit in fp16 relative to the maximum of its row in its 256-column output tile
+    (fp32, one per tile), half the bytes of fp32 logits at their accuracy for softmax work;
+    the JSD's pass 2 then leaves Λ in fp16 for pass 3; bf16/fp16 inputs on a Hopper-class
+    GPU; ``logits_chunk_size`` defaults to ``chunk_size / 2``).
     """
     xs = p.xs
     for name, t in (("student_input", xs), ("teacher_input", p.xt)):
@@ -414,6 +436,21 @@ def linear_jsd(p: jsd_common.Prepared, opts: spec.LinearJSDOptions, *, chunk_siz
     common.check_triton_device(xs, "student_input", "backend='triton'", _interpret())
     if not isinstance(fp32_logits, bool):
         raise TypeError(f"fp32_logits must be a bool, got {fp32_logits!r}")
+    if not isinstance(fp16_tile_logits, bool):
+        raise TypeError(f"fp16_tile_logits must be a bool, got {fp16_tile_logits!r}")
+    if fp16_tile_logits:
+        if not fp32_logits:
+            raise ValueError("fp16_tile_logits keeps fp32 logits' accuracy in 16 bits; it does "
+                             "not combine with fp32_logits=False (logits rounded to the input "
+                             "dtype)")
+        for name, t in (("student_input", xs), ("teacher_input", p.xt)):
+            if t.dtype not in (torch.bfloat16, torch.float16):
+                raise ValueError(f"fp16_tile_logits needs bfloat16/float16 inputs (our TMA GEMM; "
+                                 f"fp32 would run as TF32), got {name} {t.dtype}")
+        for x, w, what in ((xs, p.ws, "student"), (p.xt, p.wt, "teacher")):
+            why = logits_gemm.unsupported_layout(x, w, None)
+            if why:
+                raise ValueError(f"fp16_tile_logits: the {what} head's logits GEMM: {why}")
     if row_sync is not None and not isinstance(row_sync, bool):
         raise TypeError(f"row_sync must be None or a bool, got {row_sync!r}")
     if grad_accum_dtype not in (torch.float32, xs.dtype):
@@ -442,8 +479,8 @@ def linear_jsd(p: jsd_common.Prepared, opts: spec.LinearJSDOptions, *, chunk_siz
     if xs.is_cuda:
         sms = torch.cuda.get_device_properties(xs.device).multi_processor_count
         grid = sms * (programs_per_sm or GPU_PROGRAMS_PER_SM)
-    logit_bytes = 4 if fp32_logits else xs.element_size()
-    share = LOGITS_SHARE if fp32_logits else 2
+    logit_bytes = 2 if fp16_tile_logits else 4 if fp32_logits else xs.element_size()
+    share = LOGITS_SHARE if (fp32_logits and not fp16_tile_logits) else 2
     budget = FAST_BUDGET if memory_budget is None else memory_budget
     chunk = plan_token_chunks(n, v, bytes_per_element=xs.element_size() + 2 * logit_bytes // share,
                               budget_bytes=budget, chunk_size=chunk_size).chunk
@@ -464,6 +501,7 @@ def linear_jsd(p: jsd_common.Prepared, opts: spec.LinearJSDOptions, *, chunk_siz
     loss, _denom, _dxa, _dxb, _dwa, _dwb = _fwd_op(
         xs, p.ws, p.xt, p.wt, y, REDUCTIONS[opts.reduction], opts.beta, opts.temperature,
         opts.ignore_index, opts.hard_loss_weight, grad_mode, need_dx, need_dw, chunk, sub,
-        fp32_logits, grad_accum_dtype == torch.float32, block, segment, num_warps or GPU_WARPS,
+        LOGITS_TILES if fp16_tile_logits else LOGITS_FP32 if fp32_logits else LOGITS_INPUT,
+        grad_accum_dtype == torch.float32, block, segment, num_warps or GPU_WARPS,
         grid, -1 if row_sync is None else int(row_sync), dx_rows)
     return loss

@@ -69,10 +69,13 @@ def logits_stats_kernel(x_desc, w_desc, z_desc, bias_ptr, stat_m_ptr, stat_s_ptr
                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                         GROUP_M: tl.constexpr, num_programs, INTERPRET: tl.constexpr,
                         WS: tl.constexpr = False, EXP_FORM: tl.constexpr = 0,
-                        STATS: tl.constexpr = True, HAS_LIVE: tl.constexpr = False):
+                        STATS: tl.constexpr = True, HAS_LIVE: tl.constexpr = False,
+                        OFFSETS: tl.constexpr = False):
     """``STATS``: the per-tile statistics too (else the plain product); ``HAS_LIVE``: only
     the first ``*live_ptr`` rows (read from device memory, no host sync) are computed, the
-    row tiles past them skipped (their rows of ``z`` keep what they held)."""
+    row tiles past them skipped (their rows of ``z`` keep what they held). ``OFFSETS`` (with
+    ``STATS`` False): each row of a tile stored relative to its maximum o (fp32, into
+    ``stat_m_ptr``), ``z − o`` in ``z``'s (16-bit) dtype: see :func:`logits_tile_offsets`."""
     pid = tl.program_id(0)
     if HAS_LIVE:
         M = tl.minimum(M, tl.load(live_ptr))
@@ -87,10 +90,16 @@ def logits_stats_kernel(x_desc, w_desc, z_desc, bias_ptr, stat_m_ptr, stat_s_ptr
         acc = _tile_product(x_desc, w_desc, om, on, k_tiles, BM, BN, BK, INTERPRET)
         cols = on + tl.arange(0, BN)
         cmask = cols < N
-        if INTERPRET and z_desc.dtype == tl.bfloat16:
-            acc = round_bf16_bits(acc)  # the interpreter's cast truncates; the GPU rounds
-        zq = acc.to(z_desc.dtype)
-        z_desc.store([om, on], zq)
+        if OFFSETS:
+            o = tl.max(tl.where(cmask[None, :], acc, float("-inf")), 1)
+            z_desc.store([om, on], (acc - o[:, None]).to(z_desc.dtype))
+            rows = (om + tl.arange(0, BM)).to(tl.int64)
+            tl.store(stat_m_ptr + rows * num_pid_n + pid_n, o, mask=rows < M)
+        else:
+            if INTERPRET and z_desc.dtype == tl.bfloat16:
+                acc = round_bf16_bits(acc)  # the interpreter's cast truncates; the GPU rounds
+            zq = acc.to(z_desc.dtype)
+            z_desc.store([om, on], zq)
         if STATS:
             z = zq.to(tl.float32)
             if HAS_BIAS:  # stored without it, as the cuBLAS path: the row kernel adds it
@@ -259,6 +268,30 @@ def logits_with_stats(x_c: torch.Tensor, w: torch.Tensor, bias, out: torch.Tenso
         BM=t["bm"], BN=t["bn"], BK=t["bk"], GROUP_M=t["group_m"], num_programs=programs,
         INTERPRET=interpret, WS=t.get("ws", False), EXP_FORM=form_for(False), STATS=stats,
         HAS_LIVE=live is not None, num_stages=t["stages"], num_warps=t["warps"])
+
+
+def logits_tile_offsets(x_c: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
+                        offsets: torch.Tensor, interpret: bool, num_sms: int) -> None:
+    """``x_c·wᵀ`` in 16 bits without losing what fp32 logits hold for a softmax: per row of
+    each ``[BM, BN]`` output tile, o = the row's maximum over the tile's columns goes to
+    ``offsets`` (``[rows, n_tiles]``, fp32, row-major) and ``z − o`` to ``out`` (fp16). The
+    logits that matter for softmax work lie within a few units of their tile's maximum,
+    where fp16 keeps 2⁻¹¹ or better: the JSD's gradients from logits stored so are as
+    accurate as from fp32 ones at T = 1 (``benchmarks/jsd_logit_storage_probe.py``), at half
+    the bytes."""
+    m, k = x_c.shape
+    if m == 0:
+        return
+    if out.dtype != torch.float16 or offsets.dtype != torch.float32:
+        raise TypeError(f"logits_tile_offsets writes fp16 logits and fp32 offsets, got "
+                        f"{out.dtype} / {offsets.dtype}")
+    t, programs, descriptors = _persistent_launch(x_c, w, out, interpret, num_sms)
+    logits_stats_kernel[(programs,)](
+        *descriptors, offsets, offsets, offsets, offsets, m, w.shape[0], k, 1.0,
+        HAS_BIAS=False, HAS_SOFTCAP=False, BM=t["bm"], BN=t["bn"], BK=t["bk"],
+        GROUP_M=t["group_m"], num_programs=programs, INTERPRET=interpret,
+        WS=t.get("ws", False), EXP_FORM=form_for(False), STATS=False, HAS_LIVE=False,
+        OFFSETS=True, num_stages=t["stages"], num_warps=t["warps"])
 
 
 def stat_tiles(v: int, interpret: bool) -> int:

@@ -1,0 +1,130 @@
+"""CPU probe: how the dtype the JSD's logits are *stored* in between the logits GEMMs and the
+row kernel moves the student's gradients, with everything else exact.
+
+The Triton JSD stores both heads' logits in fp32 (``fp32_logits=True``): 8 bytes per element
+of the pair, which its three row passes re-read (the row kernel's cost is that traffic).
+Half-width storage would halve it. This probe rounds the exact logits as a store would, then
+runs the float64 spec (``specs.linear_jsd.logits_reference``) on them, rounds dz to bf16 as the
+kernel does, and reports the relative Frobenius errors of dz, dX and dW (each GEMM in float64,
+its result rounded to bf16) against the exact chain, beside the floor (the exact dX / dW
+rounded to bf16). Storage forms:
+
+* ``fp32``, ``bf16``, ``fp16``: the logit rounded to that dtype;
+* ``fp16-tile<k>`` / ``bf16-tile<k>``: z − o rounded, o the maximum of its row's k-column tile
+  (fp32, one per tile): what a GEMM epilogue that knows only its own output tile could store;
+* ``fp16-row``: z − (row maximum) rounded (for comparison: no epilogue knows it);
+* any form with ``+lam16`` (0 < β < 1): also Λ = log M − log Q rounded to fp16 before the
+  gradient uses it (K from the unrounded Λ, as pass 2 sums it), i.e. pass 2 leaving Λ in the
+  teacher's 16-bit slot for pass 3, which then re-reads only the student's logit.
+
+Inputs as ``benchmarks/linear_jsd.py`` draws them (logit std 2, teacher correlation 0.8, bf16
+inputs), a smaller H (the errors come from dz, whose size does not depend on H).
+
+    PYTHONPATH=. python3 benchmarks/jsd_logit_storage_probe.py [--n 32 --v 128256 --h 512]
+        [--beta 0.5 --temperature 1 --forms fp32,fp16-tile256+lam16]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from logitless.specs import linear_jsd as spec  # noqa: E402
+
+LOGIT_STD, TEACHER_AGREEMENT = 2.0, 0.8  # as benchmarks/linear_jsd.py
+
+
+def _round(a: np.ndarray, dtype) -> np.ndarray:
+    return torch.from_numpy(np.ascontiguousarray(a)).to(dtype).to(torch.float64).numpy()
+
+
+def stored(z32: np.ndarray, form: str) -> np.ndarray:
+    """The logits (fp32 values, as float64) after a store in ``form`` and the load back."""
+    if form == "fp32":
+        return z32
+    if form in ("bf16", "fp16"):
+        return _round(z32, getattr(torch, {"bf16": "bfloat16", "fp16": "float16"}[form]))
+    dtype = torch.float16 if form.startswith("fp16") else torch.bfloat16
+    if form.endswith("-row"):
+        o = z32.max(axis=1, keepdims=True)
+        return _round(_round(z32 - o, dtype) + o, torch.float32)
+    tile = int(form.split("-tile")[1])
+    n, v = z32.shape
+    pad = -v % tile
+    zp = np.pad(z32, ((0, 0), (0, pad)), constant_values=-np.inf).reshape(n, -1, tile)
+    o = zp.max(axis=2, keepdims=True)
+    back = _round(_round(zp - o, torch.float32), dtype) + o  # z − o in fp32, then stored
+    return _round(back.reshape(n, -1)[:, :v], torch.float32)
+
+
+def grad_logits(z, zeta, opts, lam16: bool) -> np.ndarray:
+    """dz (upstream 1 per token) of the spec from these logits; ``lam16``: the JSD's Λ rounded
+    to fp16 where the gradient uses it (the spec's own formulas otherwise)."""
+    if not lam16:
+        return spec.logits_reference(z, zeta, options=opts)["grad_logits"]
+    if opts.kind != "jsd":
+        raise SystemExit("+lam16 is for 0 < beta < 1 (the KL kinds have no Λ)")
+    T, beta = opts.temperature, opts.beta
+    logq = spec._log_softmax(z / T)
+    q = np.exp(logq)
+    ell, _ = spec._log_ratios_to_m(spec._log_ratio(z, zeta, T, logq, q), beta)  # ell = −Λ
+    kl = (q * ell).sum(axis=1, keepdims=True)
+    scale = 1.0 / z.shape[0] if opts.reduction == "mean" else 1.0  # no targets: all tokens count
+    return scale * (1 - beta) * q * (_round(ell, torch.float16) - kl) / T
+
+
+def rel(a, b) -> float:
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--n", type=int, default=32)
+    ap.add_argument("--v", type=int, default=128256)
+    ap.add_argument("--h", type=int, default=512)
+    ap.add_argument("--beta", type=float, default=0.5)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--forms", default="fp32,bf16,fp16,fp16-tile128,fp16-tile256,bf16-tile128,"
+                                       "fp16-row,fp32+lam16,fp16-tile256+lam16")
+    a = ap.parse_args(argv)
+    g = torch.Generator().manual_seed(a.seed)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    scale = LOGIT_STD / math.sqrt(a.h)
+    c = math.sqrt(TEACHER_AGREEMENT)
+    xs, ws = r(a.n, a.h), r(a.v, a.h) * scale
+    xt = xs * c + r(a.n, a.h) * math.sqrt(1 - c * c)
+    wt = ws * c + r(a.v, a.h) * (scale * math.sqrt(1 - c * c))
+    bf = lambda t: t.to(torch.bfloat16).to(torch.float64).numpy()  # noqa: E731
+    xs, ws, xt, wt = bf(xs), bf(ws), bf(xt), bf(wt)
+    opts = spec.LinearJSDOptions(beta=a.beta, temperature=a.temperature)
+    z, zeta = xs @ ws.T, xt @ wt.T
+    exact = spec.logits_reference(z, zeta, options=opts)["grad_logits"]
+    dx_ref, dw_ref = exact @ ws, exact.T @ xs
+    bf16 = lambda t: _round(t, torch.bfloat16)  # noqa: E731
+    rows = [dict(form="floor (exact dX, dW rounded to bf16)", dz=0.0,
+                 dx=rel(bf16(dx_ref), dx_ref), dw=rel(bf16(dw_ref), dw_ref))]
+    z32, zeta32 = _round(z, torch.float32), _round(zeta, torch.float32)
+    for form in a.forms.split(","):
+        base, lam16 = form.split("+")[0], form.endswith("+lam16")
+        dz = grad_logits(stored(z32, base), stored(zeta32, base), opts, lam16)
+        dzb = bf16(dz)  # the row kernel writes dz in the input dtype
+        rows.append(dict(form=form, dz=rel(dz, exact), dx=rel(bf16(dzb @ ws), dx_ref),
+                         dw=rel(bf16(dzb.T @ xs), dw_ref)))
+    print(json.dumps(dict(n=a.n, v=a.v, h=a.h, beta=a.beta, temperature=a.temperature,
+                          seed=a.seed)))
+    print(f"{'storage':40s} {'dz err':>9s} {'dX err':>9s} {'dW err':>9s}")
+    for row in rows:
+        print(f"{row['form']:40s} {row['dz']:9.2e} {row['dx']:9.2e} {row['dw']:9.2e}")
+
+
+if __name__ == "__main__":
+    main()
