@@ -194,6 +194,10 @@ CANDIDATES = {c.name: c for c in (
     Candidate("logitless-triton-bf16logits", "logitless backend='triton', fp32_logits=False "
               "(faster, ~1e-2 gradient error)", _logitless("torch", "triton", fp32_logits=False),
               triton=True),
+    Candidate("logitless-triton-fp16tiles", "logitless backend='triton', fp16_tile_logits=True "
+              "(fp16 logits beside per-tile maxima from our TMA GEMM; Hopper)",
+              _logitless("torch", "triton", fp16_tile_logits=True), cuda_only=True,
+              default=False),
     Candidate("logitless-torch", "logitless backend='torch' (chunked plain PyTorch)",
               _logitless("torch", "torch")),
     Candidate("naive", "F.linear in bf16, .float(), log_softmax JSD, autograd", _naive),
