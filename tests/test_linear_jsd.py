@@ -1240,7 +1240,8 @@ def test_barrier_timeout_poisons_instead_of_hanging():
 
     def launch(n_rows, dz, loss, part, sync, **kw):
         jsd_rows.jsd_rows_kernel[(1,)](
-            zs, v, zt, v, dz, v, zs, g, 0, loss, part, sync, n_rows, v, v, -100, 1.0, 0.5, 0.5,
+            zs, v, zt, v, dz, v, zs, g, 0, loss, part, sync, zs, zs, 0, n_rows, v, v, -100, 1.0,
+            0.5, 0.5,
             0.0, KIND=2, HAS_Y=False, HARD=False, T_ONE=True, WRITE_LOSS=True, PHASE=0, SEGS=2,
             SEGS_P2=2, SEG=seg, BLOCK=32, MAX_SPIN=1000, **kw)
 

@@ -6,8 +6,8 @@ Per chunk of ``C`` tokens (``chunk_size``), in sub-chunks of ``c`` tokens (``log
    the default: JSD's gradient has no exact dominant term, so logits rounded to bf16 move it
    by ~1e-2; see the spec) into two ``[c, V]`` buffers: on a Hopper-class GPU by our TMA
    GEMM as fp16 remainders below each row's maximum in its 256-column tile, the maxima
-   beside them (``fp16_tile_logits``, the default where it runs: half the bytes, 0.94x the
-   time at Llama's head on an H200), elsewhere as fp32 by cuBLAS;
+   beside them, with ``fp16_tile_logits`` (opt-in: half the bytes, 0.94x the time at Llama's
+   head on an H200, the loss ~1e-5 less accurate), else (the default) as fp32 by cuBLAS;
 2. the row kernel (:mod:`.jsd_rows`): both normalizers, the per-token loss, and the student
    logit gradient dz written into a ``[C, V]`` buffer in the input dtype;
 
@@ -418,7 +418,7 @@ def _check_pow2(name, value, lo):
 def linear_jsd(p: jsd_common.Prepared, opts: spec.LinearJSDOptions, *, chunk_size=None,
                logits_chunk_size=None, memory_budget=None, fp32_logits=True,
                grad_accum_dtype=torch.float32, block_v=None, segment_size=None, num_warps=None,
-               programs_per_sm=None, row_sync=None, dx_chunk_size=None, fp16_tile_logits=None):
+               programs_per_sm=None, row_sync=None, dx_chunk_size=None, fp16_tile_logits=False):
     """Returns the loss reduced per ``opts.reduction`` (flat ``(N,)`` for "none").
 
     Tuning (defaults in parentheses): ``chunk_size`` (None: from ``memory_budget``; tokens
@@ -435,14 +435,15 @@ def linear_jsd(p: jsd_common.Prepared, opts: spec.LinearJSDOptions, *, chunk_siz
     ``dx_chunk_size`` (None: on a GPU with H >= 4096, the rows one wave of cuBLAS's
     256 x 128 output tiles covers, 1024 at H = 4096 on 132 SMs, else whole chunks; see
     ``common.dx_piece_rows``; rows per dX GEMM call: a chunk's dX in pieces of at most this
-    many rows), ``fp16_tile_logits`` (None: True where it can run, i.e. bf16/fp16 inputs with
-    fp32 logits on a Hopper-class GPU in layouts its TMA GEMM takes, else False; True: the
-    logits GEMMs are our TMA GEMM, which stores each logit in fp16 relative to the maximum of
-    its row in its 256-column output tile (fp32, one per tile), half the bytes of fp32 logits
-    at their accuracy for softmax work, and the JSD's pass 2 leaves Λ in fp16 for pass 3; an
+    many rows), ``fp16_tile_logits`` (False; None: True where it can run, i.e. bf16/fp16 inputs
+    with fp32 logits on a Hopper-class GPU in layouts its TMA GEMM takes; True: the logits
+    GEMMs are our TMA GEMM, which stores each logit in fp16 relative to the maximum of its
+    row in its 256-column output tile (fp32, one per tile), half the bytes of fp32 logits at
+    their accuracy for the gradients, and the JSD's pass 2 leaves Λ in fp16 for pass 3; an
     error where it cannot run; ``logits_chunk_size`` then defaults to ``chunk_size / 2``
     rounded down to a multiple of 256. H200 at N = 8192, H = 4096, V = 128256: 0.94x the
-    time of fp32 logits, same memory, gradient errors within ~5% of theirs).
+    time of fp32 logits, same memory, gradient errors within ~5% of theirs; the loss itself
+    to ~1e-5 relative (per-token losses ~1e-4) instead of ~1e-7, which is why it is opt-in).
     """
     xs = p.xs
     for name, t in (("student_input", xs), ("teacher_input", p.xt)):
