@@ -76,18 +76,29 @@ GAP = tl.constexpr(spec.GAP)
 
 
 @triton.jit
-def _load_logits(row, o_row, cols, lmask, TILE_W: tl.constexpr):
-    """One head's raw logits (fp32) where ``lmask``; ``TILE_W`` > 0: stored as fp16 z − o
-    relative to the maximum o of their ``TILE_W``-column GEMM tile (``o_row``: the row's
-    fp32 offsets, see ``logits_gemm.logits_tile_offsets``)."""
+def _load_logits(row, o_row, start, cols, lmask, col1_load, TILE_W: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    """One head's raw logits (fp32) of the block at ``start`` where ``lmask``; ``TILE_W`` > 0:
+    stored as fp16 z − o relative to the maximum o of their ``TILE_W``-column GEMM tile
+    (``o_row``: the row's fp32 offsets, see ``logits_gemm.logits_tile_offsets``). A block of
+    whole tiles (blocks start at multiples of BLOCK) loads its BLOCK / TILE_W offsets once and
+    broadcasts them: one load per element, as a gather, was one LDG per element (ptxas does
+    not merge equal addresses)."""
     z = tl.load(row + cols, mask=lmask, other=0.0).to(tl.float32)
     if TILE_W > 0:
-        z += tl.load(o_row + cols // TILE_W, mask=lmask, other=0.0)
+        if BLOCK >= TILE_W:
+            NT: tl.constexpr = BLOCK // TILE_W
+            first = start + tl.arange(0, NT) * TILE_W
+            o = tl.load(o_row + first // TILE_W, mask=first < col1_load, other=0.0)
+            z += tl.reshape(tl.broadcast_to(o[:, None], (NT, TILE_W)), (BLOCK,))
+        else:
+            z += tl.load(o_row + cols // TILE_W, mask=lmask, other=0.0)
     return z
 
 
 @triton.jit
-def _load_block(s_row, t_row, cols, lmask, inv_t, so_row, to_row, TILE_W: tl.constexpr):
+def _load_block(s_row, t_row, start, cols, lmask, col1_load, inv_t, so_row, to_row,
+                TILE_W: tl.constexpr, BLOCK: tl.constexpr):
     """The raw logits z_s, z_t (fp32) and d = (z_t − z_s)/T, loaded where ``lmask``: it may
     reach into the rows' padding (see ``common.load_cols``), junk the callers mask. d is the
     difference scaled, not z_t/T − z_s/T: with the multiply fused into the subtraction (an
@@ -95,8 +106,8 @@ def _load_block(s_row, t_row, cols, lmask, inv_t, so_row, to_row, TILE_W: tl.con
     of z/T where the heads are equal, not 0 (a JSD of equal heads at T = 0.3 had come out
     1e-6, with gradients to match). Equal heads stored as tile offsets stay equal (same
     tile maxima, same fp16 remainders)."""
-    zs = _load_logits(s_row, so_row, cols, lmask, TILE_W)
-    zt = _load_logits(t_row, to_row, cols, lmask, TILE_W)
+    zs = _load_logits(s_row, so_row, start, cols, lmask, col1_load, TILE_W, BLOCK)
+    zt = _load_logits(t_row, to_row, start, cols, lmask, col1_load, TILE_W, BLOCK)
     return zs, zt, (zt - zs) * inv_t
 
 
@@ -174,8 +185,8 @@ def _seg_stats(s_row, t_row, so_row, to_row, col0, col1, col1_load, y_local, inv
     for start in tl.range(col0, col1, BLOCK, num_stages=STAGES):
         cols = start + offs
         cmask = cols < col1
-        zs, zt, d = _load_block(s_row, t_row, cols, cols < col1_load, inv_t, so_row, to_row,
-                                TILE_W)
+        zs, zt, d = _load_block(s_row, t_row, start, cols, cols < col1_load, col1_load, inv_t,
+                                so_row, to_row, TILE_W, BLOCK)
         d = tl.where(cmask, d, 0.0)
         ms_new = tl.maximum(ms, tl.max(tl.where(cmask, zs, -float("inf")), 0))
         mt_new = tl.maximum(mt, tl.max(tl.where(cmask, zt, -float("inf")), 0))
@@ -382,7 +393,8 @@ def _seg_jsd_sums(s_row, t_row, so_row, to_row, col0, col1, col1_load, inv_t, ms
         cols = start + offs
         cmask = cols < col1
         lmask = cols < col1_load
-        zs, zt, _ = _load_block(s_row, t_row, cols, lmask, inv_t, so_row, to_row, TILE_W)
+        zs, zt, _ = _load_block(s_row, t_row, start, cols, lmask, col1_load, inv_t, so_row,
+                                to_row, TILE_W, BLOCK)
         lq = _log_q(zs, ms, ls_a, inv_t)
         delta = _log_ratio(zs, zt, oa, ob, oc, inv_t)
         q, lam = _jsd_terms(lq, delta, beta, omb, FORM)
@@ -415,10 +427,11 @@ def _seg_grad(s_row, t_row, so_row, to_row, dz_row, col0, col1_load, y_local, in
         cols = start + offs
         lmask = cols < col1_load  # the padding too: junk there, read by no GEMM
         if KIND == 2 and TILE_W > 0:
-            zs = _load_logits(s_row, so_row, cols, lmask, TILE_W)
+            zs = _load_logits(s_row, so_row, start, cols, lmask, col1_load, TILE_W, BLOCK)
             lq = _log_q(zs, ms, ls_a, inv_t)
         else:
-            zs, zt, _ = _load_block(s_row, t_row, cols, lmask, inv_t, so_row, to_row, TILE_W)
+            zs, zt, _ = _load_block(s_row, t_row, start, cols, lmask, col1_load, inv_t, so_row,
+                                    to_row, TILE_W, BLOCK)
             lq = _log_q(zs, ms, ls_a, inv_t)
             delta = _log_ratio(zs, zt, oa, ob, oc, inv_t)
         if KIND == 0:
