@@ -1,5 +1,8 @@
 """Where linear JSD's time goes on a GPU: a kernel-level profile of one fwd+bwd of
-``backend="triton"`` and a sweep of chunk settings (time, peak extra memory).
+``backend="triton"`` and a sweep of chunk settings (time, peak extra memory; ``--kernels``:
+each setting's device time split into row kernel, GEMMs and the rest, from one profiled call,
+coarse: one call's clocks; ``--profile '{"fp16_tile_logits": true}'``: the settings of the
+final kernel-by-kernel table).
 
     PYTHONPATH=. python3 benchmarks/jsd_profile.py [--n 8192 --h 4096 --v 128256]
 """
@@ -63,7 +66,8 @@ def kernel_split(step):
         us = e.self_cuda_time_total if us is None else us
         name = e.key.lower()
         kind = ("rows" if "jsd_rows" in name else
-                "gemms" if ("nvjet" in name or "gemm" in name or "xmma" in name) else "other")
+                "gemms" if ("nvjet" in name or "gemm" in name or "xmma" in name
+                            or "logits_stats" in name) else "other")
         split[kind] += us / 1e3
     return {k: round(v, 3) for k, v in split.items()}
 
@@ -75,6 +79,8 @@ def main():
     ap.add_argument("--v", type=int, default=128256)
     ap.add_argument("--sweep", default=None,
                     help="JSON list of tuning-keyword dicts (default: the built-in SWEEP)")
+    ap.add_argument("--profile", default="{}",
+                    help="JSON tuning keywords of the call profiled kernel by kernel at the end")
     ap.add_argument("--kernels", action="store_true",
                     help="also profile one call of each sweep entry: its row kernel's, GEMMs' "
                          "and other kernels' device time")
@@ -117,8 +123,11 @@ def main():
         if a.kernels:
             print("   kernels (ms): " + json.dumps(kernel_split(step)), flush=True)
 
+    profiled = json.loads(a.profile)
+    print(f"profile of {profiled}:")
+
     def step():
-        loss = lt.linear_jsd(xs, ws, xt, wt, y, backend="triton")
+        loss = lt.linear_jsd(xs, ws, xt, wt, y, backend="triton", **profiled)
         return torch.autograd.grad(loss, (xs, ws))
     step()
     torch.cuda.synchronize()
