@@ -863,13 +863,15 @@ def test_triton_tunings_match_the_torch_backend(tuning, reduction):
         assert _rel(a, b) < (5e-2 if loose else 1e-2)
 
 
-@pytest.mark.parametrize("beta, temperature", [(0.0, 1.0), (0.5, 1.0), (1.0, 2.0), (0.3, 0.5)])
+@pytest.mark.parametrize("beta, temperature", [(0.0, 1.0), (0.5, 1.0), (1.0, 2.0), (0.3, 0.5),
+                                               (0.5, 0.1)])
 def test_triton_fp16_tile_logits_are_as_accurate_as_fp32_logits(beta, temperature):
     """``fp16_tile_logits``: the gradients' errors against the float64 spec are within 5% of
     fp32 logits' (both are mostly the bf16 rounding of dz and of the result), for every
     kind (the JSD's pass 3 reads the Λ pass 2 left in the teacher's buffer; the KL kinds
     reload both heads), with ignored tokens and the hard-label term. Offsets lost or
-    misplaced would move them by orders of magnitude."""
+    misplaced would move them by orders of magnitude; K summed from unrounded Λ while pass
+    3 used the fp16 one made T = 0.1 twice as far off (a review)."""
     torch = _torch()
     data = _data(30, 40, 24, 211, dtype="bfloat16", seed=11)
     opts = dict(beta=beta, temperature=temperature, hard_loss_weight=0.2)
@@ -882,6 +884,38 @@ def test_triton_fp16_tile_logits_are_as_accurate_as_fp32_logits(beta, temperatur
     for a, b, r in zip(tiles[1:], fp32[1:], ref[1:]):
         assert a.dtype == torch.bfloat16
         assert _rel(a, r) < 1.05 * _rel(b, r) + 1e-4, (_rel(a, r), _rel(b, r))
+
+
+@pytest.mark.parametrize("what", ["wide-logits-low-temperature", "logit-far-below-its-tile"])
+def test_triton_fp16_tile_logits_stay_finite_past_fp16s_range(what):
+    """Values past fp16's 65504 are saturated, never inf: Λ = log β + δ of a far-apart head at
+    T = 1e-3 (δ ~ 1e4-1e5; an inf Λ times Q = 0 was NaN), and a class pushed ~7e4 below its
+    tile's maximum in both heads (−inf − −inf was a NaN loss). Both as with fp32 logits."""
+    torch = _torch()
+    import logitless.torch as lt
+    g = torch.Generator().manual_seed(SEED + 13)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    if what == "wide-logits-low-temperature":
+        n, h, v, t = 6, 32, 100, 1e-3
+        xs, xt = torch.randn(n, h, generator=g), torch.randn(n, h, generator=g)
+        ws, wt = torch.randn(v, h, generator=g) * 6.0, torch.randn(v, h, generator=g) * 6.0
+    else:
+        n, v, t = 16, 64, 1.0
+        xs = xt = torch.eye(n)
+        ws, wt = torch.randn(v, n, generator=g), torch.randn(v, n, generator=g)
+        ws[5] = wt[5] = -70000.0
+    xs, ws, xt, wt = (a.to(dev, torch.bfloat16) for a in (xs, ws, xt, wt))
+    got = {}
+    for tiles in (False, True):
+        a, b = xs.clone().requires_grad_(), ws.clone().requires_grad_()
+        loss = lt.linear_jsd(a, b, xt, wt, None, backend="triton", beta=0.5, temperature=t,
+                             fp16_tile_logits=tiles)
+        loss.backward()
+        assert torch.isfinite(loss) and torch.isfinite(a.grad).all() and \
+            torch.isfinite(b.grad).all(), (what, tiles)
+        got[tiles] = (loss.double(), a.grad.double(), b.grad.double())
+    for x, r in zip(got[True], got[False]):  # saturated heads: gradients exactly 0 in both
+        assert (torch.equal(x, r) if float(r.abs().max()) == 0 else _rel(x, r) < 2e-2), what
 
 
 @pytest.mark.parametrize("beta", [0.0, 1.0])

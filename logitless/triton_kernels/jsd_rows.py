@@ -105,7 +105,8 @@ def _load_block(s_row, t_row, start, cols, lmask, col1_load, inv_t, so_row, to_r
     FMA, as the GPU compiles it) that is z_t·(1/T) − round(z_s·(1/T)), the rounding residual
     of z/T where the heads are equal, not 0 (a JSD of equal heads at T = 0.3 had come out
     1e-6, with gradients to match). Equal heads stored as tile offsets stay equal (same
-    tile maxima, same fp16 remainders)."""
+    tile maxima, same fp16 remainders); nearly equal ones do not keep their difference
+    (each head is rounded on its own), which is why fp16 tiles are opt-in."""
     zs = _load_logits(s_row, so_row, start, cols, lmask, col1_load, TILE_W, BLOCK)
     zt = _load_logits(t_row, to_row, start, cols, lmask, col1_load, TILE_W, BLOCK)
     return zs, zt, (zt - zs) * inv_t
@@ -384,7 +385,8 @@ def _seg_jsd_sums(s_row, t_row, so_row, to_row, col0, col1, col1_load, inv_t, ms
     the host (in fp32, 1 − β would lose it as β → 1). With tile offsets (``TILE_W`` > 0)
     each Λ also goes, in fp16, over the teacher's logit it came from (read only here): pass
     3 then reads Λ instead of recomputing it, at the same bytes (fp16 Λ moves the
-    gradients by ~1% of their bf16 error: ``benchmarks/jsd_logit_storage_probe.py``)."""
+    gradients by ~1% of their bf16 error: ``benchmarks/jsd_logit_storage_probe.py``); K then
+    sums the rounded Λ, as pass 3 uses it (J keeps fp32 Λ)."""
     offs = tl.arange(0, BLOCK)
     k = tl.zeros([BLOCK], dtype=tl.float32)  # per lane, reduced at the end (see _seg_stats)
     j = k
@@ -398,15 +400,23 @@ def _seg_jsd_sums(s_row, t_row, so_row, to_row, col0, col1, col1_load, inv_t, ms
         lq = _log_q(zs, ms, ls_a, inv_t)
         delta = _log_ratio(zs, zt, oa, ob, oc, inv_t)
         q, lam = _jsd_terms(lq, delta, beta, omb, FORM)
+        lam_k = lam
         if TILE_W > 0:
-            tl.store(t_row + cols, lam.to(t_row.dtype.element_ty), mask=lmask)
+            # K from the Λ pass 3 will read (rounded to fp16), so that the row's gradient
+            # Q·(Λ + K) still sums to 0: with K from fp32 Λ each element's rounding would
+            # stay in it, times 1/T (T = 0.01 gave garbage). Far-form Λ = log β + δ passes
+            # fp16's range where Q underflows anyway: saturated (not inf: 0·inf = NaN);
+            # where(), not minimum(), which drops NaN on a GPU.
+            lam16 = tl.where(lam > 65504.0, 65504.0, lam).to(t_row.dtype.element_ty)
+            tl.store(t_row + cols, lam16, mask=lmask)
+            lam_k = lam16.to(tl.float32)
         # P as Q·e^δ where the heads are close (consistent with δ), else from the teacher's
         # own statistics: log Q + δ cancels two terms of O(|z|/T) or O(|c|) where δ or the
         # normalizer gap c is large (one exp either way)
         p = exp_ftz(tl.where(tl.maximum(tl.abs(delta), tl.abs(c)) < 1.0, lq + delta,
                             _log_q(zt, mt, ls_b, inv_t)))
         qlam = q * lam
-        k -= tl.where(cmask, qlam, 0.0)
+        k -= tl.where(cmask, q * lam_k, 0.0)
         qs += tl.where(cmask, q, 0.0)
         lpm = _log_p_over_m(delta, lam, beta, omb, FORM)
         j += tl.where(cmask, beta * p * lpm - omb * qlam, 0.0)

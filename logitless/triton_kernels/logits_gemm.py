@@ -92,7 +92,12 @@ def logits_stats_kernel(x_desc, w_desc, z_desc, bias_ptr, stat_m_ptr, stat_s_ptr
         cmask = cols < N
         if OFFSETS:
             o = tl.max(tl.where(cmask[None, :], acc, float("-inf")), 1)
-            z_desc.store([om, on], (acc - o[:, None]).to(z_desc.dtype))
+            r = acc - o[:, None]
+            # more than fp16's range below the maximum: saturated, not −inf (two −inf heads
+            # would give d = NaN); its softmax weight e^(−65504/T) is 0 in fp32 for T < ~700.
+            # NaN stays NaN (comparisons with it are false)
+            r = tl.where(r < -65504.0, -65504.0, r)
+            z_desc.store([om, on], r.to(z_desc.dtype))
             rows = (om + tl.arange(0, BM)).to(tl.int64)
             tl.store(stat_m_ptr + rows * num_pid_n + pid_n, o, mask=rows < M)
         else:
@@ -278,13 +283,18 @@ def logits_tile_offsets(x_c: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
     logits that matter for softmax work lie within a few units of their tile's maximum,
     where fp16 keeps 2⁻¹¹ or better: the JSD's gradients from logits stored so are as
     accurate as from fp32 ones at T = 1 (``benchmarks/jsd_logit_storage_probe.py``), at half
-    the bytes."""
+    the bytes, unless the two heads nearly agree (their small difference is rounded away).
+    A remainder past fp16's range (65504 below the maximum) is saturated."""
     m, k = x_c.shape
     if m == 0:
         return
     if out.dtype != torch.float16 or offsets.dtype != torch.float32:
         raise TypeError(f"logits_tile_offsets writes fp16 logits and fp32 offsets, got "
                         f"{out.dtype} / {offsets.dtype}")
+    n_tiles = triton.cdiv(w.shape[0], tiles(interpret)["bn"])
+    if tuple(offsets.shape) != (m, n_tiles) or offsets.stride() != (n_tiles, 1):
+        raise ValueError(f"offsets must be a contiguous [{m}, {n_tiles}] (rows, tiles) array, "
+                         f"got shape {tuple(offsets.shape)}, strides {offsets.stride()}")
     t, programs, descriptors = _persistent_launch(x_c, w, out, interpret, num_sms)
     logits_stats_kernel[(programs,)](
         *descriptors, offsets, offsets, offsets, offsets, m, w.shape[0], k, 1.0,
