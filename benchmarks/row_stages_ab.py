@@ -8,7 +8,9 @@ variant names (the module's own value where its variant names none) before it ru
 modules' values are restored at the end. A variant's ``"kwargs"`` entry adds keyword arguments
 to the call (e.g. ``{"kwargs": {"logits_gemm": "triton"}}``); ``"jsd_rows_file"`` runs the JSD
 with the row kernel of another file (e.g. the previous version of jsd_rows.py, saved with
-``git show <commit>:logitless/triton_kernels/jsd_rows.py``), a code A/B; ``"ce_rows_file"``
+``git show <commit>:logitless/triton_kernels/jsd_rows.py``), a code A/B (a version from
+the thirty-fifth session on: the launcher passes the tile offsets' ``so_ptr``, ``to_ptr``,
+``o_stride`` and ``TILE_W``, which older kernels do not take); ``"ce_rows_file"``
 does the same for the CE row kernel (cross_entropy_rows.py; a version from becade6 on: the
 launcher passes ``live_ptr`` and ``HAS_LIVE`` (and ``EXP_FORM``, from 0cd35c4), which older
 kernels do not take).

@@ -863,17 +863,19 @@ def test_triton_tunings_match_the_torch_backend(tuning, reduction):
         assert _rel(a, b) < (5e-2 if loose else 1e-2)
 
 
-@pytest.mark.parametrize("beta, temperature", [(0.0, 1.0), (0.5, 1.0), (1.0, 2.0), (0.3, 0.5),
-                                               (0.5, 0.1)])
-def test_triton_fp16_tile_logits_are_as_accurate_as_fp32_logits(beta, temperature):
+@pytest.mark.parametrize("beta, temperature, v", [(0.0, 1.0, 211), (0.5, 1.0, 211),
+                                                  (1.0, 2.0, 211), (0.3, 0.5, 211),
+                                                  (0.5, 0.1, 211), (0.5, 1.0, 1000)])
+def test_triton_fp16_tile_logits_are_as_accurate_as_fp32_logits(beta, temperature, v):
     """``fp16_tile_logits``: the gradients' errors against the float64 spec are within 5% of
     fp32 logits' (both are mostly the bf16 rounding of dz and of the result), for every
     kind (the JSD's pass 3 reads the Λ pass 2 left in the teacher's buffer; the KL kinds
     reload both heads), with ignored tokens and the hard-label term. Offsets lost or
     misplaced would move them by orders of magnitude; K summed from unrounded Λ while pass
-    3 used the fp16 one made T = 0.1 twice as far off (a review)."""
+    3 used the fp16 one made T = 0.1 twice as far off (a review). V = 1000: blocks of 32
+    interpreted 32-column tiles (the broadcast offsets, pass 1's maxima from them)."""
     torch = _torch()
-    data = _data(30, 40, 24, 211, dtype="bfloat16", seed=11)
+    data = _data(30, 40, 24, v, dtype="bfloat16", seed=11)
     opts = dict(beta=beta, temperature=temperature, hard_loss_weight=0.2)
     ref = _loss_and_grads(*[t.double() if t.is_floating_point() else t for t in data],
                           backend="torch", **opts)

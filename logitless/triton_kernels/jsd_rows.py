@@ -97,6 +97,21 @@ def _load_logits(row, o_row, start, cols, lmask, col1_load, TILE_W: tl.constexpr
 
 
 @triton.jit
+def _block_max(z, cmask, o_row, start, col1, TILE_W: tl.constexpr, BLOCK: tl.constexpr):
+    """The maximum of one head's logits over the block's live columns. Stored as tile offsets
+    that is the largest offset of the block's tiles, bit for bit: a tile's maximum was stored
+    as z − o = 0 and every other element as a remainder <= 0, so each o is its tile's maximum
+    as loaded; no cross-warp reduction over the block then (a block of whole tiles)."""
+    if TILE_W > 0 and BLOCK >= TILE_W:
+        NT: tl.constexpr = BLOCK // TILE_W
+        first = start + tl.arange(0, NT) * TILE_W
+        return tl.max(tl.load(o_row + first // TILE_W, mask=first < col1,
+                              other=-float("inf")), 0)
+    else:
+        return tl.max(tl.where(cmask, z, -float("inf")), 0)
+
+
+@triton.jit
 def _load_block(s_row, t_row, start, cols, lmask, col1_load, inv_t, so_row, to_row,
                 TILE_W: tl.constexpr, BLOCK: tl.constexpr):
     """The raw logits z_s, z_t (fp32) and d = (z_t − z_s)/T, loaded where ``lmask``: it may
@@ -189,8 +204,8 @@ def _seg_stats(s_row, t_row, so_row, to_row, col0, col1, col1_load, y_local, inv
         zs, zt, d = _load_block(s_row, t_row, start, cols, cols < col1_load, col1_load, inv_t,
                                 so_row, to_row, TILE_W, BLOCK)
         d = tl.where(cmask, d, 0.0)
-        ms_new = tl.maximum(ms, tl.max(tl.where(cmask, zs, -float("inf")), 0))
-        mt_new = tl.maximum(mt, tl.max(tl.where(cmask, zt, -float("inf")), 0))
+        ms_new = tl.maximum(ms, _block_max(zs, cmask, so_row, start, col1, TILE_W, BLOCK))
+        mt_new = tl.maximum(mt, _block_max(zt, cmask, to_row, start, col1, TILE_W, BLOCK))
         xa = (zs - ms_new) * inv_t  # exponents relative to the raw maxima
         xb = (zt - mt_new) * inv_t
         ra = exp_ftz((ms - ms_new) * inv_t)
@@ -732,13 +747,18 @@ def compile_sass(variant, arch: int = 90, num_warps: int = 4, kernel=None):
                part_ptr="*fp32", sync_ptr="*i32", so_ptr="*fp32", to_ptr="*fp32",
                o_stride="i32", n_rows="i32", V="i32", V_LOAD="i32",
                ignore_index="i32", inv_t="fp32", beta="fp32", omb="fp32", hard_w="fp32")
+    kernel = kernel or jsd_rows_kernel
+    params = set(kernel.arg_names)  # a saved older version may take fewer
+    sig = {k: t for k, t in sig.items() if k in params}
     names = list(sig)
     aligned = [n for n in names if n.endswith("_ptr") or n.endswith("_stride")
                or n in ("V", "V_LOAD")]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned
              if n not in ("g_stride", "o_stride")}
-    cons = {**BASE_VARIANT, **variant}
-    src = ASTSource(fn=kernel or jsd_rows_kernel, constexprs=cons, attrs=attrs,
+    cons = {k: c for k, c in {**BASE_VARIANT, **variant}.items() if k in params}
+    if set(variant) - params:
+        raise ValueError(f"this kernel takes no {sorted(set(variant) - params)}")
+    src = ASTSource(fn=kernel, constexprs=cons, attrs=attrs,
                     signature={**sig, **{k: "constexpr" for k in cons}})
     compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32),
                               options={"num_warps": num_warps})
