@@ -500,7 +500,8 @@ def _zero_seg(dz_row, col0, col1, BLOCK: tl.constexpr):
 @triton.jit
 def _row_segment(row, seg, s_ptr, s_stride, t_ptr, t_stride, dz_ptr, dz_stride, y_ptr, g_ptr,
                  g_stride, loss_ptr, part_ptr, sync_ptr, so_ptr, to_ptr, o_stride, V, V_LOAD,
-                 ignore_index, inv_t, beta, omb, hard_w, KIND: tl.constexpr, HAS_Y: tl.constexpr, HARD: tl.constexpr,
+                 ignore_index, inv_t, beta, omb, hard_w, KIND: tl.constexpr,
+                 HAS_Y: tl.constexpr, HARD: tl.constexpr,
                  T_ONE: tl.constexpr, WRITE_LOSS: tl.constexpr, WRITE_GRAD: tl.constexpr,
                  PHASE: tl.constexpr, SEGS: tl.constexpr, SEGS_P2: tl.constexpr,
                  SEG: tl.constexpr, BLOCK: tl.constexpr, ROUND_BF16: tl.constexpr,

@@ -402,9 +402,9 @@ torch.library.register_autograd("logitless::linear_jsd_fwd", _backward,
 
 # ----------------------------------------------------------------------------- entry point
 def _tiles_can_run(p: jsd_common.Prepared, fp32_logits: bool) -> bool:
-    """``fp16_tile_logits``' default: where its TMA GEMM runs (compiled, on a Hopper-class
-    GPU, half-precision inputs in layouts the tensor descriptors take) and fp32 logits were
-    asked for."""
+    """What ``fp16_tile_logits=None`` picks: True where its TMA GEMM runs (compiled, on a
+    Hopper-class GPU, half-precision inputs in layouts the tensor descriptors take) and fp32
+    logits were asked for."""
     if not fp32_logits or _interpret() or not p.xs.is_cuda:
         return False
     return all(x.dtype in (torch.bfloat16, torch.float16) and
