@@ -122,8 +122,12 @@ def _load_block(s_row, t_row, start, cols, lmask, col1_load, inv_t, so_row, to_r
     1e-6, with gradients to match). Equal heads stored as tile offsets stay equal (same
     tile maxima, same fp16 remainders); nearly equal ones do not keep their difference
     (each head is rounded on its own), which is why fp16 tiles are opt-in."""
-    zs = _load_logits(s_row, so_row, start, cols, lmask, col1_load, TILE_W, BLOCK)
-    zt = _load_logits(t_row, to_row, start, cols, lmask, col1_load, TILE_W, BLOCK)
+    if TILE_W > 0:
+        zs = _load_logits(s_row, so_row, start, cols, lmask, col1_load, TILE_W, BLOCK)
+        zt = _load_logits(t_row, to_row, start, cols, lmask, col1_load, TILE_W, BLOCK)
+    else:  # inline: each helper call costs the interpreted kernels (CI) ~10%
+        zs = tl.load(s_row + cols, mask=lmask, other=0.0).to(tl.float32)
+        zt = tl.load(t_row + cols, mask=lmask, other=0.0).to(tl.float32)
     return zs, zt, (zt - zs) * inv_t
 
 
@@ -204,8 +208,12 @@ def _seg_stats(s_row, t_row, so_row, to_row, col0, col1, col1_load, y_local, inv
         zs, zt, d = _load_block(s_row, t_row, start, cols, cols < col1_load, col1_load, inv_t,
                                 so_row, to_row, TILE_W, BLOCK)
         d = tl.where(cmask, d, 0.0)
-        ms_new = tl.maximum(ms, _block_max(zs, cmask, so_row, start, col1, TILE_W, BLOCK))
-        mt_new = tl.maximum(mt, _block_max(zt, cmask, to_row, start, col1, TILE_W, BLOCK))
+        if TILE_W > 0:
+            ms_new = tl.maximum(ms, _block_max(zs, cmask, so_row, start, col1, TILE_W, BLOCK))
+            mt_new = tl.maximum(mt, _block_max(zt, cmask, to_row, start, col1, TILE_W, BLOCK))
+        else:
+            ms_new = tl.maximum(ms, tl.max(tl.where(cmask, zs, -float("inf")), 0))
+            mt_new = tl.maximum(mt, tl.max(tl.where(cmask, zt, -float("inf")), 0))
         xa = (zs - ms_new) * inv_t  # exponents relative to the raw maxima
         xb = (zt - mt_new) * inv_t
         ra = exp_ftz((ms - ms_new) * inv_t)
@@ -415,7 +423,8 @@ def _seg_jsd_sums(s_row, t_row, so_row, to_row, col0, col1, col1_load, inv_t, ms
         lq = _log_q(zs, ms, ls_a, inv_t)
         delta = _log_ratio(zs, zt, oa, ob, oc, inv_t)
         q, lam = _jsd_terms(lq, delta, beta, omb, FORM)
-        lam_k = lam
+        qlam = q * lam
+        qlam_k = qlam
         if TILE_W > 0:
             # K from the Λ pass 3 will read (rounded to fp16), so that the row's gradient
             # Q·(Λ + K) still sums to 0: with K from fp32 Λ each element's rounding would
@@ -424,14 +433,13 @@ def _seg_jsd_sums(s_row, t_row, so_row, to_row, col0, col1, col1_load, inv_t, ms
             # where(), not minimum(), which drops NaN on a GPU.
             lam16 = tl.where(lam > 65504.0, 65504.0, lam).to(t_row.dtype.element_ty)
             tl.store(t_row + cols, lam16, mask=lmask)
-            lam_k = lam16.to(tl.float32)
+            qlam_k = q * lam16.to(tl.float32)
         # P as Q·e^δ where the heads are close (consistent with δ), else from the teacher's
         # own statistics: log Q + δ cancels two terms of O(|z|/T) or O(|c|) where δ or the
         # normalizer gap c is large (one exp either way)
         p = exp_ftz(tl.where(tl.maximum(tl.abs(delta), tl.abs(c)) < 1.0, lq + delta,
                             _log_q(zt, mt, ls_b, inv_t)))
-        qlam = q * lam
-        k -= tl.where(cmask, q * lam_k, 0.0)
+        k -= tl.where(cmask, qlam_k, 0.0)
         qs += tl.where(cmask, q, 0.0)
         lpm = _log_p_over_m(delta, lam, beta, omb, FORM)
         j += tl.where(cmask, beta * p * lpm - omb * qlam, 0.0)
