@@ -45,8 +45,9 @@ def main():
     per_thread = jsd_rows.BASE_VARIANT["BLOCK"] // (32 * WARPS)
     for label, over in LAUNCHES:
         v = dict(over)
-        if v["PHASE"] != 3:  # what the launcher passes to the passes before the last
-            v.update(WRITE_GRAD=False, WRITE_LOSS=False)
+        if v["PHASE"] != 3:  # what the launcher passes to the passes before the last (pass
+            # 2 with tiles keeps Λ for the gradient: WRITE_GRAD)
+            v.update(WRITE_GRAD=v["PHASE"] == 2 and v.get("TILE_W", 0) > 0, WRITE_LOSS=False)
         try:
             _, sass = jsd_rows.compile_sass(v, num_warps=WARPS, kernel=mod.jsd_rows_kernel)
         except ValueError as e:  # a variant an older kernel file does not have

@@ -294,7 +294,6 @@ def reference(x_s, W_s, x_t, W_t, y=None, *, options: LinearJSDOptions = None,
     n, v = x_s.shape[0], W_s.shape[0]
     if y is not None:
         check_targets(y, v, opts.ignore_index)
-        y = np.asarray(y).astype(np.int64)
     out = logits_reference(x_s @ W_s.T, x_t @ W_t.T, y, options=opts, grad_output=grad_output)
     dz = out["grad_logits"]
     return dict(out, dx=dz @ W_s, dw=dz.T @ x_s)

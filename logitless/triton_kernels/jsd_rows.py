@@ -76,6 +76,14 @@ GAP = tl.constexpr(spec.GAP)
 
 
 @triton.jit
+def _tile_offsets(o_row, start, limit, other, TILE_W: tl.constexpr, BLOCK: tl.constexpr):
+    """The offsets of the BLOCK / TILE_W tiles of the block at ``start`` (a multiple of
+    TILE_W), ``other`` for tiles from ``limit`` on."""
+    first = start + tl.arange(0, BLOCK // TILE_W) * TILE_W
+    return tl.load(o_row + first // TILE_W, mask=first < limit, other=other)
+
+
+@triton.jit
 def _load_logits(row, o_row, start, cols, lmask, col1_load, TILE_W: tl.constexpr,
                  BLOCK: tl.constexpr):
     """One head's raw logits (fp32) of the block at ``start`` where ``lmask``; ``TILE_W`` > 0:
@@ -88,8 +96,7 @@ def _load_logits(row, o_row, start, cols, lmask, col1_load, TILE_W: tl.constexpr
     if TILE_W > 0:
         if BLOCK >= TILE_W:
             NT: tl.constexpr = BLOCK // TILE_W
-            first = start + tl.arange(0, NT) * TILE_W
-            o = tl.load(o_row + first // TILE_W, mask=first < col1_load, other=0.0)
+            o = _tile_offsets(o_row, start, col1_load, 0.0, TILE_W, BLOCK)
             z += tl.reshape(tl.broadcast_to(o[:, None], (NT, TILE_W)), (BLOCK,))
         else:
             z += tl.load(o_row + cols // TILE_W, mask=lmask, other=0.0)
@@ -103,10 +110,7 @@ def _block_max(z, cmask, o_row, start, col1, TILE_W: tl.constexpr, BLOCK: tl.con
     as z − o = 0 and every other element as a remainder <= 0, so each o is its tile's maximum
     as loaded; no cross-warp reduction over the block then (a block of whole tiles)."""
     if TILE_W > 0 and BLOCK >= TILE_W:
-        NT: tl.constexpr = BLOCK // TILE_W
-        first = start + tl.arange(0, NT) * TILE_W
-        return tl.max(tl.load(o_row + first // TILE_W, mask=first < col1,
-                              other=-float("inf")), 0)
+        return tl.max(_tile_offsets(o_row, start, col1, -float("inf"), TILE_W, BLOCK), 0)
     else:
         return tl.max(tl.where(cmask, z, -float("inf")), 0)
 
@@ -401,12 +405,12 @@ def _log_p_over_m(delta, lam, beta, omb, FORM: tl.constexpr):
 @triton.jit
 def _seg_jsd_sums(s_row, t_row, so_row, to_row, col0, col1, col1_load, inv_t, ms, ls_a, mt,
                   ls_b, c, oa, ob, oc, beta, omb, FORM: tl.constexpr, BLOCK: tl.constexpr,
-                  STAGES: tl.constexpr, TILE_W: tl.constexpr):
+                  STAGES: tl.constexpr, TILE_W: tl.constexpr, KEEP_LAM: tl.constexpr):
     """Pass 2 (0 < β < 1) over [col0, col1): −Σ Q·Λ and Σ Q (K is their ratio: Q carries the
     rounding of L_a as a factor common to the row, which K must not; see
     ``_jax_jsd.jsd_k``) and Σ β·P·log(P/M) − (1−β)·Q·Λ (→ J); ``omb`` = 1 − β, computed on
-    the host (in fp32, 1 − β would lose it as β → 1). With tile offsets (``TILE_W`` > 0)
-    each Λ also goes, in fp16, over the teacher's logit it came from (read only here): pass
+    the host (in fp32, 1 − β would lose it as β → 1). With tile offsets (``TILE_W`` > 0) and
+    a gradient to write (``KEEP_LAM``) each Λ also goes, in fp16, over the teacher's logit it came from (read only here): pass
     3 then reads Λ instead of recomputing it, at the same bytes (fp16 Λ moves the
     gradients by ~1% of their bf16 error: ``benchmarks/jsd_logit_storage_probe.py``); K then
     sums the rounded Λ, as pass 3 uses it (J keeps fp32 Λ)."""
@@ -425,7 +429,7 @@ def _seg_jsd_sums(s_row, t_row, so_row, to_row, col0, col1, col1_load, inv_t, ms
         q, lam = _jsd_terms(lq, delta, beta, omb, FORM)
         qlam = q * lam
         qlam_k = qlam
-        if TILE_W > 0:
+        if KEEP_LAM:
             # K from the Λ pass 3 will read (rounded to fp16), so that the row's gradient
             # Q·(Λ + K) still sums to 0: with K from fp32 Λ each element's rounding would
             # stay in it, times 1/T (T = 0.01 gave garbage). Far-form Λ = log β + δ passes
@@ -581,7 +585,7 @@ def _row_segment(row, seg, s_ptr, s_stride, t_ptr, t_stride, dz_ptr, dz_stride, 
                     k_seg, j_seg, q_seg = _seg_jsd_sums(s_row, t_row, so_row, to_row, col0, col1,
                                                         col1_load, inv_t, ms, ls_a, mt, ls_b, c,
                                                         oa, ob, oc, beta, omb, FORM, BLOCK,
-                                                        STAGES, TILE_W)
+                                                        STAGES, TILE_W, TILE_W > 0 and WRITE_GRAD)
                     if TILE_W > 0 and PHASE == 0:
                         tl.debug_barrier()  # pass 3 of this program reads the Λ it stored
                     if SEGS > 1:
@@ -648,7 +652,8 @@ def jsd_rows_kernel(
     bound that is a multiple of 16 vectorizes, one of V = 50257 does not). ``TILE_W`` > 0: the
     logits buffers hold fp16 z − o with o per row and ``TILE_W`` columns in ``so_ptr`` /
     ``to_ptr`` (fp32, row stride ``o_stride``), and the JSD's pass 2 leaves Λ in the teacher's
-    buffer for pass 3 (see :func:`_seg_jsd_sums`)."""
+    buffer for pass 3 where it writes a gradient (``WRITE_GRAD``: passed to pass 2 too, which
+    reads it for nothing else; see :func:`_seg_jsd_sums`)."""
     if PHASE == 0:
         if SEGS > 1:
             total = n_rows * SEGS

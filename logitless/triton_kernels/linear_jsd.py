@@ -146,7 +146,9 @@ def _row_kernel(zs, zt, dz, y, g, loss, opts_t, v, cfg: Config, write_loss, writ
         return
     for phase in ((1, 2, 3) if kind == jsd_rows.KIND_JSD else (1, 3)):
         if phase != 3:
-            meta_p = dict(meta, WRITE_LOSS=False, WRITE_GRAD=False)
+            # pass 2 with tiles keeps Λ for a pass 3 that writes a gradient: it reads WRITE_GRAD
+            keep = phase == 2 and cfg.tile_w > 0 and write_grad
+            meta_p = dict(meta, WRITE_LOSS=False, WRITE_GRAD=keep)
         else:
             meta_p = meta
         jsd_rows.jsd_rows_kernel[(rows * segs,)](*args, PHASE=phase, **meta_p)
@@ -209,9 +211,9 @@ def _sweep(xs, ws, xt, wt, y, g, opts_t, cfg: Config, want_loss, want_grad, accu
     c = min(cfg.sub_chunk, n)
     zs_buf = common.rows_buffer(c, v, ldt, dev)
     zt_buf = common.rows_buffer(c, v, ldt if cfg.fp32_logits else xt.dtype, dev)
-    offs_buf = ((torch.empty(c, triton.cdiv(v, cfg.tile_w), dtype=torch.float32, device=dev),
-                 torch.empty(c, triton.cdiv(v, cfg.tile_w), dtype=torch.float32, device=dev))
-                if cfg.tile_w else None)
+    offs_buf = (tuple(torch.empty(c, logits_gemm.stat_tiles(v, _interpret()),
+                                  dtype=torch.float32, device=dev) for _ in range(2))
+                if cfg.tile_w else None)  # (student, teacher)
     dz_buf = common.rows_buffer(min(cfg.chunk, n), v, dt, dev) if want_grad else None
     for s in range(0, n, cfg.chunk):
         e = min(s + cfg.chunk, n)

@@ -291,7 +291,7 @@ def logits_tile_offsets(x_c: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
     if out.dtype != torch.float16 or offsets.dtype != torch.float32:
         raise TypeError(f"logits_tile_offsets writes fp16 logits and fp32 offsets, got "
                         f"{out.dtype} / {offsets.dtype}")
-    n_tiles = triton.cdiv(w.shape[0], tiles(interpret)["bn"])
+    n_tiles = stat_tiles(w.shape[0], interpret)
     if tuple(offsets.shape) != (m, n_tiles) or offsets.stride() != (n_tiles, 1):
         raise ValueError(f"offsets must be a contiguous [{m}, {n_tiles}] (rows, tiles) array, "
                          f"got shape {tuple(offsets.shape)}, strides {offsets.stride()}")
