@@ -2,7 +2,8 @@
 ``backend="triton"`` and a sweep of chunk settings (time, peak extra memory; ``--kernels``:
 each setting's device time split into row kernel, GEMMs and the rest, from one profiled call,
 coarse: one call's clocks; ``--profile '{"fp16_tile_logits": true}'``: the settings of the
-final kernel-by-kernel table).
+final kernel-by-kernel table; ``--timeline``: each setting's kernels from their start/end
+times: the GPU's busy and idle time inside the call, device time per kernel name).
 
     PYTHONPATH=. python3 benchmarks/jsd_profile.py [--n 8192 --h 4096 --v 128256]
 """
@@ -72,6 +73,40 @@ def kernel_split(step):
     return {k: round(v, 3) for k, v in split.items()}
 
 
+def timeline(step):
+    """One profiled ``step()`` from its kernels' own start/end times: device time per kernel
+    name (each kernel once: key_averages can count a Triton launch twice), the time the GPU was
+    busy (the union of the kernels' intervals) and the span from the first kernel's start to the
+    last one's end; span - busy is time the GPU sat idle inside the call."""
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        step()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events()
+               if str(getattr(e, "device_type", "")).endswith("CUDA")]
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in kernels)
+    per = {}
+    busy, end = 0.0, None
+    gaps = []
+    for s, t, name in spans:
+        per[name] = per.get(name, 0.0) + (t - s) / 1e3
+        if end is None or s >= end:
+            if end is not None:
+                gaps.append((s - end) / 1e3)
+            busy += t - s
+            end = t
+        elif t > end:
+            busy += t - end
+            end = t
+    span = (spans[-1][1] - spans[0][0]) / 1e3 if spans else 0.0
+    top = sorted(per.items(), key=lambda kv: -kv[1])[:12]
+    gaps.sort(reverse=True)
+    return {"span_ms": round(span, 3), "busy_ms": round(busy / 1e3, 3),
+            "idle_ms": round(span - busy / 1e3, 3), "kernels": len(spans),
+            "largest_gaps_ms": [round(g, 3) for g in gaps[:5]],
+            "per_kernel_ms": {k[:70]: round(v, 3) for k, v in top}}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=8192)
@@ -84,6 +119,9 @@ def main():
     ap.add_argument("--kernels", action="store_true",
                     help="also profile one call of each sweep entry: its row kernel's, GEMMs' "
                          "and other kernels' device time")
+    ap.add_argument("--timeline", action="store_true",
+                    help="also profile one call of each sweep entry from its kernels' start/end "
+                         "times: busy vs idle time in the call, device time per kernel name")
     a = ap.parse_args()
     sweep = json.loads(a.sweep) if a.sweep else SWEEP
     xs, ws, xt, wt, y = inputs(a.n, a.h, a.v)
@@ -122,6 +160,8 @@ def main():
               f"dX/dW rel diff to the first {diff[0]:.1e}/{diff[1]:.1e}", flush=True)
         if a.kernels:
             print("   kernels (ms): " + json.dumps(kernel_split(step)), flush=True)
+        if a.timeline:
+            print("   timeline: " + json.dumps(timeline(step)), flush=True)
 
     profiled = json.loads(a.profile)
     print(f"profile of {profiled}:")
