@@ -830,8 +830,9 @@ TRITON_TUNINGS = {
     "bf16-logits": dict(chunk_size=24, fp32_logits=False),
     "bf16-accumulator": dict(chunk_size=24, grad_accum_dtype="bfloat16"),
     # fp16 logits beside per-tile maxima (the interpreter's GEMM tiles are 32 columns wide:
-    # 7 tiles a row at V = 211, the last ragged) and Λ kept by pass 2 for pass 3
-    "fp16-tile-logits": dict(chunk_size=24, fp16_tile_logits=True),
+    # 7 tiles a row at V = 211, the last ragged) and Λ kept by pass 2 for pass 3, in
+    # sub-chunks of 10 rows whose student logits lie in dz's buffer at rows 0, 10, 20
+    "fp16-tile-logits": dict(chunk_size=24, logits_chunk_size=10, fp16_tile_logits=True),
     # blocks narrower than a tile (each element's offset loaded alone) over 4 segments a row
     "fp16-tile-logits-narrow": dict(chunk_size=24, fp16_tile_logits=True, block_v=16,
                                     segment_size=64),
@@ -839,7 +840,8 @@ TRITON_TUNINGS = {
 
 
 @pytest.mark.parametrize("tuning, reduction", [(t, "mean") for t in sorted(TRITON_TUNINGS)]
-                         + [("sub-chunks", "none"), ("bf16-accumulator", "none")])
+                         + [("sub-chunks", "none"), ("bf16-accumulator", "none"),
+                            ("fp16-tile-logits", "none")])
 def test_triton_tunings_match_the_torch_backend(tuning, reduction):
     torch = _torch()
     kw = dict(TRITON_TUNINGS[tuning])
@@ -855,12 +857,40 @@ def test_triton_tunings_match_the_torch_backend(tuning, reduction):
     got = _loss_and_grads(*data, g, backend="triton", **kw, **opts)
     loose = tuning in ("bf16-logits", "bf16-accumulator")
     # fp16 tile offsets: each logit to ~2^-12 of its distance to its tile's maximum moves
-    # the loss (a divergence, small) by ~2e-5 relative; gradients as with fp32 logits
-    assert _rel(got[0], ref[0]) < (3e-2 if loose else 1e-4 if tuning.startswith("fp16-tile")
-                                   else 1e-5)
+    # the loss (a divergence, small) by ~2e-5 relative, a token's own loss by ~1e-4 (1.4e-4
+    # measured on an H200: nothing averages a row's roundings with other rows'); gradients as
+    # with fp32 logits
+    tiles_bound = 1e-4 if reduction == "mean" else 3e-4
+    assert _rel(got[0], ref[0]) < (3e-2 if loose else tiles_bound
+                                   if tuning.startswith("fp16-tile") else 1e-5)
     for a, b in zip(got[1:], ref[1:]):
         assert a.dtype == torch.bfloat16
         assert _rel(a, b) < (5e-2 if loose else 1e-2)
+
+
+@pytest.mark.parametrize("n, v", [(8192, 128256), (8192, 50257), (4096, 256000), (100, 128256)])
+def test_triton_chunk_plans_keep_the_memory_budget(n, v):
+    """The chunk buffers of the default plans fit ``memory_budget`` (rows padded to 16
+    columns, as allocated): dz [C, V] and both heads' fp32 logits [c, V], or with fp16 tiles
+    dz [C, V] (the student's logits inside it) and the teacher's fp16 [c, V]; the tiles'
+    chunks are equal. Llama's plans are pinned: the ones the H200 numbers were measured at."""
+    _torch()
+    from logitless.triton_kernels import linear_jsd as tj
+    vp = -(-v // 16) * 16
+    for tiles in (False, True):
+        chunk, sub = tj.chunk_plan(n, v, 2, True, tiles)
+        assert 0 < sub <= chunk <= n
+        heads = (1, 2) if tiles else (2, 4)  # (buffers of c rows, bytes per element)
+        assert chunk * vp * 2 + heads[0] * sub * vp * heads[1] <= tj.FAST_BUDGET, (tiles,
+                                                                                chunk, sub)
+        if tiles:
+            k = -(-n // chunk)
+            assert n - (k - 1) * chunk > chunk - 512 and sub % 256 == 0 or chunk == n
+    assert tj.chunk_plan(8192, 128256, 2, True, False) == (1792, 384)
+    assert tj.chunk_plan(8192, 128256, 2, True, True) == (2048, 1024)
+    # the user's sizes win
+    assert tj.chunk_plan(8192, 128256, 2, True, True, chunk_size=2432) == (2432, 1024)
+    assert tj.chunk_plan(8192, 128256, 2, True, True, logits_chunk_size=512) == (2048, 512)
 
 
 @pytest.mark.parametrize("beta, temperature, v", [(0.0, 1.0, 211), (0.5, 1.0, 211),
