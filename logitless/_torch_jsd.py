@@ -211,7 +211,7 @@ def linear_jsd(student_input, student_weight, teacher_input, teacher_weight, tar
       H >= 4096, the rows one wave of 256 x 128 output tiles covers; else whole chunks),
       rows per dX GEMM call; ``fp16_tile_logits`` (False; True: logits stored in fp16
       relative to per-tile maxima, from our TMA GEMM, for bf16/fp16 inputs on a Hopper GPU,
-      an error elsewhere; None: True where it can run): 0.94x the time, the loss ~1e-5 less
+      an error elsewhere; None: True where it can run): 0.93x the time, the loss ~1e-5 less
       accurate, nearly agreeing heads' gradients 1e-2 off.
     * ``backend="pallas"``: the keywords of :func:`logitless.jax.linear_jsd`'s ``"pallas"``
       backend (``logitless.pallas_kernels.linear_jsd.TUNING``).

@@ -6,7 +6,7 @@ Per chunk of ``C`` tokens (``chunk_size``), in sub-chunks of ``c`` tokens (``log
    the default: JSD's gradient has no exact dominant term, so logits rounded to bf16 move it
    by ~1e-2; see the spec) into two ``[c, V]`` buffers: on a Hopper-class GPU by our TMA
    GEMM as fp16 remainders below each row's maximum in its 256-column tile, the maxima
-   beside them, with ``fp16_tile_logits`` (opt-in: half the bytes, 0.94x the time at Llama's
+   beside them, with ``fp16_tile_logits`` (opt-in: half the bytes, 0.93x the time at Llama's
    head on an H200, the loss ~1e-5 less accurate), else (the default) as fp32 by cuBLAS;
 2. the row kernel (:mod:`.jsd_rows`): both normalizers, the per-token loss, and the student
    logit gradient dz written into a ``[C, V]`` buffer in the input dtype;
@@ -483,9 +483,12 @@ def linear_jsd(p: jsd_common.Prepared, opts: spec.LinearJSDOptions, *, chunk_siz
     GEMMs are our TMA GEMM, which stores each logit in fp16 relative to the maximum of its
     row in its 256-column output tile (fp32, one per tile), half the bytes of fp32 logits at
     their accuracy for the gradients, and the JSD's pass 2 leaves Λ in fp16 for pass 3; an
-    error where it cannot run; ``logits_chunk_size`` then defaults to ``chunk_size / 2``
-    rounded down to a multiple of 256. H200 at N = 8192, H = 4096, V = 128256: 0.94x the
-    time of fp32 logits, same memory, gradient errors within ~5% of theirs. Why it is opt-in:
+    error where it cannot run; the student's logits then share dz's buffer, the chunks
+    made from ``memory_budget`` are equal and ``logits_chunk_size`` defaults to
+    ``chunk_size / 2`` rounded down to a multiple of 256 (2048 / 1024 at N = 8192,
+    V = 128256). H200 at N = 8192, H = 4096, V = 128256: 0.93x the time of fp32 logits
+    (1.23x the four-GEMM floor against 1.31x), 1.91 GB against 1.97, gradient errors within
+    ~5% of theirs. Why it is opt-in:
     the loss itself comes out ~1e-5 relative off (per-token losses ~1e-4) instead of ~1e-7,
     and heads that nearly agree (a teacher within ~1e-3 of the student, self-distillation)
     lose their small difference to the rounding of each head: gradient errors 1e-2 to 4e-2
