@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from harness import Backend, cached_jit, interpreted, register, tier_takes
+from harness import (Backend, cached_jit, dtype_reduction_cover, interpreted, register,
+                     tier_takes)
 from op_linear_cross_entropy import OP
 
 
@@ -140,17 +141,13 @@ def pallas_split_runner(case, inp):
 
 
 def _split_cases(case) -> bool:
-    """On a GPU every case; interpreted (CI time) the first of each dtype and of each
-    reduction, the masked-vocabulary and one-token cases, and the chunked ones with
-    smoothing."""
+    """On a GPU every case; interpreted (CI time) cases that hold each dtype and each
+    reduction once (``harness.dtype_reduction_cover``), the masked-vocabulary and one-token
+    cases, and the chunked ones with smoothing."""
     import jax
     if jax.default_backend() == "gpu" or not interpreted():
         return True
-    firsts = {}
-    for c in OP.cases():
-        firsts.setdefault(("dtype", c.dtype), c.id)
-        firsts.setdefault(("reduction", c.reduction), c.id)
-    return case.id in firsts.values() or case.masked or case.n == 1 or bool(
+    return case.id in dtype_reduction_cover(OP.cases()) or case.masked or case.n == 1 or bool(
         case.chunk_size and case.label_smoothing)
 
 

@@ -119,23 +119,42 @@ def tier_takes(op: "Op", also: Optional[Callable[[Any], bool]] = None) -> Callab
     return takes
 
 
+def dtype_reduction_cover(cases) -> List[str]:
+    """Ids of few cases that between them hold every dtype and every reduction of ``cases``:
+    first, in order, each case that brings a new dtype *and* a new reduction (three of them
+    where the matrix has the diagonal), then each that brings a new one of either."""
+    dtypes = {c.dtype for c in cases}
+    reductions = {c.reduction for c in cases}
+    picked = []
+    for both in (True, False):
+        for c in cases:
+            new_d, new_r = c.dtype in dtypes, c.reduction in reductions
+            if (new_d and new_r) if both else (new_d or new_r):
+                picked.append(c.id)
+                dtypes.discard(c.dtype)
+                reductions.discard(c.reduction)
+    return picked
+
+
 def crossing_cases(op, kinds: Dict[str, Callable[[Any], bool]]) -> Callable[[Any], bool]:
     """A ``takes`` for the bridge backends off a GPU. The bridge runs the very JAX program that
     backend "pallas" runs on every case (and test_parity checks it equals that program); what
     it adds is the crossing: dtypes, shapes, which inputs get gradients, extra outputs. So in
-    the interpreter (CI time) it takes the first case of each dtype and of each reduction (the
-    dtype decides the conversions, the reduction the output's shape; neither depends on the
-    other) and the first case of each of ``kinds`` (name -> predicate: a data path of its own,
-    e.g. every token ignored); on a GPU, every case."""
+    the interpreter (CI time) it takes cases that hold each dtype and each reduction once
+    (:func:`dtype_reduction_cover`: the dtype decides the conversions, the reduction the
+    output's shape; neither depends on the other) and the first case of each of ``kinds``
+    (name -> predicate: a data path of its own, e.g. every token ignored); on a GPU, every
+    case."""
     picked = {}
 
     def takes(case) -> bool:
         if not interpreted():
             return True
         if not picked:
-            for c in op.cases():
-                picked.setdefault(("dtype", c.dtype), c.id)
-                picked.setdefault(("reduction", c.reduction), c.id)
+            cases = op.cases()
+            for i, cid in enumerate(dtype_reduction_cover(cases)):
+                picked[("cover", i)] = cid
+            for c in cases:
                 for name, is_kind in kinds.items():
                     if is_kind(c):
                         picked.setdefault(("kind", name), c.id)
