@@ -13,7 +13,10 @@ modules the launch did not patch (``tl.sum``, ``tl.max``: ``tl.core``) patches t
 launch, as its first call there would. And Triton's dtype -> NumPy dtype map, rebuilt on every
 call, is looked up once per dtype. Both together: the interpreted Triton cases of CE and JSD
 gave bit-identical outputs with and without them (41 cases, one seed), 16-28% faster
-(twenty-ninth session).
+(twenty-ninth session). Third (thirty-sixth session): a binary op whose operands are tensors
+of one fp32/fp64/integer type skips the implicit promotion and broadcasting, which return them
+unchanged (``_same_type_fast_path``: ~35% of the calls; an interpreted Triton JSD case 5-10%
+faster; 12 CE and JSD cases, fp32 and bf16, bit-identical with and without it).
 """
 import inspect
 
@@ -70,8 +73,33 @@ def install() -> bool:
     ti.InterpretedFunction.__call__ = nested
     if hasattr(ti, "_get_np_dtype"):
         ti._get_np_dtype = _cached_np_dtype(ti._get_np_dtype, tl)
+    sem = getattr(ti, "interpreter_semantic", None)
+    if sem is not None and hasattr(sem, "binary_op_type_checking_impl"):
+        sem.binary_op_type_checking_impl = _same_type_fast_path(
+            sem.binary_op_type_checking_impl, sem, tl)
     ti._logitless_fast = True
     return True
+
+
+def _same_type_fast_path(check, sem, tl):
+    """Triton's implicit promotion and broadcasting of a binary op's operands (~45% of an
+    interpreted row kernel's time) returns both operands unchanged when they are tensors of
+    one type (same element type and shape) that no promotion touches: fp32 / fp64, or one
+    integer type outside / and % (read in triton 3.7.1: computation_type_impl gives that type
+    back, cast returns its input, broadcast_impl_value leaves equal shapes alone). Those
+    pairs skip it; every other pair (scalars, pointers, 16-bit floats, broadcasts) runs it."""
+    tensor = sem.tensor
+
+    def fast(lhs, rhs, allow_lhs_ptr=False, allow_rhs_ptr=False, arithmetic_check=True,
+             div_or_mod=False):
+        if (arithmetic_check and type(lhs) is tensor and type(rhs) is tensor
+                and lhs.type == rhs.type):
+            sca = lhs.type.scalar
+            if sca is tl.float32 or sca is tl.float64 or (
+                    not div_or_mod and sca.is_int() and not sca.is_ptr()):
+                return lhs, rhs
+        return check(lhs, rhs, allow_lhs_ptr, allow_rhs_ptr, arithmetic_check, div_or_mod)
+    return fast
 
 
 def _cached_np_dtype(get_np_dtype, tl):
