@@ -21,7 +21,8 @@ each candidate in a fresh subprocess, so its peak memory is its own: the residen
 high-water mark during one forward+backward minus the RSS just before it (inputs built, first
 call done) minus the bytes of dX and dW. PyTorch: naive and ``backend="torch"``; JAX: naive
 ``jnp`` and ``backend="xla"``; the Triton and Pallas kernels run only with ``--interpreted``
-(their interpreters take minutes per call at this shape). Errors are against an fp32-logits
+(their interpreters take minutes per call at this shape). Inputs in bf16 where the CPU computes
+it natively, else fp32 (:func:`cpu_dtype`; ``--cpu-dtype``). Errors are against an fp32-logits
 reference computed once in the parent. The summary compares each candidate with the same
 framework's naive path at the same shape.
 
