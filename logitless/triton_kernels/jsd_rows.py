@@ -212,7 +212,7 @@ def _seg_stats(s_row, t_row, so_row, to_row, col0, col1, col1_load, y_local, inv
         zs, zt, d = _load_block(s_row, t_row, start, cols, cols < col1_load, col1_load, inv_t,
                                 so_row, to_row, TILE_W, BLOCK)
         d = tl.where(cmask, d, 0.0)
-        if TILE_W > 0:
+        if TILE_W > 0:  # else inline, as in _load_block (interpreted helper calls cost CI)
             ms_new = tl.maximum(ms, _block_max(zs, cmask, so_row, start, col1, TILE_W, BLOCK))
             mt_new = tl.maximum(mt, _block_max(zt, cmask, to_row, start, col1, TILE_W, BLOCK))
         else:
@@ -410,10 +410,11 @@ def _seg_jsd_sums(s_row, t_row, so_row, to_row, col0, col1, col1_load, inv_t, ms
     rounding of L_a as a factor common to the row, which K must not; see
     ``_jax_jsd.jsd_k``) and Σ β·P·log(P/M) − (1−β)·Q·Λ (→ J); ``omb`` = 1 − β, computed on
     the host (in fp32, 1 − β would lose it as β → 1). With tile offsets (``TILE_W`` > 0) and
-    a gradient to write (``KEEP_LAM``) each Λ also goes, in fp16, over the teacher's logit it came from (read only here): pass
-    3 then reads Λ instead of recomputing it, at the same bytes (fp16 Λ moves the
-    gradients by ~1% of their bf16 error: ``benchmarks/jsd_logit_storage_probe.py``); K then
-    sums the rounded Λ, as pass 3 uses it (J keeps fp32 Λ)."""
+    a gradient to write (``KEEP_LAM``) each Λ also goes, in fp16, over the teacher's logit it
+    came from (read only here): pass 3 then reads Λ instead of recomputing it, at the same
+    bytes (fp16 Λ moves the gradients by ~1% of their bf16 error:
+    ``benchmarks/jsd_logit_storage_probe.py``); K then sums the rounded Λ, as pass 3 uses it
+    (J keeps fp32 Λ)."""
     offs = tl.arange(0, BLOCK)
     k = tl.zeros([BLOCK], dtype=tl.float32)  # per lane, reduced at the end (see _seg_stats)
     j = k

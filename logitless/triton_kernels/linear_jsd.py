@@ -47,7 +47,7 @@ import triton
 from .. import _torch_common as common
 from .. import _torch_jsd as jsd_common
 from ..specs import linear_jsd as spec
-from ..specs.tiling import next_power_of_2, plan_token_chunks
+from ..specs.tiling import balanced, next_power_of_2, plan_token_chunks
 from . import INTERPRETED
 from . import jsd_rows
 from . import logits_gemm
@@ -420,13 +420,13 @@ def chunk_plan(n: int, v: int, itemsize: int, fp32_logits: bool, fp16_tile_logit
     # per (chunk row, column): dz, and the two heads' logits of a sub-chunk; with fp16 tiles
     # the student's logits share dz's buffer (see _sweep), only the teacher's come on top
     heads = 1 if fp16_tile_logits else 2
-    chunk = plan_token_chunks(n, v, bytes_per_element=itemsize + heads * logit_bytes // share,
-                              budget_bytes=budget, chunk_size=chunk_size).chunk
-    if fp16_tile_logits and chunk_size is None and 0 < chunk < n:
+    plan = plan_token_chunks(n, v, bytes_per_element=itemsize + heads * logit_bytes // share,
+                             budget_bytes=budget, chunk_size=chunk_size)
+    if fp16_tile_logits and chunk_size is None:
         # equal chunks in whole 512s (sub-chunks then whole 256s): at N = 8192, V = 128256
         # 4 x 2048 rather than 3 x 2432 + 896, as many dW passes at less memory (1.91 GB)
-        k = -(-n // chunk)
-        chunk = min(chunk, -(-(-(-n // k)) // 512) * 512)
+        plan = balanced(plan, 512)
+    chunk = plan.chunk
     if logits_chunk_size is None:
         # fp16 tiles: a multiple of 256 tokens (1024 at C = 2048: the logits GEMMs' M; 512
         # measured 1.8% slower, H200)
