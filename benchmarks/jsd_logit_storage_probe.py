@@ -21,7 +21,12 @@ rounded to bf16). Storage forms:
   difference, so storing that difference well does not save the regime;
 * any form with ``+lam16`` (0 < β < 1): also Λ = log M − log Q rounded to fp16 before the
   gradient uses it (K summed from the rounded Λ, as the kernel does), i.e. pass 2 leaving Λ in the
-  teacher's 16-bit slot for pass 3, which then re-reads only the student's logit.
+  teacher's 16-bit slot for pass 3, which then re-reads only the student's logit. At T < 1
+  with dissimilar heads this doubles the gradient errors (``…-s37-cpu-probe-jsd-lambda16``):
+  where Q is large P ≪ Q, so Λ ≈ log(1 − β) there and K too, and the gradient's Λ + K keeps
+  only the few bits fp16 leaves beside that constant;
+* ``+lamsplit``: Λ stored so instead in :func:`split16`'s form (relative to 0 or to
+  −log(1 − β), whichever is nearer, the choice in the mantissa's lowest bit).
 
 Inputs as ``benchmarks/linear_jsd.py`` draws them (logit std 2, teacher correlation 0.8, bf16
 inputs), a smaller H (the errors come from dz, whose size does not depend on H).
@@ -71,9 +76,22 @@ def stored(z32: np.ndarray, form: str) -> np.ndarray:
     return _round(back.reshape(n, -1)[:, :v], torch.float32)
 
 
-def grad_logits(z, zeta, opts, lam16: bool) -> np.ndarray:
+def split16(ell: np.ndarray, beta: float) -> np.ndarray:
+    """``ell`` = −Λ = log Q − log M after a 16-bit store in the split form: fp16 of ell where
+    ell < ℓ∞/2, of ell − ℓ∞ above (ℓ∞ = −log(1 − β), the value where P ≪ Q), the choice in
+    the fp16 mantissa's lowest bit; decoded in fp32 as the kernel would."""
+    linf = -math.log(1 - beta)
+    upper = ell > linf / 2
+    bits = np.where(upper, ell - linf, ell).astype(np.float32).astype(np.float16).view(np.int16)
+    bits = (bits & ~np.int16(1)) | upper.astype(np.int16)
+    low = (bits & ~np.int16(1)).view(np.float16).astype(np.float32)
+    return (low + (bits & 1).astype(np.float32) * np.float32(linf)).astype(np.float64)
+
+
+def grad_logits(z, zeta, opts, lam16) -> np.ndarray:
     """dz (upstream 1 per token) of the spec from these logits; ``lam16``: the JSD's Λ rounded
-    to fp16 where the gradient uses it (the spec's own formulas otherwise)."""
+    to fp16 where the gradient uses it (the spec's own formulas otherwise): "fp16" as is,
+    "split" in :func:`split16`'s form."""
     if not lam16:
         return spec.logits_reference(z, zeta, options=opts)["grad_logits"]
     if opts.kind != "jsd":
@@ -82,7 +100,7 @@ def grad_logits(z, zeta, opts, lam16: bool) -> np.ndarray:
     logq = spec._log_softmax(z / T)
     q = np.exp(logq)
     ell, _ = spec._log_ratios_to_m(spec._log_ratio(z, zeta, T, logq, q), beta)  # ell = −Λ
-    ell16 = _round(ell, torch.float16)
+    ell16 = split16(ell, beta) if lam16 == "split" else _round(ell, torch.float16)
     kl = (q * ell16).sum(axis=1, keepdims=True)  # as the kernel: K from the Λ pass 3 reads
     scale = 1.0 / z.shape[0] if opts.reduction == "mean" else 1.0  # no targets: all tokens count
     return scale * (1 - beta) * q * (ell16 - kl) / T
@@ -124,7 +142,9 @@ def main(argv=None):
                  dx=rel(bf16(dx_ref), dx_ref), dw=rel(bf16(dw_ref), dw_ref))]
     z32, zeta32 = _round(z, torch.float32), _round(zeta, torch.float32)
     for form in a.forms.split(","):
-        base, lam16 = form.split("+")[0], form.endswith("+lam16")
+        base = form.split("+")[0]
+        lam16 = {"lam16": "fp16", "lamsplit": "split"}.get(form.split("+")[1]) \
+            if "+" in form else None
         if base.endswith("-rel"):  # the teacher as fp16 z_t − ẑ_s beside the stored student
             zs_st = stored(z32, base[:-4])
             zt_st = _round(zs_st + _round(_round(zeta32 - zs_st, torch.float32), torch.float16),

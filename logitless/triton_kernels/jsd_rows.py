@@ -403,6 +403,32 @@ def _log_p_over_m(delta, lam, beta, omb, FORM: tl.constexpr):
 
 
 @triton.jit
+def _lam_encode(lam, lo):
+    """Λ for its 16-bit slot, and Λ as pass 3 will decode it: fp16 of Λ where Λ >= lo/2, of
+    Λ − lo below (lo = log(1 − β) <= Λ: the value where P ≪ Q), the choice in the mantissa's
+    lowest bit. Where Q is large the gradient takes Λ + K, and K, a Q-weighted mean of Λ,
+    lies in [lo, 0]: Λ stored as is kept ulp(|lo|) beside that cancellation, which doubled
+    the gradient errors at T < 1 with dissimilar heads (P ≪ Q where Q is large, Λ ≈ K ≈ lo);
+    stored relative to the nearer end it keeps ~10 bits of the small difference from it,
+    and the heads' nearly equal case (Λ ≈ 0) keeps its precision
+    (``benchmarks/jsd_logit_storage_probe.py``, ``+lamsplit``). Past fp16's range (the far
+    form's Λ = log β + δ, where Q underflows): saturated, not inf (0·inf = NaN); where(),
+    not minimum(), which drops NaN on a GPU."""
+    upper = lam < 0.5 * lo
+    s = tl.where(upper, lam - lo, lam)
+    s = tl.where(s > 65504.0, 65504.0, s).to(tl.float16)
+    bits = (s.to(tl.int16, bitcast=True) & -2) | upper.to(tl.int16)
+    return bits.to(tl.float16, bitcast=True), _lam_decode(bits, lo)
+
+
+@triton.jit
+def _lam_decode(bits, lo):
+    """Λ (fp32) from the int16 bits of :func:`_lam_encode`'s slot."""
+    low = (bits & -2).to(tl.float16, bitcast=True).to(tl.float32)
+    return low + tl.where((bits & 1) != 0, lo, 0.0)
+
+
+@triton.jit
 def _seg_jsd_sums(s_row, t_row, so_row, to_row, col0, col1, col1_load, inv_t, ms, ls_a, mt,
                   ls_b, c, oa, ob, oc, beta, omb, FORM: tl.constexpr, BLOCK: tl.constexpr,
                   STAGES: tl.constexpr, TILE_W: tl.constexpr, KEEP_LAM: tl.constexpr):
@@ -410,12 +436,12 @@ def _seg_jsd_sums(s_row, t_row, so_row, to_row, col0, col1, col1_load, inv_t, ms
     rounding of L_a as a factor common to the row, which K must not; see
     ``_jax_jsd.jsd_k``) and Σ β·P·log(P/M) − (1−β)·Q·Λ (→ J); ``omb`` = 1 − β, computed on
     the host (in fp32, 1 − β would lose it as β → 1). With tile offsets (``TILE_W`` > 0) and
-    a gradient to write (``KEEP_LAM``) each Λ also goes, in fp16, over the teacher's logit it
-    came from (read only here): pass 3 then reads Λ instead of recomputing it, at the same
-    bytes (fp16 Λ moves the gradients by ~1% of their bf16 error:
-    ``benchmarks/jsd_logit_storage_probe.py``); K then sums the rounded Λ, as pass 3 uses it
-    (J keeps fp32 Λ)."""
+    a gradient to write (``KEEP_LAM``) each Λ also goes, in 16 bits (:func:`_lam_encode`),
+    over the teacher's logit it came from (read only here): pass 3 then reads Λ instead of
+    recomputing it, at the same bytes; K then sums the stored Λ, as pass 3 uses it (J keeps
+    fp32 Λ)."""
     offs = tl.arange(0, BLOCK)
+    lo = tl.log(omb)  # log(1 − β), the lower end of Λ (1 − β from the host, see above)
     k = tl.zeros([BLOCK], dtype=tl.float32)  # per lane, reduced at the end (see _seg_stats)
     j = k
     qs = k
@@ -431,14 +457,12 @@ def _seg_jsd_sums(s_row, t_row, so_row, to_row, col0, col1, col1_load, inv_t, ms
         qlam = q * lam
         qlam_k = qlam
         if KEEP_LAM:
-            # K from the Λ pass 3 will read (rounded to fp16), so that the row's gradient
+            # K from the Λ pass 3 will read (as stored), so that the row's gradient
             # Q·(Λ + K) still sums to 0: with K from fp32 Λ each element's rounding would
-            # stay in it, times 1/T (T = 0.01 gave garbage). Far-form Λ = log β + δ passes
-            # fp16's range where Q underflows anyway: saturated (not inf: 0·inf = NaN);
-            # where(), not minimum(), which drops NaN on a GPU.
-            lam16 = tl.where(lam > 65504.0, 65504.0, lam).to(t_row.dtype.element_ty)
+            # stay in it, times 1/T (T = 0.01 gave garbage)
+            lam16, lam_read = _lam_encode(lam, lo)
             tl.store(t_row + cols, lam16, mask=lmask)
-            qlam_k = q * lam16.to(tl.float32)
+            qlam_k = q * lam_read
         # P as Q·e^δ where the heads are close (consistent with δ), else from the teacher's
         # own statistics: log Q + δ cancels two terms of O(|z|/T) or O(|c|) where δ or the
         # normalizer gap c is large (one exp either way)
@@ -461,6 +485,8 @@ def _seg_grad(s_row, t_row, so_row, to_row, dz_row, col0, col1_load, y_local, in
     with coef = g·m/T, hard_coef = g·m·w_h, kk the row's KL (reverse KL) or K (JSD); the
     JSD's Λ read from the teacher's buffer where pass 2 left it (``TILE_W`` > 0)."""
     offs = tl.arange(0, BLOCK)
+    if KIND == 2 and TILE_W > 0:
+        lo = tl.log(omb)  # log(1 − β): see _lam_encode (1 − β = 0 for the KL kinds)
     for start in tl.range(col0, col1_load, BLOCK, num_stages=STAGES):
         cols = start + offs
         lmask = cols < col1_load  # the padding too: junk there, read by no GEMM
@@ -484,7 +510,8 @@ def _seg_grad(s_row, t_row, so_row, to_row, dz_row, col0, col1_load, y_local, in
         else:
             if TILE_W > 0:
                 q = exp_ftz(lq)
-                lam = tl.load(t_row + cols, mask=lmask, other=0.0).to(tl.float32)
+                lam = _lam_decode(tl.load(t_row + cols, mask=lmask, other=0.0)
+                                  .to(tl.int16, bitcast=True), lo)
             else:
                 q, lam = _jsd_terms(lq, delta, beta, omb, FORM)
             g = -omb * q * (lam + kk)
