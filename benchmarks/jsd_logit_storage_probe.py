@@ -19,6 +19,12 @@ rounded to bf16). Storage forms:
   against 1.4e-2 for both heads in tiles, fp32's 2.9e-5: the student's own rounding
   (2⁻¹² of its distance to the tile maximum, ~4e-3 at 14 below it) is as large as the heads'
   difference, so storing that difference well does not save the regime;
+* ``<form>-diff``: the teacher as ẑ_s + fp16(z_t − z_s), the heads' difference taken from
+  both *exact* fp32 logits (a GEMM holding both heads' tiles at once, which ours does not):
+  the pair then shares the student's rounding and keeps its difference. Nearly equal heads
+  (``--agreement 0.99999``, with ``+lamsplit``): dz 6.7e-4 against 1.4e-2, dX / dW
+  1.9e-3 / 2.4e-3, fp32 logits' level; elsewhere as ``<form>``
+  (``…-s37-cpu-probe-jsd-rel-diff.txt``);
 * any form with ``+lam16`` (0 < β < 1): also Λ = log M − log Q rounded to fp16 before the
   gradient uses it (K summed from the rounded Λ, as the kernel does), i.e. pass 2 leaving Λ in the
   teacher's 16-bit slot for pass 3, which then re-reads only the student's logit. At T < 1
@@ -145,7 +151,12 @@ def main(argv=None):
         base = form.split("+")[0]
         lam16 = {"lam16": "fp16", "lamsplit": "split"}.get(form.split("+")[1]) \
             if "+" in form else None
-        if base.endswith("-rel"):  # the teacher as fp16 z_t − ẑ_s beside the stored student
+        if base.endswith("-diff"):  # the teacher as ẑ_s + fp16(z_t − z_s), z_s exact
+            zs_st = stored(z32, base[:-5])
+            zt_st = _round(zs_st + _round(_round(zeta32 - z32, torch.float32), torch.float16),
+                           torch.float32)
+            dz = grad_logits(zs_st, zt_st, opts, lam16)
+        elif base.endswith("-rel"):  # the teacher as fp16 z_t − ẑ_s beside the stored student
             zs_st = stored(z32, base[:-4])
             zt_st = _round(zs_st + _round(_round(zeta32 - zs_st, torch.float32), torch.float16),
                            torch.float32)
