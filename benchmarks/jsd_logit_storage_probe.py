@@ -23,16 +23,18 @@ rounded to bf16). Storage forms:
   both *exact* fp32 logits (a GEMM holding both heads' tiles at once, which ours does not):
   the pair then shares the student's rounding and keeps its difference. Nearly equal heads
   (``--agreement 0.99999``, with ``+lamsplit``): dz 6.7e-4 against 1.4e-2, dX / dW
-  1.9e-3 / 2.4e-3, fp32 logits' level; elsewhere as ``<form>``
-  (``…-s37-cpu-probe-jsd-rel-diff.txt``);
+  1.9e-3 / 2.4e-3, fp32 logits' level; elsewhere near ``<form>`` (T = 0.5, unrelated heads:
+  2.25e-3 against 2.14e-3, the difference being large where P is;
+  ``…-s37-cpu-probe-jsd-rel-diff.txt``);
 * any form with ``+lam16`` (0 < β < 1): also Λ = log M − log Q rounded to fp16 before the
   gradient uses it (K summed from the rounded Λ, as the kernel does), i.e. pass 2 leaving Λ in the
   teacher's 16-bit slot for pass 3, which then re-reads only the student's logit. At T < 1
   with dissimilar heads this doubles the gradient errors (``…-s37-cpu-probe-jsd-lambda16``):
-  where Q is large P ≪ Q, so Λ ≈ log(1 − β) there and K too, and the gradient's Λ + K keeps
+  where Q is large P ≪ Q, so Λ ≈ log(1 − β) ≈ −K there, and the gradient's Λ + K keeps
   only the few bits fp16 leaves beside that constant;
 * ``+lamsplit``: Λ stored so instead in :func:`split16`'s form (relative to 0 or to
-  −log(1 − β), whichever is nearer, the choice in the mantissa's lowest bit).
+  log(1 − β), whichever is nearer, the choice in the mantissa's lowest bit: the kernel's
+  ``jsd_rows._lam_encode`` since the thirty-seventh session).
 
 Inputs as ``benchmarks/linear_jsd.py`` draws them (logit std 2, teacher correlation 0.8, bf16
 inputs), a smaller H (the errors come from dz, whose size does not depend on H).

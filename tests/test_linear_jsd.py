@@ -919,7 +919,7 @@ def test_triton_fp16_tile_logits_are_as_accurate_as_fp32_logits(beta, temperatur
 
 
 def test_triton_fp16_tile_logits_keep_lambda_beside_its_cancellation():
-    """At T < 1 with unrelated heads, P ≪ Q where Q is large, so there Λ ≈ K ≈ log(1 − β)
+    """At T < 1 with unrelated heads, P ≪ Q where Q is large, so there Λ ≈ −K ≈ log(1 − β)
     and the gradient's Λ + K cancels: Λ kept in plain fp16 had doubled the gradients' errors
     against fp32 logits' (the median of draws like these 1.9x at T = 0.25, 1.5x at T = 0.5;
     at V = 128256 too, see jsd_logit_storage_probe's +lamsplit). Stored relative to the nearer

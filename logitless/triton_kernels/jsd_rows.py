@@ -406,9 +406,9 @@ def _log_p_over_m(delta, lam, beta, omb, FORM: tl.constexpr):
 def _lam_encode(lam, lo):
     """Λ for its 16-bit slot, and Λ as pass 3 will decode it: fp16 of Λ where Λ >= lo/2, of
     Λ − lo below (lo = log(1 − β) <= Λ: the value where P ≪ Q), the choice in the mantissa's
-    lowest bit. Where Q is large the gradient takes Λ + K, and K, a Q-weighted mean of Λ,
+    lowest bit. Where Q is large the gradient takes Λ + K, and −K, a Q-weighted mean of Λ,
     lies in [lo, 0]: Λ stored as is kept ulp(|lo|) beside that cancellation, which doubled
-    the gradient errors at T < 1 with dissimilar heads (P ≪ Q where Q is large, Λ ≈ K ≈ lo);
+    the gradient errors at T < 1 with dissimilar heads (P ≪ Q where Q is large, Λ ≈ −K ≈ lo);
     stored relative to the nearer end it keeps ~10 bits of the small difference from it,
     and the heads' nearly equal case (Λ ≈ 0) keeps its precision
     (``benchmarks/jsd_logit_storage_probe.py``, ``+lamsplit``). Past fp16's range (the far
