@@ -49,9 +49,11 @@ if _CPU_ONLY:
     # XLA compiling interpreted Pallas kernels of tiny shapes, and running them is cheap
     # (tests/test_linear_jsd_jax.py: 131 -> 103 s). Subprocess workers inherit it.
     _given = os.environ.get("XLA_FLAGS", "")  # xdist workers inherit the controller's
-    _flags = [f for f in CPU_XLA_FLAGS if f not in _given.split()]
+    # a flag already set, to any value (the caller's, or the controller's for a worker), stays
+    _set = {f.split("=")[0] for f in _given.split()}
+    _flags = [f for f in CPU_XLA_FLAGS if f.split("=")[0] not in _set]
     _flags += [f for f in PROBED_CPU_XLA_FLAGS
-               if f not in _given.split() and _xla_knows(f)]
+               if f.split("=")[0] not in _set and _xla_knows(f)]
     os.environ["XLA_FLAGS"] = " ".join([_given, *_flags]).strip()
 # torch and JAX share the GPU in one process: JAX must not grab 75% of it at start.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
