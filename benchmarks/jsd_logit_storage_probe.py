@@ -23,9 +23,9 @@ rounded to bf16). Storage forms:
   both *exact* fp32 logits (a GEMM holding both heads' tiles at once, which ours does not):
   the pair then shares the student's rounding and keeps its difference. Nearly equal heads
   (``--agreement 0.99999``, with ``+lamsplit``): dz 6.7e-4 against 1.4e-2, dX / dW
-  1.9e-3 / 2.4e-3, fp32 logits' level; elsewhere near ``<form>`` (T = 0.5, unrelated heads:
-  2.25e-3 against 2.14e-3, the difference being large where P is;
-  ``…-s37-cpu-probe-jsd-rel-diff.txt``);
+  1.9e-3 / 2.4e-3, fp32 logits' level; with unrelated heads worse than ``<form>``, the
+  difference being large where P is (forward KL, β = 0: dW 3.0e-3 against 2.3e-3; the JSD
+  at T = 0.5: 2.25e-3 against 2.14e-3; ``…-s37-cpu-probe-jsd-rel-diff.txt``);
 * any form with ``+lam16`` (0 < β < 1): also Λ = log M − log Q rounded to fp16 before the
   gradient uses it (K summed from the rounded Λ, as the kernel does), i.e. pass 2 leaving Λ in the
   teacher's 16-bit slot for pass 3, which then re-reads only the student's logit. At T < 1
