@@ -414,6 +414,9 @@ def _lam_encode(lam, lo):
     (``benchmarks/jsd_logit_storage_probe.py``, ``+lamsplit``). Past fp16's range (the far
     form's Λ = log β + δ, where Q underflows): saturated, not inf (0·inf = NaN); where(),
     not minimum(), which drops NaN on a GPU."""
+    # Clearing the bit after rounding moves |Λ − end| toward 0 by up to one 10-bit ulp, a
+    # bias; harmless here: K sums the same decoded values and the loss takes fp32 Λ, so no
+    # plain sum keeps it (a stored *logit* so rounded biased the loss: the probe's -choice)
     upper = lam < 0.5 * lo
     s = tl.where(upper, lam - lo, lam)
     s = tl.where(s > 65504.0, 65504.0, s).to(tl.float16)
