@@ -83,13 +83,17 @@ def stored(z32: np.ndarray, form: str) -> np.ndarray:
     if form.endswith("-row"):
         o = z32.max(axis=1, keepdims=True)
         return _round(_round(z32 - o, dtype) + o, torch.float32)
-    tile = int(form.split("-tile")[1])
+    o = tile_maxima(z32, int(form.split("-tile")[1]))
+    back = _round(_round(z32 - o, torch.float32), dtype) + o  # z − o in fp32, then stored
+    return _round(back, torch.float32)
+
+
+def tile_maxima(z32: np.ndarray, tile: int) -> np.ndarray:
+    """Each element's row maximum over its ``tile``-column tile (what the GEMM epilogue
+    stores as the offset), broadcast to ``z32``'s shape."""
     n, v = z32.shape
-    pad = -v % tile
-    zp = np.pad(z32, ((0, 0), (0, pad)), constant_values=-np.inf).reshape(n, -1, tile)
-    o = zp.max(axis=2, keepdims=True)
-    back = _round(_round(zp - o, torch.float32), dtype) + o  # z − o in fp32, then stored
-    return _round(back.reshape(n, -1)[:, :v], torch.float32)
+    zp = np.pad(z32, ((0, 0), (0, -v % tile)), constant_values=-np.inf)
+    return np.repeat(zp.reshape(n, -1, tile).max(axis=2), tile, axis=1)[:, :v]
 
 
 def choice_round16(x: np.ndarray, bit: np.ndarray) -> np.ndarray:
@@ -179,12 +183,8 @@ def main(argv=None):
         lam16 = {"lam16": "fp16", "lamsplit": "split"}.get(form.split("+")[1]) \
             if "+" in form else None
         if base.endswith("-choice"):  # per element: own tile maximum or the exact difference
-            tile = int(base[:-7].split("-tile")[1])
             zs_st = stored(z32, base[:-7])
-            pad = -zeta32.shape[1] % tile
-            zp = np.pad(zeta32, ((0, 0), (0, pad)), constant_values=-np.inf)
-            o = np.repeat(zp.reshape(zp.shape[0], -1, tile).max(axis=2), tile, axis=1)
-            o = o[:, :zeta32.shape[1]]
+            o = tile_maxima(zeta32, int(base[:-7].split("-tile")[1]))
             own, dif = (zeta32 - o).astype(np.float32), (zeta32 - z32).astype(np.float32)
             use_dif = np.abs(dif) < np.abs(own)
             val = choice_round16(np.where(use_dif, dif, own), use_dif)

@@ -419,9 +419,10 @@ def _lam_encode(lam, lo):
     # plain sum keeps it (a stored *logit* so rounded biased the loss: the probe's -choice)
     upper = lam < 0.5 * lo
     s = tl.where(upper, lam - lo, lam)
-    s = tl.where(s > 65504.0, 65504.0, s).to(tl.float16)
-    bits = (s.to(tl.int16, bitcast=True) & -2) | upper.to(tl.int16)
-    return bits.to(tl.float16, bitcast=True), _lam_decode(bits, lo)
+    cleared = tl.where(s > 65504.0, 65504.0, s).to(tl.float16).to(tl.int16, bitcast=True) & -2
+    # what _lam_decode gives for these bits, from the choice at hand (no second unpacking)
+    back = cleared.to(tl.float16, bitcast=True).to(tl.float32) + tl.where(upper, lo, 0.0)
+    return (cleared | upper.to(tl.int16)).to(tl.float16, bitcast=True), back
 
 
 @triton.jit
@@ -444,7 +445,8 @@ def _seg_jsd_sums(s_row, t_row, so_row, to_row, col0, col1, col1_load, inv_t, ms
     recomputing it, at the same bytes; K then sums the stored Λ, as pass 3 uses it (J keeps
     fp32 Λ)."""
     offs = tl.arange(0, BLOCK)
-    lo = tl.log(omb)  # log(1 − β), the lower end of Λ (1 − β from the host, see above)
+    if KEEP_LAM:
+        lo = tl.log(omb)  # log(1 − β), the lower end of Λ (1 − β from the host, see above)
     k = tl.zeros([BLOCK], dtype=tl.float32)  # per lane, reduced at the end (see _seg_stats)
     j = k
     qs = k
