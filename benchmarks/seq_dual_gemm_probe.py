@@ -1,0 +1,253 @@
+"""Both JSD heads' fp16 tile logits from one GEMM at full tile width: what does it cost?
+
+The fp16 tiles path (``fp16_tile_logits``) is faster than torch.compile, but nearly equal heads
+lose their difference to each head's own rounding, which is why it is opt-in. The probe's
+``-choice`` form (``jsd_logit_storage_probe.py``, s37) keeps every regime at fp32 logits'
+gradients: per teacher element the smaller of its remainder below its own tile maximum and its
+exact difference from the student, rounded to the nearest fp16 whose lowest bit records which.
+That needs both heads' exact tiles in one epilogue. Two 128 × 256 fp32 accumulators are the
+whole register file, and s37's two 128 × 128 ones cost 1.154x the two one-head GEMMs.
+
+Here one program computes the student's 128 × 256 tile, stores its fp16 form, parks the exact
+fp32 tile in a per-program scratch slot (128 KiB, L2-resident: 132 slots are 17 MiB), then
+computes the teacher's tile in the same registers and encodes it against the parked student.
+Modes (``--modes``):
+
+* ``seq``: both tiles in one program, each stored as plain tile offsets (no scratch): the cost
+  of two K loops per persistent tile;
+* ``seq-scratch``: ``seq`` plus the scratch round trip;
+* ``choice``: the full epilogue (the choice encoding, and the teacher's tile maxima as the row
+  kernel would rebuild it);
+
+against two ``logits_gemm.logits_tile_offsets`` calls (the library's tiles GEMMs), interleaved.
+
+    python3 benchmarks/seq_dual_gemm_probe.py            (GPU: timing)
+    TRITON_INTERPRET=1 python3 benchmarks/seq_dual_gemm_probe.py --check   (CPU: the encoding)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from benchmarks import common
+from logitless.triton_kernels import logits_gemm
+from logitless.triton_kernels.logits_gemm import grouped_tile
+
+MODES = {"seq": 0, "seq-scratch": 1, "choice": 2}
+
+
+@triton.jit
+def _sat16(r):
+    return tl.where(r < -65504.0, -65504.0, tl.where(r > 65504.0, 65504.0, r)).to(tl.float16)
+
+
+@triton.jit
+def _choice_round16(val, use):
+    """``val`` to the nearest fp16 whose lowest mantissa bit is ``use``: int16 bits."""
+    r = _sat16(val)
+    bits = r.to(tl.int16, bitcast=True)
+    wrong = (bits & 1) != use.to(tl.int16)
+    mag = bits & 0x7FFF
+    up = ((tl.abs(val) > tl.abs(r.to(tl.float32))) | (mag == 0)) & (mag != 0x7BFF)
+    return tl.where(wrong, bits + tl.where(up, 1, -1).to(tl.int16), bits)
+
+
+@triton.jit
+def _product_into(acc, x_desc, w_desc, om, on, k_tiles, BK: tl.constexpr,
+                  INTERPRET: tl.constexpr):
+    """acc + x·wᵀ of the tile: one accumulator carried through both heads' K loops (two
+    zero-initialised ones were two live 128 × 256 tiles: the whole register file)."""
+    for ki in range(k_tiles):
+        a = x_desc.load([om, ki * BK])
+        b = w_desc.load([on, ki * BK])
+        if INTERPRET:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b.T, acc)
+    return acc
+
+
+@triton.jit
+def seq_dual_kernel(xs_desc, ws_desc, xt_desc, wt_desc, zs_desc, zt_desc, os_ptr, ot_ptr,
+                    omax_ptr, scratch_ptr, M, N, KS, KT, num_programs, BM: tl.constexpr,
+                    BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+                    INTERPRET: tl.constexpr, MODE: tl.constexpr):
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BM)
+    num_pid_n = tl.cdiv(N, BN)
+    loc = tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
+    slot = scratch_ptr + pid.to(tl.int64) * (BM * BN) + loc
+    for tile in tl.range(pid, num_pid_m * num_pid_n, num_programs):
+        pid_m, pid_n = grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
+        om = pid_m * BM
+        on = pid_n * BN
+        rows = (om + tl.arange(0, BM)).to(tl.int64)
+        idx = rows * num_pid_n + pid_n
+        cmask = (on + tl.arange(0, BN)) < N
+        acc = _product_into(tl.zeros((BM, BN), dtype=tl.float32), xs_desc, ws_desc, om, on,
+                            tl.cdiv(KS, BK), BK, INTERPRET)
+        o_s = tl.max(tl.where(cmask[None, :], acc, float("-inf")), 1)
+        zs_desc.store([om, on], _sat16(acc - o_s[:, None]))
+        tl.store(os_ptr + idx, o_s, mask=rows < M)
+        if MODE >= 1:
+            tl.store(slot, acc)
+        # the same registers go on into the teacher's product from −z_s: d = z_t − z_s
+        acc = _product_into(-acc, xt_desc, wt_desc, om, on, tl.cdiv(KT, BK), BK, INTERPRET)
+        if MODE == 0:  # timing only: d stored as is
+            o_t = tl.max(tl.where(cmask[None, :], acc, float("-inf")), 1)
+            zt_desc.store([om, on], _sat16(acc))
+        elif MODE == 1:
+            o_t = tl.max(tl.where(cmask[None, :], acc, float("-inf")), 1)
+            zt_desc.store([om, on], _sat16(acc + 0.0 * tl.load(slot)))
+        else:
+            zs = tl.load(slot)
+            zt = acc + zs
+            o_t = tl.max(tl.where(cmask[None, :], zt, float("-inf")), 1)
+            own = zt - o_t[:, None]
+            use = tl.abs(acc) < tl.abs(own)
+            bits = _choice_round16(tl.where(use, acc, own), use)
+            zt_desc.store([om, on], bits.to(tl.float16, bitcast=True))
+            # the teacher as the row kernel would rebuild it, for pass 1's maxima
+            v = (bits & -2).to(tl.float16, bitcast=True).to(tl.float32)
+            zs_hat = _sat16(zs - o_s[:, None]).to(tl.float32) + o_s[:, None]
+            rebuilt = tl.where(use, zs_hat + v, o_t[:, None] + v)
+            tl.store(omax_ptr + idx, tl.max(tl.where(cmask[None, :], rebuilt, float("-inf")), 1),
+                     mask=rows < M)
+        tl.store(ot_ptr + idx, o_t, mask=rows < M)
+
+
+def seq_dual(xs, ws, xt, wt, zs, zt, os_, ot, omax, scratch, mode, t, num_sms, interpret):
+    m, n = xs.shape[0], ws.shape[0]
+    bm, bn, bk = t["bm"], t["bn"], t["bk"]
+    programs = max(1, min(num_sms, triton.cdiv(m, bm) * triton.cdiv(n, bn)))
+    desc = lambda a, rows: TensorDescriptor.from_tensor(a, [rows, bk])  # noqa: E731
+    return seq_dual_kernel[(programs,)](
+        desc(xs, bm), desc(ws, bn), desc(xt, bm), desc(wt, bn),
+        TensorDescriptor.from_tensor(zs, [bm, bn]), TensorDescriptor.from_tensor(zt, [bm, bn]),
+        os_, ot, omax, scratch, m, n, xs.shape[1], xt.shape[1], programs, BM=bm, BN=bn, BK=bk,
+        GROUP_M=t["group_m"], INTERPRET=interpret, MODE=MODES[mode], num_stages=t["stages"],
+        num_warps=t["warps"])
+
+
+def buffers(m, n, t, device, programs):
+    tiles = triton.cdiv(n, t["bn"])
+    f16 = lambda: torch.empty(m, n, dtype=torch.float16, device=device)  # noqa: E731
+    f32 = lambda: torch.empty(m, tiles, dtype=torch.float32, device=device)  # noqa: E731
+    return (f16(), f16(), f32(), f32(), f32(),
+            torch.empty(programs * t["bm"] * t["bn"], dtype=torch.float32, device=device))
+
+
+def np_choice(zs, zt, bn):
+    """The encoding in NumPy (jsd_logit_storage_probe.choice_round16's rule)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from jsd_logit_storage_probe import choice_round16
+    v = zt.shape[1]
+    pad = lambda a: np.pad(a, ((0, 0), (0, -v % bn)), constant_values=-np.inf)  # noqa: E731
+    o = np.repeat(pad(zt).reshape(zt.shape[0], -1, bn).max(2), bn, axis=1)[:, :v]
+    own, dif = (zt - o).astype(np.float32), (zt - zs).astype(np.float32)
+    use = np.abs(dif) < np.abs(own)
+    return choice_round16(np.where(use, dif, own), use).astype(np.float16)
+
+
+def check():
+    interpret = not torch.cuda.is_available()
+    dev = "cpu" if interpret else "cuda"
+    t = logits_gemm.tiles(interpret)
+    m, n, k = 40, 100, 48
+    g = torch.Generator(device=dev).manual_seed(0)
+    xs = torch.randn(m, k, generator=g, device=dev).to(torch.bfloat16)
+    ws = torch.randn(n, k, generator=g, device=dev).to(torch.bfloat16)
+    xt = (xs.float() + 1e-3 * torch.randn(m, k, generator=g, device=dev)).to(torch.bfloat16)
+    wt = torch.where(torch.arange(n, device=dev)[:, None] % 2 == 0, ws,
+                     torch.randn(n, k, generator=g, device=dev).to(torch.bfloat16))
+    out = buffers(m, n + (-n % 8), t, dev, 8)
+    zs, zt = out[0][:, :n], out[1][:, :n]
+    seq_dual(xs, ws, xt, wt, zs, zt, *out[2:], "choice", t, 8, interpret)
+    # the rule applied to fp32 products (the GEMM's own sums differ from them only in the
+    # order of additions: an ulp of z, which can tip a rounding of the small differences)
+    ref_s = (xs.float() @ ws.float().T).cpu().numpy()
+    ref_t = (xt.float() @ wt.float().T).cpu().numpy()
+    want = np_choice(ref_s, ref_t, t["bn"])
+    got = zt.cpu().numpy()
+    same = got.view(np.int16) == want.view(np.int16)
+    # within two of the encoding's steps plus what the summation order moves: a few fp32
+    # ulps of the logits themselves, large beside the small differences of agreeing heads
+    tol = (4 * np.abs(np.spacing(want)).astype(np.float64)
+           + 16 * np.spacing(np.maximum(np.abs(ref_s), np.abs(ref_t))).astype(np.float64))
+    near = np.abs(got.astype(np.float64) - want.astype(np.float64)) <= tol
+    print(json.dumps({"bits_equal_fraction": float(same.mean()),
+                      "within_tolerance_fraction": float(near.mean())}))
+    if not near.all():
+        raise SystemExit("encoding disagrees with the NumPy rule")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--check", action="store_true")
+    ap.add_argument("--rows", type=int, default=1024, help="tokens per sub-chunk")
+    ap.add_argument("--vocab", type=int, default=128256)
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--modes", default="seq,seq-scratch,choice")
+    ap.add_argument("--stages", default="3", help="comma list of pipeline depths to try")
+    ap.add_argument("--out", type=Path)
+    a = ap.parse_args(argv)
+    if a.check:
+        return check()
+    dev = "cuda"
+    num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+    m, n, k = a.rows, a.vocab, a.hidden
+    g = torch.Generator(device=dev).manual_seed(0)
+    mk = lambda *s: (torch.randn(*s, generator=g, device=dev) * 0.05).to(torch.bfloat16)  # noqa
+    xs, ws, xt, wt = mk(m, k), mk(n, k), mk(m, k), mk(n, k)
+    t0 = logits_gemm.tiles(False)
+    base = buffers(m, n, t0, dev, num_sms)
+    steps = {"two tile GEMMs": lambda: (
+        logits_gemm.logits_tile_offsets(xs, ws, base[0], base[2], False, num_sms),
+        logits_gemm.logits_tile_offsets(xt, wt, base[1], base[3], False, num_sms))}
+    info = {}
+    for st in map(int, a.stages.split(",")):
+        t = dict(t0, stages=st)
+        for mode in a.modes.split(","):
+            buf = buffers(m, n, t, dev, num_sms)
+            name = f"{mode}/stages{st}"
+            try:
+                kern = seq_dual(xs, ws, xt, wt, *buf, mode, t, num_sms, False)
+                torch.cuda.synchronize()
+                info[name] = dict(regs=kern.n_regs, spills=kern.n_spills,
+                                  shared=kern.metadata.shared)
+                steps[name] = (lambda buf=buf, mode=mode, t=t:
+                               seq_dual(xs, ws, xt, wt, *buf, mode, t, num_sms, False))
+            except Exception as e:  # noqa: BLE001 - a mode that does not build is a result
+                info[name] = f"{type(e).__name__}: {str(e)[:200]}"
+    names = list(steps)
+    ts = common.time_interleaved([steps[s] for s in names], device=dev, reps=a.reps,
+                                 warmup_calls=2)
+    ref = ts[0].median_ms
+    rows = [dict(name=s, ms=tm.median_ms, iqr_ms=tm.iqr_ms, x_two=tm.median_ms / ref,
+                 **({"kernel": info[s]} if s in info else {})) for s, tm in zip(names, ts)]
+    for s, v in info.items():
+        if isinstance(v, str):
+            rows.append(dict(name=s, error=v))
+    for r in rows:
+        print(json.dumps(r))
+    if a.out:
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.with_suffix(".json").write_text(json.dumps(
+            {"env": common.environment(dev), "shape": dict(rows=m, vocab=n, hidden=k),
+             "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
