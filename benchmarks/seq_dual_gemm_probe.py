@@ -18,8 +18,17 @@ Modes (``--modes``):
 * ``seq-scratch``: ``seq`` plus the scratch round trip;
 * ``choice``: the full epilogue (the choice encoding, and the teacher's tile maxima as the row
   kernel would rebuild it);
+* ``choice-halves``: ``choice`` with the scratch through block pointers and the epilogue (and
+  the fp16 stores) in two column halves, to hold fewer registers at once;
 
 against two ``logits_gemm.logits_tile_offsets`` calls (the library's tiles GEMMs), interleaved.
+
+Measured (H200, thirty-eighth session, ``results/nvidia-h200-s38-seq-dual-gemm-*.json``): one
+accumulator carried from −z_s into the teacher's K loop (``seq``, so that it ends as
+z_t − z_s) runs at 1.026-1.036x the two GEMMs (two zero-initialised accumulators, the first
+version: 4.7x, spilling); parking the exact student 1.14x; the choice epilogue 1.9-2.1x
+(200-650 spills): the exact student and the teacher's tile do not fit the registers together
+at 128 × 256, and the epilogue does not overlap the next tile's K loop.
 
     python3 benchmarks/seq_dual_gemm_probe.py            (GPU: timing)
     TRITON_INTERPRET=1 python3 benchmarks/seq_dual_gemm_probe.py --check   (CPU: the encoding)
