@@ -86,7 +86,7 @@ def _choice_half(d, zs, o_s, o_t, zt_desc, om, on, cmask):
     use = tl.abs(d) < tl.abs(own)
     bits = _choice_round16(tl.where(use, d, own), use)
     zt_desc.store([om, on], bits.to(tl.float16, bitcast=True))
-    v = (bits & -2).to(tl.float16, bitcast=True).to(tl.float32)
+    v = bits.to(tl.float16, bitcast=True).to(tl.float32)  # the bit is part of the value
     zs_hat = _sat16(zs - o_s[:, None]).to(tl.float32) + o_s[:, None]
     rebuilt = tl.where(use, zs_hat + v, o_t[:, None] + v)
     return tl.max(tl.where(cmask[None, :], rebuilt, float("-inf")), 1)
@@ -175,7 +175,7 @@ def seq_dual_kernel(xs_desc, ws_desc, xt_desc, wt_desc, zs_desc, zt_desc, zsh_de
             bits = _choice_round16(tl.where(use, acc, own), use)
             zt_desc.store([om, on], bits.to(tl.float16, bitcast=True))
             # the teacher as the row kernel would rebuild it, for pass 1's maxima
-            v = (bits & -2).to(tl.float16, bitcast=True).to(tl.float32)
+            v = bits.to(tl.float16, bitcast=True).to(tl.float32)  # the bit is part of the value
             zs_hat = _sat16(zs - o_s[:, None]).to(tl.float32) + o_s[:, None]
             rebuilt = tl.where(use, zs_hat + v, o_t[:, None] + v)
             tl.store(omax_ptr + idx, tl.max(tl.where(cmask[None, :], rebuilt, float("-inf")), 1),
@@ -240,17 +240,41 @@ def check(mode="choice"):
     same = got.view(np.int16) == want.view(np.int16)
     # within two of the encoding's steps plus what the summation order moves: a few fp32
     # ulps of the logits themselves, large beside the small differences of agreeing heads
-    tol = (4 * np.abs(np.spacing(want)).astype(np.float64)
-           + 16 * np.spacing(np.maximum(np.abs(ref_s), np.abs(ref_t))).astype(np.float64))
+    noise = 16 * np.spacing(np.maximum(np.abs(ref_s), np.abs(ref_t))).astype(np.float64)
+    tol = 4 * np.abs(np.spacing(want)).astype(np.float64) + noise
     near = np.abs(got.astype(np.float64) - want.astype(np.float64)) <= tol
-    print(json.dumps({"bits_equal_fraction": float(same.mean()),
-                      "within_tolerance_fraction": float(near.mean())}))
+    # the choice bit itself (one step of the value, inside tol): where the two forms' sizes
+    # are not within the noise of each other, it must say which form was stored
+    bn, v = t["bn"], ref_s.shape[1]
+    tmax = lambda a: np.repeat(  # noqa: E731 - each element's tile-row maximum
+        np.pad(a, ((0, 0), (0, -v % bn)), constant_values=-np.inf).reshape(m, -1, bn).max(2),
+        bn, axis=1)[:, :v]
+    own, dif = ref_t - tmax(ref_t), ref_t - ref_s
+    clear = np.abs(np.abs(dif) - np.abs(own)) > 2 * noise
+    bit = (got.view(np.int16) & 1) == 1
+    bit_ok = bit[clear] == (np.abs(dif) < np.abs(own))[clear]
+    # the offsets, and the teacher's maxima as a row kernel rebuilds it from what was stored
+    first = lambda a: a[:, ::bn]  # noqa: E731 - one column per tile
+    os_k, ot_k, omax_k = (b[:, :-(-v // bn)].cpu().numpy() for b in out[2:5])
+    zs_k = zs.cpu().numpy().astype(np.float32)
+    val = got.astype(np.float32)
+    rebuilt = np.where(bit, (zs_k + np.repeat(os_k, bn, 1)[:, :v]) + val,
+                       np.repeat(ot_k, bn, 1)[:, :v] + val)
+    omax_ref = first(tmax(rebuilt))
+    errs = {"offsets_s": float(np.abs(os_k - first(tmax(ref_s))).max()),
+            "offsets_t": float(np.abs(ot_k - first(tmax(ref_t))).max()),
+            "teacher_maxima": float(np.abs(omax_k - omax_ref).max())}
+    print(json.dumps({"mode": mode, "bits_equal_fraction": float(same.mean()),
+                      "within_tolerance_fraction": float(near.mean()),
+                      "choice_bit_right_fraction": float(bit_ok.mean()), **errs}))
     if not near.all():
         raise SystemExit(f"{mode}: encoding disagrees with the NumPy rule")
-    v = ref_s.shape[1]
-    pad = np.pad(ref_s, ((0, 0), (0, -v % t["bn"])), constant_values=-np.inf)
-    o_s = np.repeat(pad.reshape(m, -1, t["bn"]).max(2), t["bn"], axis=1)[:, :v]
-    err_s = np.abs(zs.cpu().numpy().astype(np.float64) - (ref_s - o_s)).max()
+    if not bit_ok.all():
+        raise SystemExit(f"{mode}: the choice bit does not say which form was stored")
+    if not (errs["offsets_s"] < 1e-4 and errs["offsets_t"] < 1e-4
+            and errs["teacher_maxima"] < 1e-5):
+        raise SystemExit(f"{mode}: offsets or rebuilt maxima wrong: {errs}")
+    err_s = np.abs(zs_k.astype(np.float64) - (ref_s - tmax(ref_s))).max()
     if not err_s < 2e-2:  # fp16 of remainders up to ~20 (ulp 2^-6) plus summation order
         raise SystemExit(f"{mode}: the student's tile remainders are off by {err_s}")
 
