@@ -66,35 +66,16 @@ def _store(c_ptr, ldc, rows, cols, R, C, acc, TRANSPOSED: tl.constexpr, ADD: tl.
 
 
 @triton.jit
-def dx_nat_kernel(a_desc, b_desc, c_ptr, ldc, M, N, K, num_programs, BM: tl.constexpr,
-                  BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-                  CONVERT: tl.constexpr, INTERPRET: tl.constexpr):
-    """c [M, N] (fp32) = a [M, K] (fp16) · b [K, N] (bf16, converted: ``CONVERT``)."""
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BM)
-    num_pid_n = tl.cdiv(N, BN)
-    for tile in tl.range(pid, num_pid_m * num_pid_n, num_programs, flatten=not INTERPRET):
-        pid_m, pid_n = grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for ki in range(tl.cdiv(K, BK)):
-            a = a_desc.load([pid_m * BM, ki * BK])
-            b = b_desc.load([ki * BK, pid_n * BN])
-            if CONVERT:
-                b = b.to(tl.float16)
-            if INTERPRET:
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            acc = tl.dot(a, b, acc)
-        _store(c_ptr, ldc, pid_m * BM + tl.arange(0, BM), pid_n * BN + tl.arange(0, BN), M, N,
-               acc, False)
-
-
-@triton.jit
-def dx_tr_kernel(w_desc, dz_desc, c_ptr, ldc, M, N, K, num_programs, BM: tl.constexpr,
+def mixed_kernel(a_desc, b_desc, c_ptr, ldc, M, N, K, num_programs, BM: tl.constexpr,
                  BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-                 CONVERT: tl.constexpr, INTERPRET: tl.constexpr,
-                 WS: tl.constexpr = False):
-    """c [N, M] (fp32) = (wᵀ [M, K] · dzᵀ [K, N])ᵀ, w [K, M] bf16 (converted), dz [N, K]."""
+                 CONVERT: tl.constexpr, INTERPRET: tl.constexpr, A_T: tl.constexpr,
+                 B_T: tl.constexpr, CONVERT_A: tl.constexpr, OUT_T: tl.constexpr,
+                 ADD: tl.constexpr, WS: tl.constexpr = False):
+    """acc [M, N] = A [M, K] · B [K, N], fp32, persistent over output tiles. A's blocks are
+    loaded [BM, BK] (or [BK, BM] and transposed: ``A_T``), B's [BK, BN] (or [BN, BK] and
+    transposed: ``B_T``); ``CONVERT``: the bf16 operand (A if ``CONVERT_A``, else B) to fp16
+    in registers. acc is stored into c [M, N] (or its transpose c [N, M]: ``OUT_T``), added
+    to what c holds (``ADD``: dW's fp32 accumulator)."""
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BM)
     num_pid_n = tl.cdiv(N, BN)
@@ -103,113 +84,72 @@ def dx_tr_kernel(w_desc, dz_desc, c_ptr, ldc, M, N, K, num_programs, BM: tl.cons
         pid_m, pid_n = grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for ki in range(tl.cdiv(K, BK)):
-            a = w_desc.load([ki * BK, pid_m * BM]).T
-            b = dz_desc.load([pid_n * BN, ki * BK]).T
-            if CONVERT:
+            if A_T:
+                a = a_desc.load([ki * BK, pid_m * BM]).T
+            else:
+                a = a_desc.load([pid_m * BM, ki * BK])
+            if B_T:
+                b = b_desc.load([pid_n * BN, ki * BK]).T
+            else:
+                b = b_desc.load([ki * BK, pid_n * BN])
+            if CONVERT and CONVERT_A:
                 a = a.to(tl.float16)
-            if INTERPRET:
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            acc = tl.dot(a, b, acc)
-        _store(c_ptr, ldc, pid_n * BN + tl.arange(0, BN), pid_m * BM + tl.arange(0, BM), N, M,
-               acc, True)
-
-
-@triton.jit
-def dw_nat_kernel(dz_desc, x_desc, c_ptr, ldc, M, N, K, num_programs, BM: tl.constexpr,
-                  BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-                  CONVERT: tl.constexpr, INTERPRET: tl.constexpr):
-    """acc [M=V, N=H] += dzᵀ [M, K] · x [K, N]; dz [K, M] fp16, x bf16 (converted)."""
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BM)
-    num_pid_n = tl.cdiv(N, BN)
-    for tile in tl.range(pid, num_pid_m * num_pid_n, num_programs, flatten=not INTERPRET):
-        pid_m, pid_n = grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for ki in range(tl.cdiv(K, BK)):
-            a = dz_desc.load([ki * BK, pid_m * BM]).T
-            b = x_desc.load([ki * BK, pid_n * BN])
-            if CONVERT:
+            elif CONVERT:
                 b = b.to(tl.float16)
             if INTERPRET:
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
             acc = tl.dot(a, b, acc)
-        _store(c_ptr, ldc, pid_m * BM + tl.arange(0, BM), pid_n * BN + tl.arange(0, BN), M, N,
-               acc, False, ADD=True)
+        rows = pid_m * BM + tl.arange(0, BM)
+        cols = pid_n * BN + tl.arange(0, BN)
+        if OUT_T:
+            _store(c_ptr, ldc, cols, rows, N, M, acc, True, ADD)
+        else:
+            _store(c_ptr, ldc, rows, cols, M, N, acc, False, ADD)
 
 
-@triton.jit
-def dw_tr_kernel(x_desc, dz_desc, c_ptr, ldc, M, N, K, num_programs, BM: tl.constexpr,
-                 BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-                 CONVERT: tl.constexpr, INTERPRET: tl.constexpr,
-                 WS: tl.constexpr = False):
-    """acc [N=V, M=H] += (xᵀ [M, K] · dz [K, N])ᵀ; x [K, M] bf16 (converted), dz [K, N] fp16."""
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BM)
-    num_pid_n = tl.cdiv(N, BN)
-    for tile in tl.range(pid, num_pid_m * num_pid_n, num_programs, flatten=not INTERPRET,
-                         warp_specialize=WS):
-        pid_m, pid_n = grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for ki in range(tl.cdiv(K, BK)):
-            a = x_desc.load([ki * BK, pid_m * BM]).T
-            b = dz_desc.load([ki * BK, pid_n * BN])
-            if CONVERT:
-                a = a.to(tl.float16)
-            if INTERPRET:
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            acc = tl.dot(a, b, acc)
-        _store(c_ptr, ldc, pid_n * BN + tl.arange(0, BN), pid_m * BM + tl.arange(0, BM), N, M,
-               acc, True, ADD=True)
-
-
-def _launch(kernel, descs, m, n, k, cfg, num_sms, convert, interpret):
+def _launch(descs, m, n, k, cfg, num_sms, convert, interpret, **layout):
     bm, bn, bk, stages, warps, group = cfg[:6]
     ws = {"WS": True} if len(cfg) > 6 and cfg[6] else {}
     programs = max(1, min(num_sms, triton.cdiv(m, bm) * triton.cdiv(n, bn)))
-    kernel[(programs,)](*descs, m, n, k, programs, BM=bm, BN=bn, BK=bk, GROUP_M=group,
-                        CONVERT=convert, INTERPRET=interpret, num_stages=stages,
-                        num_warps=warps, **ws)
+    mixed_kernel[(programs,)](*descs, m, n, k, programs, BM=bm, BN=bn, BK=bk, GROUP_M=group,
+                              CONVERT=convert, INTERPRET=interpret, num_stages=stages,
+                              num_warps=warps, **layout, **ws)
+
+
+def _step(gemm, form, dz16, other, other16, out, cfg, num_sms, interpret):
+    """One GEMM in ``form``: ``gemm`` "dx" (out [C, H] = dz16 [C, V] · W, ``other`` = W
+    [V, H]) or "dw" (out [V, H] += dz16ᵀ · x, ``other`` = x [C, H]); ``other16`` its fp16
+    copy (the ``-f16`` forms)."""
+    bm, bn, bk = cfg[:3]
+    c, v = dz16.shape
+    h = other.shape[1]
+    b = other16 if form.endswith("-f16") else other
+    convert = not form.endswith("-f16")
+    dx = gemm == "dx"
+    if form.startswith("nat"):
+        # dX: A = dz16 [C, V], K = V; dW: A = dz16ᵀ (its [BK, BM] blocks transposed), K = C
+        descs = (TensorDescriptor.from_tensor(dz16, [bm, bk] if dx else [bk, bm]),
+                 TensorDescriptor.from_tensor(b, [bk, bn]), out, out.stride(0))
+        mnk = (c, h, v) if dx else (v, h, c)
+        layout = dict(A_T=not dx, B_T=False, CONVERT_A=False, OUT_T=False, ADD=not dx)
+    else:  # transposed: the converted operand first (A, from its [BK, BM] blocks), dz16 B
+        descs = (TensorDescriptor.from_tensor(b, [bk, bm]),
+                 TensorDescriptor.from_tensor(dz16, [bn, bk] if dx else [bk, bn]), out,
+                 out.stride(0))
+        mnk = (h, c, v) if dx else (h, v, c)
+        layout = dict(A_T=True, B_T=dx, CONVERT_A=True, OUT_T=True, ADD=not dx)
+    return lambda: _launch(descs, *mnk, cfg, num_sms, convert, interpret, **layout)
 
 
 def dx_step(form, dz16, w, w16, out, cfg, num_sms, interpret):
     """out [C, H] = dz16 [C, V] · W [V, H] in ``form``."""
-    bm, bn, bk = cfg[:3]
-    c, v = dz16.shape
-    h = w.shape[1]
-    if form in ("nat", "nat-f16"):
-        b = w if form == "nat" else w16
-        descs = (TensorDescriptor.from_tensor(dz16, [bm, bk]),
-                 TensorDescriptor.from_tensor(b, [bk, bn]),
-                 out, out.stride(0))
-        return lambda: _launch(dx_nat_kernel, descs, c, h, v, cfg, num_sms, form == "nat",
-                               interpret)
-    a = w if form == "tr" else w16
-    descs = (TensorDescriptor.from_tensor(a, [bk, bm]),
-             TensorDescriptor.from_tensor(dz16, [bn, bk]),
-             out, out.stride(0))
-    return lambda: _launch(dx_tr_kernel, descs, h, c, v, cfg, num_sms, form == "tr", interpret)
+    return _step("dx", form, dz16, w, w16, out, cfg, num_sms, interpret)
 
 
 def dw_step(form, dz16, x, x16, acc, cfg, num_sms, interpret):
     """acc [V, H] += dz16ᵀ · x in ``form``."""
-    bm, bn, bk = cfg[:3]
-    c, v = dz16.shape
-    h = x.shape[1]
-    if form in ("nat", "nat-f16"):
-        b = x if form == "nat" else x16
-        descs = (TensorDescriptor.from_tensor(dz16, [bk, bm]),
-                 TensorDescriptor.from_tensor(b, [bk, bn]),
-                 acc, acc.stride(0))
-        return lambda: _launch(dw_nat_kernel, descs, v, h, c, cfg, num_sms, form == "nat",
-                               interpret)
-    a = x if form == "tr" else x16
-    descs = (TensorDescriptor.from_tensor(a, [bk, bm]),
-             TensorDescriptor.from_tensor(dz16, [bk, bn]),
-             acc, acc.stride(0))
-    return lambda: _launch(dw_tr_kernel, descs, h, v, c, cfg, num_sms, form == "tr", interpret)
+    return _step("dw", form, dz16, x, x16, acc, cfg, num_sms, interpret)
 
 
 FORMS = ("nat", "tr", "nat-f16", "tr-f16")

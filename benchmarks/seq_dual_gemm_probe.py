@@ -80,8 +80,10 @@ def _halves(x, BM: tl.constexpr, BN: tl.constexpr):
 
 
 @triton.jit
-def _choice_half(d, zs, o_s, o_t, zt_desc, om, on, cmask):
-    """The teacher's half tile against the exact student: (its rebuilt row maxima)."""
+def _choice_tile(d, zs, o_s, o_t, zt_desc, om, on, cmask):
+    """The teacher's (half) tile against the exact student zs, d = z_t − z_s, o_t its tile-row
+    maxima: the choice encoding stored; returns the row maxima of the teacher as the row
+    kernel would rebuild it (for pass 1)."""
     own = d + zs - o_t[:, None]
     use = tl.abs(d) < tl.abs(own)
     bits = _choice_round16(tl.where(use, d, own), use)
@@ -96,7 +98,9 @@ def _choice_half(d, zs, o_s, o_t, zt_desc, om, on, cmask):
 def _product_into(acc, x_desc, w_desc, om, on, k_tiles, BK: tl.constexpr,
                   INTERPRET: tl.constexpr):
     """acc + x·wᵀ of the tile: one accumulator carried through both heads' K loops (two
-    zero-initialised ones were two live 128 × 256 tiles: the whole register file)."""
+    zero-initialised ones were two live 128 × 256 tiles: the whole register file). The
+    library's ``logits_gemm._tile_product`` is this loop from zero; kept apart so that the
+    probe leaves the library's GEMMs untouched."""
     for ki in range(k_tiles):
         a = x_desc.load([om, ki * BK])
         b = w_desc.load([on, ki * BK])
@@ -162,23 +166,14 @@ def seq_dual_kernel(xs_desc, ws_desc, xt_desc, wt_desc, zs_desc, zt_desc, zsh_de
             m1 = tl.max(tl.where(c1, d1 + tl.load(p1), float("-inf")), 1)
             o_t = tl.maximum(m0, m1)
             h = on + tl.arange(0, BN // 2)
-            r0 = _choice_half(d0, tl.load(p0), o_s, o_t, zth_desc, om, on, h < N)
-            r1 = _choice_half(d1, tl.load(p1), o_s, o_t, zth_desc, om, on + BN // 2,
+            r0 = _choice_tile(d0, tl.load(p0), o_s, o_t, zth_desc, om, on, h < N)
+            r1 = _choice_tile(d1, tl.load(p1), o_s, o_t, zth_desc, om, on + BN // 2,
                               h + BN // 2 < N)
             tl.store(omax_ptr + idx, tl.maximum(r0, r1), mask=rows < M)
         else:
             zs = tl.load(slot)
-            zt = acc + zs
-            o_t = tl.max(tl.where(cmask[None, :], zt, float("-inf")), 1)
-            own = zt - o_t[:, None]
-            use = tl.abs(acc) < tl.abs(own)
-            bits = _choice_round16(tl.where(use, acc, own), use)
-            zt_desc.store([om, on], bits.to(tl.float16, bitcast=True))
-            # the teacher as the row kernel would rebuild it, for pass 1's maxima
-            v = bits.to(tl.float16, bitcast=True).to(tl.float32)  # the bit is part of the value
-            zs_hat = _sat16(zs - o_s[:, None]).to(tl.float32) + o_s[:, None]
-            rebuilt = tl.where(use, zs_hat + v, o_t[:, None] + v)
-            tl.store(omax_ptr + idx, tl.max(tl.where(cmask[None, :], rebuilt, float("-inf")), 1),
+            o_t = tl.max(tl.where(cmask[None, :], acc + zs, float("-inf")), 1)
+            tl.store(omax_ptr + idx, _choice_tile(acc, zs, o_s, o_t, zt_desc, om, on, cmask),
                      mask=rows < M)
         tl.store(ot_ptr + idx, o_t, mask=rows < M)
 
