@@ -51,7 +51,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from benchmarks import common
 from logitless.triton_kernels import logits_gemm
-from logitless.triton_kernels.logits_gemm import grouped_tile
+from logitless.triton_kernels.logits_gemm import grouped_tile, tile_product_into
 
 MODES = {"seq": 0, "seq-scratch": 1, "choice": 2, "choice-halves": 3}
 
@@ -95,23 +95,6 @@ def _choice_tile(d, zs, o_s, o_t, zt_desc, om, on, cmask):
 
 
 @triton.jit
-def _product_into(acc, x_desc, w_desc, om, on, k_tiles, BK: tl.constexpr,
-                  INTERPRET: tl.constexpr):
-    """acc + x·wᵀ of the tile: one accumulator carried through both heads' K loops (two
-    zero-initialised ones were two live 128 × 256 tiles: the whole register file). The
-    library's ``logits_gemm._tile_product`` is this loop from zero; kept apart so that the
-    probe leaves the library's GEMMs untouched."""
-    for ki in range(k_tiles):
-        a = x_desc.load([om, ki * BK])
-        b = w_desc.load([on, ki * BK])
-        if INTERPRET:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b.T, acc)
-    return acc
-
-
-@triton.jit
 def seq_dual_kernel(xs_desc, ws_desc, xt_desc, wt_desc, zs_desc, zt_desc, zsh_desc, zth_desc,
                     os_ptr,
                     ot_ptr, omax_ptr, scratch_ptr, M, N, KS, KT, num_programs, BM: tl.constexpr,
@@ -129,8 +112,8 @@ def seq_dual_kernel(xs_desc, ws_desc, xt_desc, wt_desc, zs_desc, zt_desc, zsh_de
         rows = (om + tl.arange(0, BM)).to(tl.int64)
         idx = rows * num_pid_n + pid_n
         cmask = (on + tl.arange(0, BN)) < N
-        acc = _product_into(tl.zeros((BM, BN), dtype=tl.float32), xs_desc, ws_desc, om, on,
-                            tl.cdiv(KS, BK), BK, INTERPRET)
+        acc = tile_product_into(tl.zeros((BM, BN), dtype=tl.float32), xs_desc, ws_desc, om,
+                                on, tl.cdiv(KS, BK), BK, INTERPRET)
         o_s = tl.max(tl.where(cmask[None, :], acc, float("-inf")), 1)
         if MODE == 3:  # half-tile stores: half the shared memory to stage them
             q0, q1 = _halves(_sat16(acc - o_s[:, None]), BM, BN)
@@ -147,8 +130,9 @@ def seq_dual_kernel(xs_desc, ws_desc, xt_desc, wt_desc, zs_desc, zt_desc, zsh_de
                                        (pid * BM, 0), (BM, BN // 2), (1, 0)), s0)
             tl.store(tl.make_block_ptr(scratch_ptr, (num_programs * BM, BN), (BN, 1),
                                        (pid * BM, BN // 2), (BM, BN // 2), (1, 0)), s1)
-        # the same registers go on into the teacher's product from −z_s: d = z_t − z_s
-        acc = _product_into(-acc, xt_desc, wt_desc, om, on, tl.cdiv(KT, BK), BK, INTERPRET)
+        # the same registers go on into the teacher's product from −z_s: d = z_t − z_s (two
+        # zero-initialised accumulators were two live 128 × 256 tiles: the whole register file)
+        acc = tile_product_into(-acc, xt_desc, wt_desc, om, on, tl.cdiv(KT, BK), BK, INTERPRET)
         if MODE == 0:  # timing only: d stored as is
             o_t = tl.max(tl.where(cmask[None, :], acc, float("-inf")), 1)
             zt_desc.store([om, on], _sat16(acc))

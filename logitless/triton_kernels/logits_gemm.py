@@ -49,10 +49,10 @@ def grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _tile_product(x_desc, w_desc, om, on, k_tiles, BM: tl.constexpr, BN: tl.constexpr,
-                  BK: tl.constexpr, INTERPRET: tl.constexpr):
-    """The fp32 ``[BM, BN]`` tile of x·Wᵀ at rows ``om`` of x and rows ``on`` of W."""
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
+def tile_product_into(acc, x_desc, w_desc, om, on, k_tiles, BK: tl.constexpr,
+                      INTERPRET: tl.constexpr):
+    """``acc`` plus the fp32 tile of x·Wᵀ at rows ``om`` of x and rows ``on`` of W (a probe
+    carries one accumulator through two heads' products: benchmarks/seq_dual_gemm_probe.py)."""
     for ki in range(k_tiles):
         a = x_desc.load([om, ki * BK])
         b = w_desc.load([on, ki * BK])
@@ -61,6 +61,14 @@ def _tile_product(x_desc, w_desc, om, on, k_tiles, BM: tl.constexpr, BN: tl.cons
             b = b.to(tl.float32)
         acc = tl.dot(a, b.T, acc)
     return acc
+
+
+@triton.jit
+def _tile_product(x_desc, w_desc, om, on, k_tiles, BM: tl.constexpr, BN: tl.constexpr,
+                  BK: tl.constexpr, INTERPRET: tl.constexpr):
+    """The fp32 ``[BM, BN]`` tile of x·Wᵀ at rows ``om`` of x and rows ``on`` of W."""
+    return tile_product_into(tl.zeros((BM, BN), dtype=tl.float32), x_desc, w_desc, om, on,
+                             k_tiles, BK, INTERPRET)
 
 
 @triton.jit
