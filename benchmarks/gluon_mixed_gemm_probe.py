@@ -57,9 +57,9 @@ def _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M: gl.constexpr):
 
 
 @gluon.jit
-def _loader(a_desc, b_desc, a_bufs, b_bufs, empty, ready, M, N, K, num_programs,
+def _loader(a_desc, b_desc, a_bufs, b_bufs, empty, ready, c_ptr, ldc, M, N, K, num_programs,
             BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, B_T: gl.constexpr,
-            GROUP_M: gl.constexpr, PIPE: gl.constexpr):
+            GROUP_M: gl.constexpr, PIPE: gl.constexpr, PREFETCH_C: gl.constexpr):
     """The producer warp: every (tile, k) stage of this program into the ring, in order
     (``PIPE`` 2: an even number of k stages per tile, the last one past K zero-filled)."""
     stages: gl.constexpr = a_bufs.shape[0]
@@ -85,7 +85,25 @@ def _loader(a_desc, b_desc, a_bufs, b_bufs, empty, ready, M, N, K, num_programs,
             else:
                 tma.async_copy_global_to_shared(b_desc, [ki * BK, pid_n * BN], bar,
                                                 b_bufs.index(s))
+            if PREFETCH_C:
+                if ki == k_tiles // 2:  # the epilogue's read-modify-write then hits L2
+                    _prefetch_tile(c_ptr, ldc, M, N, pid_m * BM, pid_n * BN, BM, BN)
             i += 1
+
+
+@gluon.jit
+def _prefetch_tile(c_ptr, ldc, M, N, row0, col0, BM: gl.constexpr, BN: gl.constexpr):
+    """Prefetch c[col0 : col0 + BN, row0 : row0 + BM] (fp32) into L2, 128-byte lines, from
+    one warp; addresses past the tensor clamped to its last row / column."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 1], [32 // (BM // 32), BM // 32], [1, 1], [1, 0])
+    lines = gl.arange(0, BM // 32, layout=gl.SliceLayout(0, layout))
+    h = gl.minimum(row0 + lines * 32, M - 1)
+    for r in range(BN // 32):
+        v = gl.minimum(col0 + r * 32 + gl.arange(0, 32, layout=gl.SliceLayout(1, layout)),
+                       N - 1)
+        ptrs = c_ptr + v.to(gl.int64)[:, None] * ldc + h[None, :]
+        gl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs],
+                                  dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -113,7 +131,7 @@ def _stage_b(b_bufs, i, B_T: gl.constexpr):
 def _mma(a_bufs, b_bufs, empty, ready, c_ptr, ldc, M, N, K, num_programs,
          BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, B_T: gl.constexpr,
          CONVERT: gl.constexpr, ADD: gl.constexpr, GROUP_M: gl.constexpr, PIPE: gl.constexpr,
-         num_warps: gl.constexpr):
+         PIECES: gl.constexpr, num_warps: gl.constexpr):
     """The consumer warps: acc [BM, BN] = A · B over K per tile, the tile stored transposed
     into c [N, M] (fp32; ``ADD``: added to what c holds).
 
@@ -159,13 +177,46 @@ def _mma(a_bufs, b_bufs, empty, ready, c_ptr, ldc, M, N, K, num_programs,
                 i += 1
             acc = warpgroup_mma_wait(0, deps=(acc, a1))[0]
             mbarrier.arrive(empty.index((i + stages - 1) % stages))
-        rows = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, mma_layout))
-        cols = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, mma_layout))
-        offs = cols.to(gl.int64)[None, :] * ldc + rows[:, None]
-        mask = (rows < M)[:, None] & (cols < N)[None, :]
-        if ADD:
-            acc = acc + gl.load(c_ptr + offs, mask=mask, other=0.0)
-        gl.store(c_ptr + offs, acc, mask=mask)
+        if PIECES == 1:
+            _store_piece(acc, c_ptr, ldc, M, N, pid_m * BM, pid_n * BN, ADD)
+        else:
+            # in column pieces: one piece's loaded accumulator, offsets and pointers live at
+            # a time (the whole tile's spilled: 2 KB of stack for dW)
+            pieces = _split_n(acc, PIECES)
+            for j in gl.static_range(PIECES):
+                _store_piece(pieces[j], c_ptr, ldc, M, N, pid_m * BM,
+                             pid_n * BN + j * (BN // PIECES), ADD)
+
+
+@gluon.jit
+def _split_n(x, PIECES: gl.constexpr):
+    """x [R, C] as PIECES column pieces [R, C / PIECES], in column order (halving each piece
+    along the register bits of its columns: no data moves)."""
+    xs = (x, )
+    for _ in gl.static_range(PIECES.bit_length() - 1):
+        halves = ()
+        for j in gl.static_range(len(xs)):
+            y = xs[j]
+            halves += y.reshape(y.shape[0], 2, y.shape[1] // 2).permute(0, 2, 1).split()
+        xs = halves
+    return xs
+
+
+@gluon.jit
+def _store_piece(acc, c_ptr, ldc, M, N, row0, col0, ADD: gl.constexpr):
+    """acc [R, C] into c[col0 + c, row0 + r] (fp32; ``ADD``: added to what is there)."""
+    layout: gl.constexpr = acc.type.layout
+    rows = gl.arange(0, acc.shape[0], layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, layout))
+    base = c_ptr + col0.to(gl.int64) * ldc + row0
+    offs = cols[None, :] * ldc + rows[:, None]  # int32: C · ldc < 2^31
+    mask = (row0 + rows < M)[:, None] & (col0 + cols < N)[None, :]
+    if ADD:
+        acc = acc + gl.load(base + offs, mask=mask, other=0.0)
+    gl.store(base + offs, acc, mask=mask)
+
+
+LOADER_REGS = gl.constexpr(40)  # the producer warp's registers (its warp group's, per thread)
 
 
 @gluon.jit
@@ -173,7 +224,7 @@ def mixed_ws_kernel(a_desc, b_desc, c_ptr, ldc, M, N, K, num_programs,
                     BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
                     STAGES: gl.constexpr, B_T: gl.constexpr, CONVERT: gl.constexpr,
                     ADD: gl.constexpr, GROUP_M: gl.constexpr, PIPE: gl.constexpr,
-                    num_warps: gl.constexpr):
+                    PIECES: gl.constexpr, PREFETCH_C: gl.constexpr, num_warps: gl.constexpr):
     """c [N, M] (+)= (A [M, K] · B [K, N])ᵀ, persistent; A from a [K, M] descriptor (blocks
     [BK, BM]), B from a [N, K] (``B_T``, blocks [BN, BK]) or [K, N] one (blocks [BK, BN])."""
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape,
@@ -187,15 +238,15 @@ def mixed_ws_kernel(a_desc, b_desc, c_ptr, ldc, M, N, K, num_programs,
         mbarrier.init(ready.index(s), count=1)
     gl.warp_specialize([
         (_mma, (a_bufs, b_bufs, empty, ready, c_ptr, ldc, M, N, K, num_programs, BM, BN, BK,
-                B_T, CONVERT, ADD, GROUP_M, PIPE, num_warps)),
-        (_loader, (a_desc, b_desc, a_bufs, b_bufs, empty, ready, M, N, K, num_programs, BM, BN,
-                   BK, B_T, GROUP_M, PIPE)),
-    ], [1], [40])
+                B_T, CONVERT, ADD, GROUP_M, PIPE, PIECES, num_warps)),
+        (_loader, (a_desc, b_desc, a_bufs, b_bufs, empty, ready, c_ptr, ldc, M, N, K,
+                   num_programs, BM, BN, BK, B_T, GROUP_M, PIPE, ADD and PREFETCH_C)),
+    ], [1], [LOADER_REGS])
 
 
-# bm, bn, bk, stages, warps, group, pipe
-CONFIGS = [(128, 256, 64, 4, 8, 8, 2), (128, 256, 64, 4, 8, 8, 0), (128, 256, 64, 3, 8, 8, 2),
-           (128, 256, 32, 6, 8, 8, 2), (128, 128, 64, 5, 8, 8, 2)]
+# bm, bn, bk, stages, warps, group, pipe, epilogue pieces, dW's accumulator tile prefetched
+CONFIGS = [(128, 256, 64, 4, 8, 8, 2, 8, True), (128, 256, 64, 4, 8, 8, 2, 8, False),
+           (128, 256, 64, 4, 8, 8, 2, 16, True), (128, 256, 64, 4, 8, 8, 2, 4, True)]
 
 
 def _layout(block, dtype):
@@ -211,7 +262,7 @@ def launch(gemm, a_op, dz16, out, cfg, num_sms):
     """One product: ``gemm`` "dx" (out [C, H] = dz16 [C, V] · W, ``a_op`` = W [V, H]) or "dw"
     (out [V, H] += dz16ᵀ · x, ``a_op`` = x [C, H]); ``a_op`` bf16 (converted) or fp16."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    bm, bn, bk, stages, warps, group, pipe = cfg
+    bm, bn, bk, stages, warps, group, pipe, pieces, prefetch = cfg
     a_block = [bk, bm]
     a_desc = TensorDescriptor.from_tensor(a_op, a_block, _layout(a_block, _gl_dtype(a_op)))
     dx = gemm == "dx"
@@ -223,7 +274,7 @@ def launch(gemm, a_op, dz16, out, cfg, num_sms):
     mixed_ws_kernel[(programs,)](a_desc, b_desc, out, out.stride(0), m, n, k, programs,
                                  BM=bm, BN=bn, BK=bk, STAGES=stages, B_T=dx,
                                  CONVERT=a_op.dtype != dz16.dtype, ADD=not dx, GROUP_M=group,
-                                 PIPE=pipe, num_warps=warps)
+                                 PIPE=pipe, PIECES=pieces, PREFETCH_C=prefetch, num_warps=warps)
 
 
 def compile_report(cfg=CONFIGS[0], arch=90):
@@ -236,7 +287,7 @@ def compile_report(cfg=CONFIGS[0], arch=90):
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from logitless.triton_kernels.jsd_rows import _cuda_tool
-    bm, bn, bk, stages, warps, group, pipe = cfg
+    bm, bn, bk, stages, warps, group, pipe, pieces, prefetch = cfg
     res = {}
     for gemm in ("dx", "dw"):
         for a_dt in ("bf16", "fp16"):
@@ -248,7 +299,7 @@ def compile_report(cfg=CONFIGS[0], arch=90):
                        c_ptr="*fp32", ldc="i32", M="i32", N="i32", K="i32", num_programs="i32")
             cons = dict(BM=bm, BN=bn, BK=bk, STAGES=stages, B_T=gemm == "dx",
                         CONVERT=a_dt == "bf16", ADD=gemm == "dw", GROUP_M=group,
-                        PIPE=pipe, num_warps=warps)
+                        PIPE=pipe, PIECES=pieces, PREFETCH_C=prefetch, num_warps=warps)
             src = GluonASTSource(fn=mixed_ws_kernel, constexprs=cons,
                                  signature={**sig, **{k: "constexpr" for k in cons}},
                                  attrs={(2,): [["tt.divisibility", 16]],
@@ -301,6 +352,7 @@ def check(device="cuda"):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--compile", action="store_true", help="build for sm_90 on the CPU only")
+    ap.add_argument("--config", type=int, default=0, help="--compile: CONFIGS[this]")
     ap.add_argument("--chunk", type=int, default=2048)
     ap.add_argument("--vocab", type=int, default=128256)
     ap.add_argument("--hidden", type=int, default=4096)
@@ -308,7 +360,7 @@ def main(argv=None):
     ap.add_argument("--out", type=Path)
     a = ap.parse_args(argv)
     if a.compile:
-        print(json.dumps(compile_report(), indent=1))
+        print(json.dumps(compile_report(CONFIGS[a.config]), indent=1))
         return
     import torch
 
