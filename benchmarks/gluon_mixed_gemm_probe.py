@@ -40,9 +40,23 @@ if __package__ in (None, ""):
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, warpgroup_mma,
+from triton._C.libtriton import ir
+from triton.experimental.gluon.language._core import builtin
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+                                                              warpgroup_mma,
                                                               warpgroup_mma_init,
                                                               warpgroup_mma_wait)
+
+
+@builtin
+def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """global[the box at ``coord``] += shared ``src``, by the TMA unit (cp.reduce.async.bulk
+    .tensor .add; the adds happen in L2). Tracked like a TMA store (``tma.store_wait``).
+    Gluon's hopper ``tma`` module has no wrapper for it; the builder op is in triton 3.6 and
+    3.7."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle,
+                                              coord, src.handle)
 
 
 @gluon.jit
@@ -128,10 +142,10 @@ def _stage_b(b_bufs, i, B_T: gl.constexpr):
 
 
 @gluon.jit
-def _mma(a_bufs, b_bufs, empty, ready, c_ptr, ldc, M, N, K, num_programs,
+def _mma(a_bufs, b_bufs, empty, ready, c_ptr, ldc, c_desc, c_bufs, M, N, K, num_programs,
          BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, B_T: gl.constexpr,
          CONVERT: gl.constexpr, ADD: gl.constexpr, GROUP_M: gl.constexpr, PIPE: gl.constexpr,
-         PIECES: gl.constexpr, num_warps: gl.constexpr):
+         PIECES: gl.constexpr, EPI: gl.constexpr, num_warps: gl.constexpr):
     """The consumer warps: acc [BM, BN] = A · B over K per tile, the tile stored transposed
     into c [N, M] (fp32; ``ADD``: added to what c holds).
 
@@ -177,7 +191,18 @@ def _mma(a_bufs, b_bufs, empty, ready, c_ptr, ldc, M, N, K, num_programs,
                 i += 1
             acc = warpgroup_mma_wait(0, deps=(acc, a1))[0]
             mbarrier.arrive(empty.index((i + stages - 1) % stages))
-        if PIECES == 1:
+        if EPI == 1:
+            # through shared memory: each column piece, transposed, into one of two staging
+            # buffers, added to c by the TMA unit while the next piece (and the next tile's
+            # K loop) goes on; no load of c into registers
+            pieces = _split_n(acc, PIECES)
+            for j in gl.static_range(PIECES):
+                staging = c_bufs.index(j % 2)
+                tma.store_wait(1)  # the reduce that read this buffer two pieces ago is done
+                staging.permute((1, 0)).store(pieces[j])
+                fence_async_shared()
+                _tma_reduce_add(c_desc, [pid_n * BN + j * (BN // PIECES), pid_m * BM], staging)
+        elif PIECES == 1:
             _store_piece(acc, c_ptr, ldc, M, N, pid_m * BM, pid_n * BN, ADD)
         else:
             # in column pieces: one piece's loaded accumulator, offsets and pointers live at
@@ -186,6 +211,8 @@ def _mma(a_bufs, b_bufs, empty, ready, c_ptr, ldc, M, N, K, num_programs,
             for j in gl.static_range(PIECES):
                 _store_piece(pieces[j], c_ptr, ldc, M, N, pid_m * BM,
                              pid_n * BN + j * (BN // PIECES), ADD)
+    if EPI == 1:
+        tma.store_wait(0)
 
 
 @gluon.jit
@@ -220,11 +247,12 @@ LOADER_REGS = gl.constexpr(40)  # the producer warp's registers (its warp group'
 
 
 @gluon.jit
-def mixed_ws_kernel(a_desc, b_desc, c_ptr, ldc, M, N, K, num_programs,
+def mixed_ws_kernel(a_desc, b_desc, c_ptr, ldc, c_desc, M, N, K, num_programs,
                     BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
                     STAGES: gl.constexpr, B_T: gl.constexpr, CONVERT: gl.constexpr,
                     ADD: gl.constexpr, GROUP_M: gl.constexpr, PIPE: gl.constexpr,
-                    PIECES: gl.constexpr, PREFETCH_C: gl.constexpr, num_warps: gl.constexpr):
+                    PIECES: gl.constexpr, PREFETCH_C: gl.constexpr, EPI: gl.constexpr,
+                    num_warps: gl.constexpr):
     """c [N, M] (+)= (A [M, K] · B [K, N])ᵀ, persistent; A from a [K, M] descriptor (blocks
     [BK, BM]), B from a [N, K] (``B_T``, blocks [BN, BK]) or [K, N] one (blocks [BK, BN])."""
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape,
@@ -233,20 +261,26 @@ def mixed_ws_kernel(a_desc, b_desc, c_ptr, ldc, M, N, K, num_programs,
                                        b_desc.layout)
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    if EPI == 1:  # ``EPI`` 1 (dW): c's pieces staged for the TMA's reduce, two buffers
+        c_bufs = gl.allocate_shared_memory(c_desc.dtype, [2] + c_desc.block_type.shape,
+                                           c_desc.layout)
+    else:
+        c_bufs = a_bufs
     for s in gl.static_range(STAGES):
         mbarrier.init(empty.index(s), count=1)
         mbarrier.init(ready.index(s), count=1)
     gl.warp_specialize([
-        (_mma, (a_bufs, b_bufs, empty, ready, c_ptr, ldc, M, N, K, num_programs, BM, BN, BK,
-                B_T, CONVERT, ADD, GROUP_M, PIPE, PIECES, num_warps)),
+        (_mma, (a_bufs, b_bufs, empty, ready, c_ptr, ldc, c_desc, c_bufs, M, N, K, num_programs,
+                BM, BN, BK, B_T, CONVERT, ADD, GROUP_M, PIPE, PIECES, EPI, num_warps)),
         (_loader, (a_desc, b_desc, a_bufs, b_bufs, empty, ready, c_ptr, ldc, M, N, K,
                    num_programs, BM, BN, BK, B_T, GROUP_M, PIPE, ADD and PREFETCH_C)),
     ], [1], [LOADER_REGS])
 
 
-# bm, bn, bk, stages, warps, group, pipe, epilogue pieces, dW's accumulator tile prefetched
-CONFIGS = [(128, 256, 64, 4, 8, 8, 2, 8, True), (128, 256, 64, 4, 8, 8, 2, 8, False),
-           (128, 256, 64, 4, 8, 8, 2, 16, True), (128, 256, 64, 4, 8, 8, 2, 4, True)]
+# bm, bn, bk, stages, warps, group, pipe, epilogue pieces, dW's accumulator tile prefetched,
+# dW's epilogue (0: pointer read-modify-write, 1: TMA reduce from shared memory)
+CONFIGS = [(128, 256, 64, 4, 8, 8, 2, 8, False, 0), (128, 256, 64, 4, 8, 8, 2, 8, False, 1),
+           (128, 256, 64, 3, 8, 8, 2, 4, False, 1), (128, 256, 64, 4, 8, 8, 2, 16, False, 1)]
 
 
 def _layout(block, dtype):
@@ -262,7 +296,7 @@ def launch(gemm, a_op, dz16, out, cfg, num_sms):
     """One product: ``gemm`` "dx" (out [C, H] = dz16 [C, V] · W, ``a_op`` = W [V, H]) or "dw"
     (out [V, H] += dz16ᵀ · x, ``a_op`` = x [C, H]); ``a_op`` bf16 (converted) or fp16."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    bm, bn, bk, stages, warps, group, pipe, pieces, prefetch = cfg
+    bm, bn, bk, stages, warps, group, pipe, pieces, prefetch, epi = cfg
     a_block = [bk, bm]
     a_desc = TensorDescriptor.from_tensor(a_op, a_block, _layout(a_block, _gl_dtype(a_op)))
     dx = gemm == "dx"
@@ -271,10 +305,13 @@ def launch(gemm, a_op, dz16, out, cfg, num_sms):
     k, m = a_op.shape
     n = dz16.shape[0] if dx else dz16.shape[1]
     programs = max(1, min(num_sms, triton.cdiv(m, bm) * triton.cdiv(n, bn)))
-    mixed_ws_kernel[(programs,)](a_desc, b_desc, out, out.stride(0), m, n, k, programs,
+    c_block = [bn // pieces, bm]
+    c_desc = TensorDescriptor.from_tensor(out, c_block, _layout(c_block, gl.float32))
+    mixed_ws_kernel[(programs,)](a_desc, b_desc, out, out.stride(0), c_desc, m, n, k, programs,
                                  BM=bm, BN=bn, BK=bk, STAGES=stages, B_T=dx,
                                  CONVERT=a_op.dtype != dz16.dtype, ADD=not dx, GROUP_M=group,
-                                 PIPE=pipe, PIECES=pieces, PREFETCH_C=prefetch, num_warps=warps)
+                                 PIPE=pipe, PIECES=pieces, PREFETCH_C=prefetch,
+                                 EPI=0 if dx else epi, num_warps=warps)
 
 
 def compile_report(cfg=CONFIGS[0], arch=90):
@@ -287,7 +324,8 @@ def compile_report(cfg=CONFIGS[0], arch=90):
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from logitless.triton_kernels.jsd_rows import _cuda_tool
-    bm, bn, bk, stages, warps, group, pipe, pieces, prefetch = cfg
+    bm, bn, bk, stages, warps, group, pipe, pieces, prefetch, epi = cfg
+    c_block = [bn // pieces, bm]
     res = {}
     for gemm in ("dx", "dw"):
         for a_dt in ("bf16", "fp16"):
@@ -296,10 +334,14 @@ def compile_report(cfg=CONFIGS[0], arch=90):
             sig = dict(a_desc=f"tensordesc<{a_dt}[{bk},{bm}],{_layout([bk, bm], a_gl)!r}>",
                        b_desc=f"tensordesc<fp16[{b_block[0]},{b_block[1]}],"
                               f"{_layout(b_block, gl.float16)!r}>",
-                       c_ptr="*fp32", ldc="i32", M="i32", N="i32", K="i32", num_programs="i32")
+                       c_ptr="*fp32", ldc="i32",
+                       c_desc=f"tensordesc<fp32[{c_block[0]},{c_block[1]}],"
+                              f"{_layout(c_block, gl.float32)!r}>",
+                       M="i32", N="i32", K="i32", num_programs="i32")
             cons = dict(BM=bm, BN=bn, BK=bk, STAGES=stages, B_T=gemm == "dx",
                         CONVERT=a_dt == "bf16", ADD=gemm == "dw", GROUP_M=group,
-                        PIPE=pipe, PIECES=pieces, PREFETCH_C=prefetch, num_warps=warps)
+                        PIPE=pipe, PIECES=pieces, PREFETCH_C=prefetch,
+                        EPI=0 if gemm == "dx" else epi, num_warps=warps)
             src = GluonASTSource(fn=mixed_ws_kernel, constexprs=cons,
                                  signature={**sig, **{k: "constexpr" for k in cons}},
                                  attrs={(2,): [["tt.divisibility", 16]],
@@ -318,7 +360,8 @@ def compile_report(cfg=CONFIGS[0], arch=90):
             count = {p: ptx.count(p) for p in ("wgmma.mma_async", "wgmma.wait_group",
                                                "ldmatrix", "cvt.rn.f16x2.f32", "bar.sync",
                                                "mbarrier.arrive", "mbarrier.try_wait")}
-            res[f"{gemm}/{a_dt}"] = {"ptxas": lines, "rc": r.returncode, "ptx_counts": count}
+            res[f"{gemm}/{a_dt}"] = {"ptxas": lines, "rc": r.returncode, "ptx_counts": count,
+                                     "shared_bytes": compiled.metadata.shared}
             if os.environ.get("GLUON_PROBE_DUMP"):
                 Path(os.environ["GLUON_PROBE_DUMP"], f"{gemm}-{a_dt}.ptx").write_text(ptx)
                 Path(os.environ["GLUON_PROBE_DUMP"], f"{gemm}-{a_dt}.ttgir").write_text(
@@ -378,15 +421,28 @@ def main(argv=None):
     dzb, w16, x16 = dz16.to(torch.bfloat16), w.half(), x.half()
     out = torch.empty(c, h, dtype=torch.float32, device=dev)
     acc = torch.zeros(v, h, dtype=torch.float32, device=dev)
+    # the full shape once per dW form (many tiles per program, every TMA reduce in flight)
+    # against fp32 cuBLAS over the same operands
+    ref = torch.mm(dz16.float().T, x.float())
+    for cfg in CONFIGS:
+        acc.fill_(1.0)
+        launch("dw", x, dz16, acc, cfg, num_sms)
+        checked[f"full/dw/{'x'.join(map(str, cfg))}"] = common.rel_err(acc - 1.0, ref)
+    del ref
+    print(json.dumps({k: e for k, e in checked.items() if k.startswith("full/")}))
+    wrong = {k: e for k, e in checked.items() if not e < 1e-5}
+    if wrong:
+        raise SystemExit(f"wrong on the GPU at the full shape: {wrong}")
     steps = {
         "dx/cublas-bf16": lambda: torch.mm(dzb, w, out_dtype=torch.float32),
         "dw/cublas-bf16": lambda: torch.addmm(acc, dzb.T, x, out_dtype=torch.float32, out=acc),
     }
     for cfg in CONFIGS:
         tag = "x".join(map(str, cfg))
+        dx_tag = "x".join(map(str, cfg[:-1]))  # dX ignores the dW epilogue's form
         for name, wa, xa in (("convert", w, x), ("f16", w16, x16)):
-            steps[f"dx/{name}/{tag}"] = (lambda wa=wa, cfg=cfg:
-                                         launch("dx", wa, dz16, out, cfg, num_sms))
+            steps[f"dx/{name}/{dx_tag}"] = (lambda wa=wa, cfg=cfg:
+                                            launch("dx", wa, dz16, out, cfg, num_sms))
             steps[f"dw/{name}/{tag}"] = (lambda xa=xa, cfg=cfg:
                                          launch("dw", xa, dz16, acc, cfg, num_sms))
     rows = []
