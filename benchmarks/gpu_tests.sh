@@ -20,7 +20,7 @@ status=0
 for g in $groups; do
   case $g in
     lce) files="tests/test_linear_cross_entropy.py tests/test_triton_backend.py tests/test_triton_fast_math.py tests/test_parity.py tests/test_torch_edge_cases.py" ;;
-    jsd) files="tests/test_linear_jsd.py tests/test_parity_jsd.py tests/test_linear_jsd_jax.py" ;;
+    jsd) files="tests/test_linear_jsd.py tests/test_parity_jsd.py tests/test_linear_jsd_jax.py tests/test_mixed_gemm.py" ;;
     mlp) files="tests/test_tiled_mlp.py tests/test_swiglu.py tests/test_tiled_mlp_ddp.py" ;;
     bridge) files="tests/test_bridge.py tests/test_jax_api.py tests/test_torch_errors.py" ;;
     other) files="tests/test_jax_sharding.py tests/test_transformers_integration.py tests/test_readme.py tests/test_distributed_training.py tests/test_vocab_parallel_torch.py tests/test_vocab_parallel_jax.py tests/test_spec.py tests/test_tiling.py tests/test_imports.py" ;;

@@ -19,7 +19,7 @@ what=${1:-smoke}
 shift || true
 run_tests() {
   $PY -m pytest -q -x -p no:cacheprovider tests/test_linear_jsd.py tests/test_parity_jsd.py \
-    tests/test_linear_jsd_jax.py
+    tests/test_linear_jsd_jax.py tests/test_mixed_gemm.py
 }
 case "$what" in
   tests) run_tests ;;

@@ -58,7 +58,7 @@ def _check_backend(backend):
 # _TRITON_TUNING); tests/test_torch_errors.py checks it against the module's TUNING.
 _TRITON_TUNING = ("chunk_size", "logits_chunk_size", "memory_budget", "fp32_logits",
                   "grad_accum_dtype", "block_v", "segment_size", "num_warps", "programs_per_sm",
-                  "row_sync", "dx_chunk_size", "fp16_tile_logits")
+                  "row_sync", "dx_chunk_size", "fp16_tile_logits", "fp16_dz")
 
 
 def _tuning_names(backend: Optional[str]):
@@ -213,6 +213,10 @@ def linear_jsd(student_input, student_weight, teacher_input, teacher_weight, tar
       relative to per-tile maxima, from our TMA GEMM, for bf16/fp16 inputs on a Hopper GPU,
       an error elsewhere; None: True where it can run): 0.93x the time, the loss ~1e-5 less
       accurate, nearly agreeing heads' gradients 1e-2 off.
+      ``fp16_dz`` (None: True where it can run: bf16 student, "mean"/"sum", fp32 dW
+      accumulation, β < 1, a Hopper GPU; True: an error where it cannot; False): the
+      student's logit gradient in fp16 under a power-of-two scale, its dX/dW GEMMs ours
+      (Gluon), the gradients ~1.67e-3 off instead of bf16 dz's ~2.2e-3.
     * ``backend="pallas"``: the keywords of :func:`logitless.jax.linear_jsd`'s ``"pallas"``
       backend (``logitless.pallas_kernels.linear_jsd.TUNING``).
 

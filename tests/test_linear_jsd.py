@@ -836,6 +836,9 @@ TRITON_TUNINGS = {
     # blocks narrower than a tile (each element's offset loaded alone) over 4 segments a row
     "fp16-tile-logits-narrow": dict(chunk_size=24, fp16_tile_logits=True, block_v=16,
                                     segment_size=64),
+    # dz in fp16 under a power of 2 (interpreted: the GEMMs are fp32 products of the same
+    # operands; on a Hopper GPU our Gluon GEMMs), two chunks, the last ragged
+    "fp16-dz": dict(chunk_size=24, fp16_dz=True),
 }
 
 
@@ -916,6 +919,70 @@ def test_triton_fp16_tile_logits_are_as_accurate_as_fp32_logits(beta, temperatur
     for a, b, r in zip(tiles[1:], fp32[1:], ref[1:]):
         assert a.dtype == torch.bfloat16
         assert _rel(a, r) < 1.05 * _rel(b, r) + 1e-4, (_rel(a, r), _rel(b, r))
+
+
+@pytest.mark.parametrize("beta, temperature, hard", [(0.5, 1.0, 0.0), (0.0, 2.0, 0.3),
+                                                     (0.3, 0.5, 0.0), (0.9, 1.0, 1.0)])
+def test_triton_fp16_dz_takes_the_gradients_to_their_bf16_rounding(beta, temperature, hard):
+    """``fp16_dz``: dX and dW are within 3% of the error the exact gradient has once rounded
+    to bf16 (the floor of any bf16 result), and below bf16 dz's; the loss is untouched. A
+    scale lost or applied twice, or dz rounded to bf16 after all, would miss both. Two
+    chunks (the second assigns nothing: dW adds), ignored tokens, the hard-label term."""
+    torch = _torch()
+    data = _data(48, 64, 40, 1024, dtype="bfloat16", seed=12)
+    opts = dict(beta=beta, temperature=temperature, hard_loss_weight=hard)
+    ref = _loss_and_grads(*[t.double() if t.is_floating_point() else t for t in data],
+                          backend="torch", **opts)
+    bf16 = _loss_and_grads(*data, backend="triton", chunk_size=32, fp16_dz=False, **opts)
+    f16 = _loss_and_grads(*data, backend="triton", chunk_size=32, fp16_dz=True, **opts)
+    assert _rel(f16[0], ref[0]) < 1e-5 and _rel(f16[0], bf16[0]) < 1e-6
+    for a, b, r in zip(f16[1:], bf16[1:], ref[1:]):
+        assert a.dtype == torch.bfloat16
+        floor = _rel(r.to(torch.bfloat16), r)
+        assert _rel(a, r) < 1.03 * floor, (_rel(a, r), floor)
+        assert _rel(a, r) < _rel(b, r), (_rel(a, r), _rel(b, r))
+
+
+@pytest.mark.parametrize("beta", [0.0, 1e-3, 0.3, 0.5, 0.9, 0.999])
+@pytest.mark.parametrize("temperature, hard", [(1.0, 0.0), (0.25, 0.0), (4.0, 0.5)])
+def test_triton_fp16_dz_scale_keeps_the_gradient_in_range(beta, temperature, hard):
+    """The bound behind fp16 dz's scale (``_dz16_scale``): for an upstream 1 every logit's
+    gradient is within 1/T + w_h, here at heads far apart (logits up to ~±60/T, one-hot-like
+    softmaxes, each head's mass where the other's is not), so the scaled gradient stays
+    within 2^15 of fp16's 65504; and the scale is the largest power of 2 that does."""
+    _torch()
+    from logitless.triton_kernels import linear_jsd as tj
+    rng = np.random.default_rng([SEED, 13])
+    bound = 1.0 / temperature + hard
+    worst = 0.0
+    for spread in (1.0, 8.0, 30.0):
+        z = rng.standard_normal((64, 97)) * spread
+        zeta = -z + rng.standard_normal((64, 97)) * spread  # the teacher against the student
+        y = rng.integers(0, 97, 64)
+        opts = spec.LinearJSDOptions(beta=beta, temperature=temperature, reduction="sum",
+                                     hard_loss_weight=hard)
+        dz = spec.logits_reference(z, zeta, y, options=opts)["grad_logits"]
+        worst = max(worst, float(np.abs(dz).max()))
+    assert worst <= bound
+    scale = tj._dz16_scale(temperature, hard)
+    assert scale * bound <= 2.0 ** 15 < 2 * scale * bound
+    assert math.log2(scale) == int(math.log2(scale))
+
+
+def test_triton_fp16_dz_keeps_the_interpreted_buffer_fp16(monkeypatch):
+    """The row kernel writes the fp16 buffer (not bf16 rounded and widened): what the GEMMs
+    receive is fp16 and finite, for every chunk, at a temperature and hard-label weight that
+    make the scale small and large values likely."""
+    torch = _torch()
+    from logitless.triton_kernels import linear_jsd as tj
+    seen = []
+    real = tj._dx16_
+    monkeypatch.setattr(tj, "_dx16_", lambda dz16, *a: (
+        seen.append((dz16.dtype, bool(torch.isfinite(dz16).all()))), real(dz16, *a))[1])
+    data = _data(30, 40, 24, 211, dtype="bfloat16", seed=14)
+    _loss_and_grads(*data, backend="triton", chunk_size=16, fp16_dz=True, beta=0.5,
+                    temperature=0.3, hard_loss_weight=2.0)
+    assert len(seen) == 2 and set(seen) == {(torch.float16, True)}
 
 
 def test_triton_fp16_tile_logits_keep_lambda_beside_its_cancellation():
@@ -1241,6 +1308,8 @@ def test_triton_argument_errors():
         (dict(dx_chunk_size=16.0), ValueError, "dx_chunk_size"),
         (dict(fp16_tile_logits=1), TypeError, "fp16_tile_logits"),
         (dict(fp16_tile_logits=True, fp32_logits=False), ValueError, "fp16_tile_logits"),
+        (dict(fp16_dz=1), TypeError, "fp16_dz"),
+        (dict(fp16_dz=True), ValueError, "fp16_dz=True: it is for bfloat16 student"),
     ]
     for kw, exc, msg in bad:
         with pytest.raises(exc, match=msg):
@@ -1250,6 +1319,11 @@ def test_triton_argument_errors():
     with pytest.raises(ValueError, match="fp16_tile_logits needs bfloat16/float16 inputs"):
         lt.linear_jsd(xs.float(), ws.float(), xt.float(), wt.float(), y, backend="triton",
                       fp16_tile_logits=True)
+    b16 = [t.bfloat16() for t in (xs, ws, xt, wt)]
+    for kw, msg in ((dict(beta=1.0), "reverse KL"), (dict(reduction="none"), "'mean' or 'sum'"),
+                    (dict(grad_accum_dtype=torch.bfloat16), "grad_accum_dtype")):
+        with pytest.raises(ValueError, match=f"fp16_dz=True: .*{msg}"):
+            lt.linear_jsd(*b16, y, backend="triton", fp16_dz=True, **kw)
 
 
 def test_empty_batch():

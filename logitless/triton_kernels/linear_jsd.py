@@ -39,6 +39,7 @@ them. Only the gradients autograd needs are computed (a frozen student head: no 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Optional, Tuple
 
 import torch
@@ -55,7 +56,7 @@ from .narrow_cast import accumulate_split_, accumulator_pair, finish_, hand_over
 
 TUNING = ("chunk_size", "logits_chunk_size", "memory_budget", "fp32_logits", "grad_accum_dtype",
           "block_v", "segment_size", "num_warps", "programs_per_sm", "row_sync", "dx_chunk_size",
-          "fp16_tile_logits")
+          "fp16_tile_logits", "fp16_dz")
 # the target range check runs in the forward op (_fwd_op), as in torch_chunked (see there)
 CHECKS_TARGETS = True
 
@@ -102,6 +103,7 @@ class Config:
     row_sync: int         # 1 fused with per-row barriers, 0 or -1 (default) one launch per pass
     dx_rows: int = 0      # rows per dX GEMM call (0: whole chunks; common.dx_piece_rows)
     tile_w: int = 0       # > 0: fp16 logits relative to the maxima of tiles this wide
+    dz_scale: float = 0.0  # > 0: dz in fp16 times this power of 2 (fp16_dz, see _dz16_scale)
 
 
 # ----------------------------------------------------------------------------- launching
@@ -173,18 +175,42 @@ def _logits(x, w, out, cfg: Config, offs=None):
     return out
 
 
-def _mm_rows_f32(a, w, parts, s, rows):
-    """Rows [s, s + len(a)) of ``a @ w`` in fp32 into the split pair ``parts`` (one or two
-    GEMMs, a chunk may straddle the split; each in pieces of ``rows``, see
-    ``common.mm_over_vocab``)."""
+def _rows_into_pair(a, parts, s, mm):
+    """``mm(a_rows, out_rows)`` for rows [s, s + len(a)) of an fp32 result held in the split
+    pair ``parts`` (once or twice: a chunk may straddle the split)."""
     top, bottom = parts
     r1 = top.shape[0]
     e = s + a.shape[0]
     if s < r1:
-        common.mm_over_vocab(a[: min(e, r1) - s], w, top[s:min(e, r1)], rows)
+        mm(a[: min(e, r1) - s], top[s:min(e, r1)])
     if e > r1:
         lo = max(s, r1)
-        common.mm_over_vocab(a[lo - s:], w, bottom[lo - r1:e - r1], rows)
+        mm(a[lo - s:], bottom[lo - r1:e - r1])
+
+
+def _dx16_(dz16, w, out, scale):
+    """``out = scale · dz16 @ w`` in fp32 (fp16 dz, bf16 W): the Gluon kernel on a GPU, an fp32
+    product of the same operands elsewhere (the interpreter's tests)."""
+    if dz16.is_cuda and not _interpret():
+        from . import mixed_gemm
+        mixed_gemm.dx_(dz16, w, out, scale)
+    else:
+        torch.mm(dz16.float(), w.float(), out=out).mul_(scale)
+
+
+def _dw16_(pair, dz16, x_c, scale, first):
+    """``dW (+)= scale · dz16ᵀ · x_c`` into the split fp32 pair (columns of dz16 are its rows),
+    as :func:`_dx16_` does dX. The first chunk assigns."""
+    a, b = pair
+    for acc, lo, hi in ((a, 0, a.shape[0]), (b, a.shape[0], dz16.shape[1])):
+        if hi <= lo:
+            continue
+        if dz16.is_cuda and not _interpret():
+            from . import mixed_gemm
+            mixed_gemm.dw_(dz16[:, lo:hi], x_c, acc, scale, first)
+        else:
+            part = torch.mm(dz16[:, lo:hi].t().float(), x_c.float()).mul_(scale)
+            acc.copy_(part) if first else acc.add_(part)
 
 
 def _sweep(xs, ws, xt, wt, y, g, opts_t, cfg: Config, want_loss, want_grad, accum, dx_fp32,
@@ -211,7 +237,9 @@ def _sweep(xs, ws, xt, wt, y, g, opts_t, cfg: Config, want_loss, want_grad, accu
                               zero=n == 0)
     ldt = torch.float16 if cfg.tile_w else torch.float32 if cfg.fp32_logits else dt
     c = min(cfg.sub_chunk, n)
-    dz_buf = common.rows_buffer(min(cfg.chunk, n), v, dt, dev) if want_grad else None
+    dz_dt = torch.float16 if cfg.dz_scale else dt
+    dz_buf = common.rows_buffer(min(cfg.chunk, n), v, dz_dt, dev) if want_grad else None
+    g_rows = mm_scale = None  # fp16 dz: the row kernel's upstream and the GEMMs' scale
     # fp16 tiles with a gradient: the student's logits go where their rows' dz will be (the
     # same 2 bytes per element; pass 3 overwrites each element it has read), so the chunk's
     # buffers are [C, V] + [c, V] instead of [C, V] + 2 x [c, V]
@@ -231,19 +259,32 @@ def _sweep(xs, ws, xt, wt, y, g, opts_t, cfg: Config, want_loss, want_grad, accu
             zt = _logits(xt[ss:ee], wt, zt_buf[: ee - ss], cfg, None if offs is None else offs[1])
             if callable(g):
                 g = g()
+            if cfg.dz_scale and g_rows is None:
+                # dz16 = dz_scale·(the gradient for an upstream 1); the GEMMs multiply their
+                # fp32 sums by g / dz_scale (one fp32 rounding)
+                assert g.numel() == 1, "fp16 dz takes a uniform upstream gradient"
+                g_rows = torch.full((1,), cfg.dz_scale, dtype=torch.float32, device=dev)
+                mm_scale = (g.float() / cfg.dz_scale).reshape(1)
+            g_k = g_rows if cfg.dz_scale else g
             _row_kernel(zs, zt, None if dz_buf is None else dz_buf[ss - s: ee - s],
                         None if y is None else y[ss:ee],
-                        None if not want_grad else (g if g.numel() == 1 else g[ss:ee]),
+                        None if not want_grad else (g_k if g_k.numel() == 1 else g_k[ss:ee]),
                         None if token_loss is None else token_loss[ss:ee], opts_t, v, cfg,
                         write_loss=want_loss, write_grad=want_grad, offs=offs)
         dz = dz_buf[: e - s] if want_grad else None
         if want_grad and need_dx:
-            if dx_fp32:
-                _mm_rows_f32(dz, ws, dx, s, cfg.dx_rows)
+            if cfg.dz_scale:
+                _rows_into_pair(dz, dx, s, lambda a, o: _dx16_(a, ws, o, mm_scale))
+            elif dx_fp32:
+                _rows_into_pair(dz, dx, s,
+                                lambda a, o: common.mm_over_vocab(a, ws, o, cfg.dx_rows))
             else:
                 common.mm_over_vocab(dz, ws, dx[0][s:e], cfg.dx_rows)
         if want_grad and need_dw:
-            accumulate_split_(dw, dz, xs[s:e], first=s == 0)
+            if cfg.dz_scale:
+                _dw16_(dw, dz, xs[s:e], mm_scale, first=s == 0)
+            else:
+                accumulate_split_(dw, dz, xs[s:e], first=s == 0)
     if callable(g):  # no tokens
         g()
     return (token_loss,) + dx + dw
@@ -266,10 +307,11 @@ def _accum(dtype, accum_fp32, fused=False):
     return "fp32" if (accum_fp32 and dtype != torch.float32) else "input"
 
 
-def _cfg(chunk, sub_chunk, logits_mode, block, segment, num_warps, grid, row_sync, dx_rows):
+def _cfg(chunk, sub_chunk, logits_mode, block, segment, num_warps, grid, row_sync, dx_rows,
+         dz_scale=0.0):
     tile_w = logits_gemm.tiles(_interpret())["bn"] if logits_mode == LOGITS_TILES else 0
     return Config(chunk, sub_chunk, logits_mode != LOGITS_INPUT, block, segment, num_warps, grid,
-                  row_sync, dx_rows, tile_w)
+                  row_sync, dx_rows, tile_w, dz_scale)
 
 
 # ----------------------------------------------------------------------------- custom ops
@@ -278,15 +320,16 @@ def _fwd_op(xs: torch.Tensor, ws: torch.Tensor, xt: torch.Tensor, wt: torch.Tens
             y: Optional[torch.Tensor], reduction: int, beta: float, temperature: float,
             ignore_index: int, hard_w: float, grad_mode: int, need_dx: bool, need_dw: bool,
             chunk: int, sub_chunk: int, logits_mode: int, accum_fp32: bool, block: int,
-            segment: int, num_warps: int, grid: int, row_sync: int, dx_rows: int
-            ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                       torch.Tensor]:
+            segment: int, num_warps: int, grid: int, row_sync: int, dx_rows: int,
+            dz_scale: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                      torch.Tensor, torch.Tensor]:
     """-> (loss, Σm or 1, dX part a, dX part b, dW part a, dW part b): the gradients (for an
     upstream 1, with 1/Σm folded in unless fp16) only with ``grad_mode`` (mean/sum) and only
-    those needed, in fp32 split pairs for half-precision inputs (see :func:`_sweep`)."""
+    those needed, in fp32 split pairs for half-precision inputs (see :func:`_sweep`);
+    ``dz_scale`` > 0: through an fp16 dz (``fp16_dz``)."""
     with common.on_device(xs):
         cfg = _cfg(chunk, sub_chunk, logits_mode, block, segment, num_warps, grid, row_sync,
-                   dx_rows)
+                   dx_rows, dz_scale)
         n = xs.shape[0]
         opts_t = _opts_tuple(beta, temperature, ignore_index, hard_w)
         found = {}
@@ -315,7 +358,7 @@ def _fwd_op(xs: torch.Tensor, ws: torch.Tensor, xt: torch.Tensor, wt: torch.Tens
 @_fwd_op.register_fake
 def _(xs, ws, xt, wt, y, reduction, beta, temperature, ignore_index, hard_w, grad_mode, need_dx,
       need_dw, chunk, sub_chunk, logits_mode, accum_fp32, block, segment, num_warps, grid,
-      row_sync, dx_rows):
+      row_sync, dx_rows, dz_scale):
     n, hs, v = xs.shape[0], xs.shape[1], ws.shape[0]
     f32 = dict(dtype=torch.float32)
     loss = xs.new_empty(n, **f32) if reduction == REDUCTIONS["none"] else xs.new_empty((), **f32)
@@ -361,7 +404,7 @@ def _(xs, ws, xt, wt, y, g, beta, temperature, ignore_index, hard_w, need_dx, ne
 def _setup_context(ctx, inputs, output):
     (xs, ws, xt, wt, y, reduction, beta, temperature, ignore_index, hard_w, grad_mode, _need_dx,
      _need_dw, chunk, sub_chunk, logits_mode, accum_fp32, block, segment, num_warps, grid,
-     row_sync, dx_rows) = inputs
+     row_sync, dx_rows, _dz_scale) = inputs
     loss, denom, dx_a, dx_b, dw_a, dw_b = output
     ctx.save_for_backward(xs, ws, xt, wt, y, denom, dx_a, dx_b, dw_a, dw_b)
     ctx.args = dict(reduction=reduction, beta=beta, temperature=temperature,
@@ -379,7 +422,7 @@ def _finish(a, b, scale, shape, dtype):
 def _backward(ctx, g_loss, _g_denom, _g_dxa, _g_dxb, _g_dwa, _g_dwb):
     a = ctx.args
     need_x, need_w = ctx.needs_input_grad[:2]
-    none = (None,) * 21
+    none = (None,) * 22
     if torch.is_grad_enabled():
         raise RuntimeError(common.NO_DOUBLE_BACKWARD.format(op="linear_jsd"))
     if g_loss is None or not (need_x or need_w):
@@ -452,6 +495,52 @@ def _tiles_can_run(p: jsd_common.Prepared, fp32_logits: bool) -> bool:
                for x, w in ((p.xs, p.ws), (p.xt, p.wt)))
 
 
+def _dz16_scale(temperature: float, hard_w: float) -> float:
+    """fp16 dz's power-of-two scale: the largest with ``|dz16|`` <= 2^15 (half fp16's range).
+    For an upstream 1, ``|dz|`` <= 1/T + w_h: the forward KL's ``(Q − P)/T`` is within 1/T,
+    the JSD's ``(1 − β)·Q·(Λ + K)/T`` within (2/e)/T (``Q·|Λ|`` and ``(1 − β)·K`` are each at
+    most 1/e, as Λ <= −log(1 − β) and M <= 1), the hard term's ``w_h·(S − [v = y])`` within
+    w_h. The reverse KL's ``Q·(δ + KL)/T`` has no such bound: it keeps a bf16 dz."""
+    bound = 1.0 / temperature + hard_w
+    return 2.0 ** math.floor(math.log2(32768.0 / bound))
+
+
+def _fp16_dz(requested, p: jsd_common.Prepared, opts: spec.LinearJSDOptions, grad_mode: int,
+             accum_fp32: bool) -> bool:
+    """Whether the student's gradient GEMMs take an fp16 dz (``fp16_dz``; see linear_jsd).
+    ``True`` is checked whether or not this call needs a gradient."""
+    if requested is not None and not isinstance(requested, bool):
+        raise TypeError(f"fp16_dz must be None or a bool, got {requested!r}")
+    if requested is False:
+        return False
+    why = None
+    if opts.reduction == "none":
+        why = "it takes one upstream gradient for every token: reduction 'mean' or 'sum'"
+    elif opts.kind == "reverse_kl":
+        why = "the reverse KL's (beta=1) logit gradient has no bound that fits fp16's range"
+    elif p.xs.dtype != torch.bfloat16 or p.ws.dtype != torch.bfloat16:
+        why = (f"it is for bfloat16 student inputs and weights, got {p.xs.dtype} / "
+               f"{p.ws.dtype} (float16 inputs already give an fp16 dz)")
+    elif not accum_fp32:
+        why = "it accumulates dW in fp32: grad_accum_dtype must be torch.float32"
+    elif p.xs.is_cuda and not _interpret():
+        try:
+            from . import mixed_gemm
+        except ImportError as e:  # a Triton without Gluon's Hopper API
+            why = f"its GEMMs need Triton's Gluon ({e})"
+        else:
+            if not mixed_gemm.supported(p.ws, p.xs):
+                why = ("its GEMMs need a Hopper GPU (compute capability 9.x) and bfloat16 "
+                       "student weights and inputs with contiguous, 16-byte aligned rows "
+                       "(H a multiple of 8)")
+    if why is not None:
+        if requested:
+            raise ValueError(f"fp16_dz=True: {why}")
+        return False
+    # by default only where our GEMMs run (the interpreter's fp32 products are for tests)
+    return grad_mode == FULL_GRAD and (bool(requested) or (p.xs.is_cuda and not _interpret()))
+
+
 def _check_pow2(name, value, lo):
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < lo
                               or value & (value - 1)):
@@ -461,7 +550,8 @@ def _check_pow2(name, value, lo):
 def linear_jsd(p: jsd_common.Prepared, opts: spec.LinearJSDOptions, *, chunk_size=None,
                logits_chunk_size=None, memory_budget=None, fp32_logits=True,
                grad_accum_dtype=torch.float32, block_v=None, segment_size=None, num_warps=None,
-               programs_per_sm=None, row_sync=None, dx_chunk_size=None, fp16_tile_logits=False):
+               programs_per_sm=None, row_sync=None, dx_chunk_size=None, fp16_tile_logits=False,
+               fp16_dz=None):
     """Returns the loss reduced per ``opts.reduction`` (flat ``(N,)`` for "none").
 
     Tuning (defaults in parentheses): ``chunk_size`` (None: from ``memory_budget``; tokens
@@ -492,7 +582,14 @@ def linear_jsd(p: jsd_common.Prepared, opts: spec.LinearJSDOptions, *, chunk_siz
     the loss itself comes out ~1e-5 relative off (per-token losses ~1e-4) instead of ~1e-7,
     and heads that nearly agree (a teacher within ~1e-3 of the student, self-distillation)
     lose their small difference to the rounding of each head: gradient errors 1e-2 to 4e-2
-    where fp32 logits keep 2e-3).
+    where fp32 logits keep 2e-3). ``fp16_dz`` (None: True where it can run, i.e. bfloat16
+    student inputs and weights, "mean"/"sum" with a gradient, fp32 weight-gradient
+    accumulation, β < 1, on a Hopper GPU with aligned rows; True: an error where it cannot,
+    except on the CPU's interpreter, where the GEMMs are fp32 products of the same operands;
+    False: a bf16 dz): the student's logit gradient in fp16 times a power of two
+    (:func:`_dz16_scale`) instead of bf16, its dX and dW GEMMs ours (:mod:`.mixed_gemm`,
+    converting W_s and x_s to fp16 in registers); dX/dW errors 1.67e-3 against bf16 dz's
+    2.2e-3 (the bf16 result's own rounding is 1.66e-3), at cuBLAS's speed or better.
     """
     xs = p.xs
     for name, t in (("student_input", xs), ("teacher_input", p.xt)):
@@ -555,10 +652,12 @@ def linear_jsd(p: jsd_common.Prepared, opts: spec.LinearJSDOptions, *, chunk_siz
     y = p.y
     if y is not None and y.dtype not in (torch.int32, torch.int64):
         y = y.long()
+    use16 = _fp16_dz(fp16_dz, p, opts, grad_mode, grad_accum_dtype == torch.float32)
     loss, _denom, _dxa, _dxb, _dwa, _dwb = _fwd_op(
         xs, p.ws, p.xt, p.wt, y, REDUCTIONS[opts.reduction], opts.beta, opts.temperature,
         opts.ignore_index, opts.hard_loss_weight, grad_mode, need_dx, need_dw, chunk, sub,
         LOGITS_TILES if fp16_tile_logits else LOGITS_FP32 if fp32_logits else LOGITS_INPUT,
         grad_accum_dtype == torch.float32, block, segment, num_warps or GPU_WARPS,
-        grid, -1 if row_sync is None else int(row_sync), dx_rows)
+        grid, -1 if row_sync is None else int(row_sync), dx_rows,
+        _dz16_scale(opts.temperature, opts.hard_loss_weight) if use16 else 0.0)
     return loss
