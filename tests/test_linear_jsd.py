@@ -969,6 +969,27 @@ def test_triton_fp16_dz_scale_keeps_the_gradient_in_range(beta, temperature, har
     assert math.log2(scale) == int(math.log2(scale))
 
 
+def test_triton_fp16_dz_operands_past_fp16s_range_stay_finite_and_accurate():
+    """bf16 weights and inputs beyond fp16's 65504 (a weight row at ±7e4, a token at 1e5):
+    the fp16-dz GEMMs scale such an operand by a power of 2 for its conversion (undone in
+    their epilogue), so the gradients stay finite and as accurate as bf16 dz's, not inf or
+    NaN (inf·0) as a plain conversion would make them."""
+    torch = _torch()
+    xs, ws, xt, wt, y = _data(30, 40, 24, 211, dtype="bfloat16", seed=15)
+    ws[7] = 7e4
+    ws[9, :5] = -7e4
+    xs[3] = 1e5 / 40 ** 0.5 * torch.sign(xs[3].float()).bfloat16()
+    xs[4, 0] = 1e5
+    opts = dict(beta=0.5, temperature=1.0)
+    ref = _loss_and_grads(*[t.double() if t.is_floating_point() else t for t in
+                            (xs, ws, xt, wt, y)], backend="torch", **opts)
+    got = {d: _loss_and_grads(xs, ws, xt, wt, y, backend="triton", chunk_size=16, fp16_dz=d,
+                              **opts) for d in (False, True)}
+    for a, b, r in zip(got[True], got[False], ref):
+        assert torch.isfinite(a).all()
+        assert _rel(a, r) < 1.05 * _rel(b, r) + 1e-6, (_rel(a, r), _rel(b, r))
+
+
 def test_triton_fp16_dz_keeps_the_interpreted_buffer_fp16(monkeypatch):
     """The row kernel writes the fp16 buffer (not bf16 rounded and widened): what the GEMMs
     receive is fp16 and finite, for every chunk, at a temperature and hard-label weight that

@@ -83,34 +83,39 @@ def _rel(a, ref):
 @pytest.mark.gpu
 @pytest.mark.parametrize("c, v, h", [(384, 1000, 512), (1, 8, 8), (300, 129, 136),
                                      (2048, 4133, 1032), (65, 256, 128)])
-def test_mixed_gemm_products_match_float64(c, v, h):
-    """dX = s·dz16·W and dW (= or +=) s·dz16ᵀ·x against float64 products of the same operands:
-    ragged tiles in M, N and K, a K of one stage (odd: the pair's second zero-filled), one
-    token, several tiles per program; dW added onto what the accumulator holds, and both
-    halves of a split accumulator through column slices of dz16 (as the JSD's split pair)."""
+@pytest.mark.parametrize("a_scale", [1.0, 2.0 ** -3])
+def test_mixed_gemm_products_match_float64(c, v, h, a_scale):
+    """dX = s·dz16·fp16(a·W) and dW (= or +=) s·dz16ᵀ·fp16(a·x) against float64 products of
+    the same operands: ragged tiles in M, N and K, a K of one stage (odd: the pair's second
+    zero-filled), one token, several tiles per program, long K loops (4133: a register set
+    overwritten under an in-flight wgmma made errors of 1e-2 to 5); dW added onto what the
+    accumulator holds, and both halves of a split accumulator through column slices of dz16
+    (as the JSD's split pair); the operand scale's branch (a != 1) and its absence."""
     import torch
     from logitless.triton_kernels import mixed_gemm
     dz16, w, x = _operands(c, v, h, seed=c + v + h)
-    scale = torch.tensor([2.0 ** -9], device="cuda")
+    s = 2.0 ** -9
+    scale, a_t = (torch.tensor([t], device="cuda") for t in (s, a_scale))
     assert mixed_gemm.supported(w, x)
-    ref_dx = (dz16.double() @ w.double()) * 2.0 ** -9
+    w16, x16 = ((t.double() * a_scale).half().double() for t in (w, x))
+    ref_dx = (dz16.double() @ w16) * s
     out = torch.full((c, h), float("nan"), device="cuda")
-    mixed_gemm.dx_(dz16, w, out, scale)
+    mixed_gemm.dx_(dz16, w, out, scale, a_t)
     assert _rel(out, ref_dx) < 1e-5
-    ref_dw = (dz16.double().T @ x.double()) * 2.0 ** -9
+    ref_dw = (dz16.double().T @ x16) * s
     acc = torch.full((v, h), float("nan"), device="cuda")
-    mixed_gemm.dw_(dz16, x, acc, scale, first=True)  # assigns: the NaNs are gone
+    mixed_gemm.dw_(dz16, x, acc, scale, a_t, first=True)  # assigns: the NaNs are gone
     assert _rel(acc, ref_dw) < 1e-5
     base = torch.randn(v, h, device="cuda")
     acc.copy_(base)
-    mixed_gemm.dw_(dz16, x, acc, scale, first=False)
+    mixed_gemm.dw_(dz16, x, acc, scale, a_t, first=False)
     assert _rel(acc, base.double() + ref_dw) < 1e-5
     r1 = -(-((v + 1) // 2) // 8) * 8  # the split pair's first rows (narrow_cast.split_rows)
     if r1 < v:
         top = torch.zeros(r1, h, device="cuda")
         bottom = torch.zeros(v - r1, h, device="cuda")
-        mixed_gemm.dw_(dz16[:, :r1], x, top, scale, first=False)
-        mixed_gemm.dw_(dz16[:, r1:], x, bottom, scale, first=True)
+        mixed_gemm.dw_(dz16[:, :r1], x, top, scale, a_t, first=False)
+        mixed_gemm.dw_(dz16[:, r1:], x, bottom, scale, a_t, first=True)
         assert _rel(torch.cat([top, bottom]), ref_dw) < 1e-5
 
 

@@ -11,7 +11,11 @@ Per chunk of ``C`` tokens (``chunk_size``), in sub-chunks of ``c`` tokens (``log
 2. the row kernel (:mod:`.jsd_rows`): both normalizers, the per-token loss, and the student
    logit gradient dz written into a ``[C, V]`` buffer in the input dtype;
 
-then, per chunk, ``dX = dz·W_s`` and ``dW (+)= dzᵀ·X_s`` (cuBLAS). For ``mean``/``sum`` this
+then, per chunk, ``dX = dz·W_s`` and ``dW (+)= dzᵀ·X_s`` (cuBLAS; on Hopper, with ``fp16_dz``, the
+default there, dz is fp16 times a power of two and both GEMMs are ours, :mod:`.mixed_gemm`,
+converting W_s and X_s to fp16 in registers: bf16 dz moves the gradients by 2.2e-3, fp16 dz
+leaves them at the bf16 result's own 1.7e-3; W_s's and X_s's own power-of-two scales for the
+conversion, 1 unless a value passes 65504, come from one ``aminmax`` each). For ``mean``/``sum`` this
 all happens in the forward (gradients for the unit upstream gradient, ``1/Σm`` folded into dz
 so dX is rounded once); backward only scales by the upstream scalar (exact: the gradient is
 linear in it). Four GEMMs per token, the floor of the op. ``reduction="none"`` recomputes in
@@ -188,28 +192,46 @@ def _rows_into_pair(a, parts, s, mm):
         mm(a[lo - s:], bottom[lo - r1:e - r1])
 
 
-def _dx16_(dz16, w, out, scale):
-    """``out = scale · dz16 @ w`` in fp32 (fp16 dz, bf16 W): the Gluon kernel on a GPU, an fp32
-    product of the same operands elsewhere (the interpreter's tests)."""
+def _range_scale(t):
+    """(1,) fp32 on ``t``'s device: 1 where every ``|t|`` <= 65504 (fp16's largest), else the
+    power of 2 that brings the largest into fp16's range, for the fp16-dz GEMMs' conversion
+    of a bf16 operand (bf16 reaches 3e38: a weight of 7e4 converted as it is would be inf,
+    and inf·0 a NaN gradient). One read of ``t``, no host sync."""
+    lo, hi = torch.aminmax(t)
+    amax = torch.maximum(hi.float(), -lo.float())
+    return torch.exp2(-torch.ceil(torch.log2(amax / 65504.0)).clamp_(min=0.0)).reshape(1)
+
+
+def _as_fp16(t, t_scale):
+    """What the Gluon GEMMs multiply: ``t_scale · t`` rounded to fp16, as fp32."""
+    return (t.float() * t_scale).half().float()
+
+
+def _dx16_(dz16, w, out, scale, w_scale, rows):
+    """``out = scale · dz16 @ fp16(w_scale · w)`` in fp32 (``scale`` holds 1/w_scale): the
+    Gluon kernel on a GPU, in GEMMs of at most ``rows`` rows (one wave of output tiles; 0:
+    whole), an fp32 product of the same fp16 operands elsewhere (the interpreter's tests)."""
     if dz16.is_cuda and not _interpret():
         from . import mixed_gemm
-        mixed_gemm.dx_(dz16, w, out, scale)
+        step = rows if 0 < rows < dz16.shape[0] else max(1, dz16.shape[0])
+        for r in range(0, dz16.shape[0], step):
+            mixed_gemm.dx_(dz16[r:r + step], w, out[r:r + step], scale, w_scale)
     else:
-        torch.mm(dz16.float(), w.float(), out=out).mul_(scale)
+        torch.mm(dz16.float(), _as_fp16(w, w_scale), out=out).mul_(scale)
 
 
-def _dw16_(pair, dz16, x_c, scale, first):
-    """``dW (+)= scale · dz16ᵀ · x_c`` into the split fp32 pair (columns of dz16 are its rows),
-    as :func:`_dx16_` does dX. The first chunk assigns."""
+def _dw16_(pair, dz16, x_c, scale, x_scale, first):
+    """``dW (+)= scale · dz16ᵀ · fp16(x_scale · x_c)`` into the split fp32 pair (columns of dz16
+    are its rows), as :func:`_dx16_` does dX. The first chunk assigns."""
     a, b = pair
     for acc, lo, hi in ((a, 0, a.shape[0]), (b, a.shape[0], dz16.shape[1])):
         if hi <= lo:
             continue
         if dz16.is_cuda and not _interpret():
             from . import mixed_gemm
-            mixed_gemm.dw_(dz16[:, lo:hi], x_c, acc, scale, first)
+            mixed_gemm.dw_(dz16[:, lo:hi], x_c, acc, scale, x_scale, first)
         else:
-            part = torch.mm(dz16[:, lo:hi].t().float(), x_c.float()).mul_(scale)
+            part = torch.mm(dz16[:, lo:hi].t().float(), _as_fp16(x_c, x_scale)).mul_(scale)
             acc.copy_(part) if first else acc.add_(part)
 
 
@@ -239,7 +261,8 @@ def _sweep(xs, ws, xt, wt, y, g, opts_t, cfg: Config, want_loss, want_grad, accu
     c = min(cfg.sub_chunk, n)
     dz_dt = torch.float16 if cfg.dz_scale else dt
     dz_buf = common.rows_buffer(min(cfg.chunk, n), v, dz_dt, dev) if want_grad else None
-    g_rows = mm_scale = None  # fp16 dz: the row kernel's upstream and the GEMMs' scale
+    # fp16 dz: the row kernel's upstream, the GEMMs' scale, the operands' scales
+    g_rows = w_scale = x_scale = dx_scale = dw_scale = None
     # fp16 tiles with a gradient: the student's logits go where their rows' dz will be (the
     # same 2 bytes per element; pass 3 overwrites each element it has read), so the chunk's
     # buffers are [C, V] + [c, V] instead of [C, V] + 2 x [c, V]
@@ -265,6 +288,14 @@ def _sweep(xs, ws, xt, wt, y, g, opts_t, cfg: Config, want_loss, want_grad, accu
                 assert g.numel() == 1, "fp16 dz takes a uniform upstream gradient"
                 g_rows = torch.full((1,), cfg.dz_scale, dtype=torch.float32, device=dev)
                 mm_scale = (g.float() / cfg.dz_scale).reshape(1)
+                # the bf16 operands' own scales for fp16 (1 unless past its range), undone
+                # in the epilogues
+                if need_dx:
+                    w_scale = _range_scale(ws)
+                    dx_scale = mm_scale / w_scale
+                if need_dw:
+                    x_scale = _range_scale(xs)
+                    dw_scale = mm_scale / x_scale
             g_k = g_rows if cfg.dz_scale else g
             _row_kernel(zs, zt, None if dz_buf is None else dz_buf[ss - s: ee - s],
                         None if y is None else y[ss:ee],
@@ -274,7 +305,8 @@ def _sweep(xs, ws, xt, wt, y, g, opts_t, cfg: Config, want_loss, want_grad, accu
         dz = dz_buf[: e - s] if want_grad else None
         if want_grad and need_dx:
             if cfg.dz_scale:
-                _rows_into_pair(dz, dx, s, lambda a, o: _dx16_(a, ws, o, mm_scale))
+                _rows_into_pair(dz, dx, s, lambda a, o: _dx16_(a, ws, o, dx_scale, w_scale,
+                                                               cfg.dx_rows))
             elif dx_fp32:
                 _rows_into_pair(dz, dx, s,
                                 lambda a, o: common.mm_over_vocab(a, ws, o, cfg.dx_rows))
@@ -282,7 +314,7 @@ def _sweep(xs, ws, xt, wt, y, g, opts_t, cfg: Config, want_loss, want_grad, accu
                 common.mm_over_vocab(dz, ws, dx[0][s:e], cfg.dx_rows)
         if want_grad and need_dw:
             if cfg.dz_scale:
-                _dw16_(dw, dz, xs[s:e], mm_scale, first=s == 0)
+                _dw16_(dw, dz, xs[s:e], dw_scale, x_scale, first=s == 0)
             else:
                 accumulate_split_(dw, dz, xs[s:e], first=s == 0)
     if callable(g):  # no tokens

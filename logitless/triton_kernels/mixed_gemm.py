@@ -106,12 +106,18 @@ def _loader(a_desc, b_desc, a_bufs, b_bufs, empty, ready, M, N, K, num_programs,
 
 
 @gluon.jit
-def _stage_a(a_bufs, i, ready, a_layout: gl.constexpr):
-    """Wait for stage ``i``'s operands; A's block into registers, as fp16."""
+def _stage_a(a_bufs, i, ready, a_scale, a_layout: gl.constexpr):
+    """Wait for stage ``i``'s operands; A's block into registers, as fp16 (times ``a_scale``
+    where that is not 1: a warp-uniform branch, the common case pays no multiply)."""
     stages: gl.constexpr = a_bufs.shape[0]
     s = i % stages
     mbarrier.wait(ready.index(s), (i // stages) & 1)
-    return a_bufs.index(s).permute((1, 0)).load(a_layout).to(gl.float16)
+    a = a_bufs.index(s).permute((1, 0)).load(a_layout)
+    if a_scale != 1.0:
+        a16 = (a.to(gl.float32) * a_scale).to(gl.float16)
+    else:
+        a16 = a.to(gl.float16)
+    return a16
 
 
 @gluon.jit
@@ -150,12 +156,13 @@ def _store_piece(acc, c_ptr, ldc, M, N, row0, col0):
 
 
 @gluon.jit
-def _mma(a_bufs, b_bufs, empty, ready, c_ptr, ldc, c_desc, c_bufs, scale_ptr, M, N, K,
-         num_programs, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
+def _mma(a_bufs, b_bufs, empty, ready, c_ptr, ldc, c_desc, c_bufs, a_scale_ptr, scale_ptr, M,
+         N, K, num_programs, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
          B_T: gl.constexpr, GROUP_M: gl.constexpr, PIECES: gl.constexpr, EPI: gl.constexpr,
          num_warps: gl.constexpr):
-    """The consumer warps: acc [BM, BN] = A · B over K per tile, times ``*scale_ptr``, into c
-    [N, M] transposed (``EPI``: by pointers, or added / stored by the TMA)."""
+    """The consumer warps: acc [BM, BN] = (A·``*a_scale_ptr``) · B over K per tile, times
+    ``*scale_ptr``, into c [N, M] transposed (``EPI``: by pointers, or added / stored by the
+    TMA)."""
     stages: gl.constexpr = a_bufs.shape[0]
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BN, 16])
@@ -164,6 +171,7 @@ def _mma(a_bufs, b_bufs, empty, ready, c_ptr, ldc, c_desc, c_bufs, scale_ptr, M,
     num_pid_n = gl.cdiv(N, BN)
     k_tiles = gl.cdiv(K, BK)
     scale = gl.load(scale_ptr)
+    a_scale = gl.load(a_scale_ptr)
     i = 0
     for tile in range(gl.program_id(0), num_pid_m * num_pid_n, num_programs):
         pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
@@ -171,12 +179,12 @@ def _mma(a_bufs, b_bufs, empty, ready, c_ptr, ldc, c_desc, c_bufs, scale_ptr, M,
         # two stages per iteration, each with its own A registers (see the module doc)
         a1 = gl.zeros((BM, BK), gl.float16, a_layout)
         for kk in range(0, k_tiles, 2):
-            a0 = _stage_a(a_bufs, i, ready, a_layout)
+            a0 = _stage_a(a_bufs, i, ready, a_scale, a_layout)
             acc = warpgroup_mma(a0, _stage_b(b_bufs, i, B_T), acc, is_async=True)
             warpgroup_mma_wait(1, deps=(acc, a1))  # retires the wgmma that read a1
             mbarrier.arrive(empty.index((i + stages - 1) % stages), pred=kk > 0)
             i += 1
-            a1 = _stage_a(a_bufs, i, ready, a_layout)
+            a1 = _stage_a(a_bufs, i, ready, a_scale, a_layout)
             acc = warpgroup_mma(a1, _stage_b(b_bufs, i, B_T), acc, is_async=True)
             warpgroup_mma_wait(1, deps=(acc, a0))
             mbarrier.arrive(empty.index((i + stages - 1) % stages))
@@ -202,12 +210,13 @@ def _mma(a_bufs, b_bufs, empty, ready, c_ptr, ldc, c_desc, c_bufs, scale_ptr, M,
 
 
 @gluon.jit
-def mixed_gemm_kernel(a_desc, b_desc, c_ptr, ldc, c_desc, scale_ptr, M, N, K, num_programs,
+def mixed_gemm_kernel(a_desc, b_desc, c_ptr, ldc, c_desc, a_scale_ptr, scale_ptr, M, N, K,
+                      num_programs,
                       BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
                       STAGES: gl.constexpr, B_T: gl.constexpr, GROUP_M: gl.constexpr,
                       PIECES: gl.constexpr, EPI: gl.constexpr, LOADER_REGS: gl.constexpr,
                       num_warps: gl.constexpr):
-    """c [N, M] (+)= scale · (A [M, K] · B [K, N])ᵀ, persistent; A bf16 from a [K, M]
+    """c [N, M] (+)= scale · ((a_scale·A) [M, K] · B [K, N])ᵀ, persistent; A bf16 from a [K, M]
     descriptor (blocks [BK, BM]); B fp16 from a [N, K] (``B_T``, blocks [BN, BK]) or a [K, N]
     descriptor (blocks [BK, BN])."""
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape,
@@ -225,8 +234,9 @@ def mixed_gemm_kernel(a_desc, b_desc, c_ptr, ldc, c_desc, scale_ptr, M, N, K, nu
         mbarrier.init(empty.index(s), count=1)
         mbarrier.init(ready.index(s), count=1)
     gl.warp_specialize([
-        (_mma, (a_bufs, b_bufs, empty, ready, c_ptr, ldc, c_desc, c_bufs, scale_ptr, M, N, K,
-                num_programs, BM, BN, BK, B_T, GROUP_M, PIECES, EPI, num_warps)),
+        (_mma, (a_bufs, b_bufs, empty, ready, c_ptr, ldc, c_desc, c_bufs, a_scale_ptr,
+                scale_ptr, M, N, K, num_programs, BM, BN, BK, B_T, GROUP_M, PIECES, EPI,
+                num_warps)),
         (_loader, (a_desc, b_desc, a_bufs, b_bufs, empty, ready, M, N, K, num_programs, BM,
                    BN, BK, B_T, GROUP_M)),
     ], [1], [LOADER_REGS])
@@ -258,9 +268,10 @@ def _programs(m, n, device):
     return max(1, min(sms, triton.cdiv(m, BM) * triton.cdiv(n, BN)))
 
 
-def dx_(dz16: torch.Tensor, w: torch.Tensor, out: torch.Tensor, scale: torch.Tensor) -> None:
-    """``out [C, H] = scale · dz16 [C, V] · w [V, H]`` (fp32 out, fp16 dz16, bf16 w; ``scale``
-    a (1,) fp32 device tensor)."""
+def dx_(dz16: torch.Tensor, w: torch.Tensor, out: torch.Tensor, scale: torch.Tensor,
+        w_scale: torch.Tensor) -> None:
+    """``out [C, H] = scale · dz16 [C, V] · fp16(w_scale · w) [V, H]`` (fp32 out, fp16 dz16,
+    bf16 w; the scales (1,) fp32 device tensors, ``w_scale`` from ``linear_jsd._range_scale``)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     c, v = dz16.shape
     h = w.shape[1]
@@ -270,16 +281,16 @@ def dx_(dz16: torch.Tensor, w: torch.Tensor, out: torch.Tensor, scale: torch.Ten
     a_desc = TensorDescriptor.from_tensor(w, [BK, BM], _layout([BK, BM], gl.bfloat16))
     b_desc = TensorDescriptor.from_tensor(dz16, [BN, BK], _layout([BN, BK], gl.float16))
     progs = _programs(h, c, w.device)
-    mixed_gemm_kernel[(progs,)](a_desc, b_desc, out, out.stride(0), a_desc, scale, h, c, v,
-                                progs, BM=BM, BN=BN, BK=BK, STAGES=STAGES, B_T=True,
+    mixed_gemm_kernel[(progs,)](a_desc, b_desc, out, out.stride(0), a_desc, w_scale, scale, h,
+                                c, v, progs, BM=BM, BN=BN, BK=BK, STAGES=STAGES, B_T=True,
                                 GROUP_M=GROUP_M, PIECES=PIECES, EPI=EPI_POINTERS,
                                 LOADER_REGS=LOADER_REGS, num_warps=WARPS)
 
 
 def dw_(dz16: torch.Tensor, x: torch.Tensor, acc: torch.Tensor, scale: torch.Tensor,
-        first: bool) -> None:
-    """``acc [V, H] (+)= scale · dz16ᵀ · x`` (``dz16 [C, V]`` fp16, ``x [C, H]`` bf16, ``acc``
-    fp32 with 16-byte aligned rows; ``first``: assign instead of add)."""
+        x_scale: torch.Tensor, first: bool) -> None:
+    """``acc [V, H] (+)= scale · dz16ᵀ · fp16(x_scale · x)`` (``dz16 [C, V]`` fp16, ``x [C, H]``
+    bf16, ``acc`` fp32 with 16-byte aligned rows; ``first``: assign instead of add)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     c, v = dz16.shape
     h = x.shape[1]
@@ -293,8 +304,8 @@ def dw_(dz16: torch.Tensor, x: torch.Tensor, acc: torch.Tensor, scale: torch.Ten
     b_desc = TensorDescriptor.from_tensor(dz16, [BK, BN], _layout([BK, BN], gl.float16))
     c_desc = TensorDescriptor.from_tensor(acc, c_block, _layout(c_block, gl.float32))
     progs = _programs(h, v, x.device)
-    mixed_gemm_kernel[(progs,)](a_desc, b_desc, acc, acc.stride(0), c_desc, scale, h, v, c,
-                                progs, BM=BM, BN=BN, BK=BK, STAGES=STAGES, B_T=False,
+    mixed_gemm_kernel[(progs,)](a_desc, b_desc, acc, acc.stride(0), c_desc, x_scale, scale, h,
+                                v, c, progs, BM=BM, BN=BN, BK=BK, STAGES=STAGES, B_T=False,
                                 GROUP_M=GROUP_M, PIECES=PIECES,
                                 EPI=EPI_TMA_STORE if first else EPI_TMA_ADD,
                                 LOADER_REGS=LOADER_REGS, num_warps=WARPS)
@@ -324,7 +335,7 @@ def compile_report(arch: int = 90) -> dict:
                    c_ptr="*fp32", ldc="i32",
                    c_desc=f"tensordesc<{'fp32' if epi else 'bf16'}[{c_block[0]},{c_block[1]}],"
                           f"{_layout(c_block, c_dt)!r}>",
-                   scale_ptr="*fp32", M="i32", N="i32", K="i32", num_programs="i32")
+                   a_scale_ptr="*fp32", scale_ptr="*fp32", M="i32", N="i32", K="i32", num_programs="i32")
         cons = dict(BM=BM, BN=BN, BK=BK, STAGES=STAGES, B_T=b_t, GROUP_M=GROUP_M,
                     PIECES=PIECES, EPI=epi, LOADER_REGS=LOADER_REGS, num_warps=WARPS)
         src = GluonASTSource(fn=mixed_gemm_kernel, constexprs=cons,
