@@ -231,6 +231,27 @@ SWEEP = [(bm, bn, bk, st, wa, 8) for bm, bn, bk, st, wa in [
     (128, 256, 64, 3, 8, 8, True), (128, 128, 64, 4, 8, 8, True), (128, 256, 64, 2, 8, 8, True)]
 
 
+
+def time_forms(steps, dev, reps):
+    """Time each "dx/…" and "dw/…" step interleaved with the others of its GEMM; rows with
+    each one's ratio to its GEMM's "…/cublas-bf16" step, printed, fastest first."""
+    from benchmarks import common
+    rows = []
+    for gemm in ("dx", "dw"):
+        names = [n for n in steps if n.startswith(gemm + "/")]
+        ts = common.time_interleaved([steps[n] for n in names], device=dev, reps=reps,
+                                     warmup_calls=2)
+        base = ts[names.index(f"{gemm}/cublas-bf16")].median_ms
+        for n, t in zip(names, ts):
+            rows.append({"name": n, "ms": t.median_ms, "iqr_ms": t.iqr_ms,
+                         "x_cublas_bf16": t.median_ms / base})
+    rows.sort(key=lambda r: (r["name"][:2], r["ms"]))
+    for r in rows:
+        print(f"{r['name']:34s} {r['ms']:7.3f} ms  {r['x_cublas_bf16']:.3f}x  "
+              f"(iqr {r['iqr_ms']:.3f})")
+    return rows
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--check", action="store_true", help="correctness at a small shape only")
@@ -291,18 +312,7 @@ def main(argv=None):
         except Exception as e:  # noqa: BLE001 - a config that does not compile is a result
             failed.append({"name": name, "error": f"{type(e).__name__}: {str(e)[:200]}"})
             print(f"{name}: {failed[-1]['error']}")
-    rows = []
-    for gemm in ("dx", "dw"):
-        names = [n for n in ok if n.startswith(gemm + "/")]
-        ts = common.time_interleaved([ok[n] for n in names], device=dev, reps=a.reps,
-                                     warmup_calls=2)
-        base = ts[names.index(f"{gemm}/cublas-bf16")].median_ms
-        for n, t in zip(names, ts):
-            rows.append({"name": n, "ms": t.median_ms, "iqr_ms": t.iqr_ms,
-                         "x_cublas_bf16": t.median_ms / base})
-    rows.sort(key=lambda r: (r["name"][:2], r["ms"]))
-    for r in rows:
-        print(f"{r['name']:32s} {r['ms']:7.3f} ms  {r['x_cublas_bf16']:.3f}x  (iqr {r['iqr_ms']:.3f})")
+    rows = time_forms(ok, dev, a.reps)
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.with_suffix(".json").write_text(json.dumps(

@@ -891,6 +891,12 @@ def test_triton_chunk_plans_keep_the_memory_budget(n, v):
             assert n - (k - 1) * chunk > chunk - 512 and sub % 256 == 0 or chunk == n
     assert tj.chunk_plan(8192, 128256, 2, True, False) == (1792, 384)
     assert tj.chunk_plan(8192, 128256, 2, True, True) == (2048, 1024)
+    # fp16 dz with fp32 logits: whole 1024s (one-wave dX pieces of our GEMM), c = C / 8
+    chunk, sub = tj.chunk_plan(n, v, 2, True, False, fp16_dz=True)
+    assert chunk * vp * 2 + 2 * sub * vp * 4 <= tj.FAST_BUDGET, (chunk, sub)
+    assert chunk % 1024 == 0 or chunk == n
+    assert tj.chunk_plan(8192, 128256, 2, True, False, fp16_dz=True) == (2048, 256)
+    assert tj.chunk_plan(8192, 128256, 2, True, True, fp16_dz=True) == (2048, 1024)
     # the user's sizes win
     assert tj.chunk_plan(8192, 128256, 2, True, True, chunk_size=2432) == (2432, 1024)
     assert tj.chunk_plan(8192, 128256, 2, True, True, logits_chunk_size=512) == (2048, 512)

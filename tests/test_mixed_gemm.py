@@ -131,3 +131,21 @@ def test_mixed_gemm_supported_names_what_it_takes():
     w12 = torch.zeros(64, 12, dtype=torch.bfloat16, device="cuda")
     assert not mixed_gemm.supported(w12, x[:, :12])  # H not a multiple of 8
     assert not mixed_gemm.supported(w.cpu(), x.cpu())
+
+
+@pytest.mark.parametrize("n, dtype", [(1, "bfloat16"), (4097, "float32"), (200003, "bfloat16"),
+                                      (65536 * 3, "float16")])
+def test_abs_max_is_exact(n, dtype):
+    """The fp16-dz range check's ``max |t|``: exactly torch's, across several programs (65536
+    elements each), a ragged end, the largest value negative; a NaN anywhere gives NaN; an
+    empty tensor 0."""
+    import torch
+    from logitless.triton_kernels.abs_max import abs_max
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(SEED + n)
+    t = torch.randn(n, generator=g).to(dev, getattr(torch, dtype))
+    t[n // 2] = -9.5
+    assert abs_max(t).item() == t.float().abs().max().item() == 9.5
+    t[-1] = float("nan")
+    assert torch.isnan(abs_max(t)).all()
+    assert abs_max(t[:0]).item() == 0.0
