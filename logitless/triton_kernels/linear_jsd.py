@@ -32,7 +32,8 @@ place, a second backward through the same graph (``retain_graph=True``) raises
 
 Memory beyond inputs and gradients: the fp32 accumulators' extra ``2·(V + N)·H`` bytes, plus
 ``C·V·itemsize + 2·c·V·4`` bytes of buffers (``memory_budget``, default 896 MiB: C = 1792,
-c = 384 (C/4 rounded down to a multiple of 128) at V = 128256 in bf16); with
+c = 384 (C/4 rounded down to a multiple of 128) at V = 128256 in bf16; with ``fp16_dz`` equal chunks
+in whole 1024s and c = C/8: C = 2048, c = 256, see :func:`chunk_plan`); with
 ``fp16_tile_logits`` ``C·V·2 + c·V·2`` plus ``2·c·⌈V/256⌉·4`` of offsets: the student's fp16
 logits are written into the rows of dz's buffer that their gradient will take (pass 3
 overwrites each element after reading it), the chunks are made equal (C = 2048 at N = 8192,
@@ -601,9 +602,10 @@ def linear_jsd(p: jsd_common.Prepared, opts: spec.LinearJSDOptions, *, chunk_siz
     """Returns the loss reduced per ``opts.reduction`` (flat ``(N,)`` for "none").
 
     Tuning (defaults in parentheses): ``chunk_size`` (None: from ``memory_budget``; tokens
-    per dX/dW chunk), ``logits_chunk_size`` (None: ``chunk_size / 4`` rounded down to a
-    multiple of 128, ``/ 2`` without fp32 logits; tokens per logits GEMM and row-kernel
-    launch), ``memory_budget`` (None: 896 MiB; bytes for the chunk buffers, which sets both
+    per dX/dW chunk; with ``fp16_dz`` and fp32 logits equal chunks in whole 1024s),
+    ``logits_chunk_size`` (None: ``chunk_size / 4`` rounded down to a multiple of 128, ``/ 8``
+    with ``fp16_dz`` and fp32 logits, ``/ 2`` without fp32 logits; tokens per logits GEMM and
+    row-kernel launch), ``memory_budget`` (None: 896 MiB; bytes for the chunk buffers, which sets both
     when they are not given), ``fp32_logits`` (True; False: logits in the input dtype, faster
     and ~1e-2 less accurate), ``grad_accum_dtype`` (``torch.float32``, or the input dtype to
     save ``2·V·H`` bytes at some accuracy cost), ``block_v`` (None: 1024 on a GPU; row-kernel
