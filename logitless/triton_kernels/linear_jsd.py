@@ -15,7 +15,7 @@ then, per chunk, ``dX = dz·W_s`` and ``dW (+)= dzᵀ·X_s`` (cuBLAS; on Hopper,
 default there, dz is fp16 times a power of two and both GEMMs are ours, :mod:`.mixed_gemm`,
 converting W_s and X_s to fp16 in registers: bf16 dz moves the gradients by 2.2e-3, fp16 dz
 leaves them at the bf16 result's own 1.7e-3; W_s's and X_s's own power-of-two scales for the
-conversion, 1 unless a value passes 65504, come from one ``aminmax`` each). For ``mean``/``sum`` this
+conversion, 1 unless a value passes 65504, come from one max|t| pass each). For ``mean``/``sum`` this
 all happens in the forward (gradients for the unit upstream gradient, ``1/Σm`` folded into dz
 so dX is rounded once); backward only scales by the upstream scalar (exact: the gradient is
 linear in it). Four GEMMs per token, the floor of the op. ``reduction="none"`` recomputes in
@@ -364,8 +364,13 @@ def _fwd_op(xs: torch.Tensor, ws: torch.Tensor, xt: torch.Tensor, wt: torch.Tens
     """-> (loss, Σm or 1, dX part a, dX part b, dW part a, dW part b): the gradients (for an
     upstream 1, with 1/Σm folded in unless fp16) only with ``grad_mode`` (mean/sum) and only
     those needed, in fp32 split pairs for half-precision inputs (see :func:`_sweep`);
-    ``dz_scale`` > 0: through an fp16 dz (``fp16_dz``)."""
+    ``dz_scale`` > 0: through an fp16 dz (``fp16_dz``), unless a tensor's address rules out
+    our GEMMs' TMA descriptors (checked here, where compiled graphs run real tensors)."""
     with common.on_device(xs):
+        if dz_scale and xs.is_cuda and not _interpret():
+            from . import mixed_gemm
+            if not mixed_gemm.supported(ws, xs):
+                dz_scale = 0.0
         cfg = _cfg(chunk, sub_chunk, logits_mode, block, segment, num_warps, grid, row_sync,
                    dx_rows, dz_scale)
         n = xs.shape[0]
@@ -496,9 +501,9 @@ def chunk_plan(n: int, v: int, itemsize: int, fp32_logits: bool, fp16_tile_logit
     """(C, c): tokens per dX/dW chunk and per logits sub-chunk, the user's where given, else
     from ``memory_budget`` (see the module's memory paragraph). ``fp16_dz`` with fp32 logits:
     equal chunks in whole 1024s and c = C/8 (2048 / 256 at N = 8192, V = 128256): our dX GEMM
-    then runs in whole one-wave pieces of 1024 rows that never straddle the fp32 dX pair's
-    split (at the 1792-token chunks it measured +3.1 ms a call on an H200; cuBLAS's split-K
-    kernels take such pieces in stride)."""
+    then runs in whole one-wave pieces of 1024 rows, which at N a multiple of 2048 never
+    straddle the fp32 dX pair's split (at the 1792-token chunks it measured +3.1 ms a call on
+    an H200; cuBLAS's split-K kernels take such pieces in stride)."""
     logit_bytes = 2 if fp16_tile_logits else 4 if fp32_logits else itemsize
     share = LOGITS_SHARE if (fp32_logits and not fp16_tile_logits) else 2
     dz16_plan = fp16_dz and fp32_logits and not fp16_tile_logits
@@ -542,18 +547,34 @@ def _tiles_can_run(p: jsd_common.Prepared, fp32_logits: bool) -> bool:
                for x, w in ((p.xs, p.ws), (p.xt, p.wt)))
 
 
-def _dz16_scale(temperature: float, hard_w: float) -> float:
-    """fp16 dz's power-of-two scale: the largest with ``|dz16|`` <= 2^15 (half fp16's range).
-    For an upstream 1, ``|dz|`` <= 1/T + w_h: the forward KL's ``(Q − P)/T`` is within 1/T,
-    the JSD's ``(1 − β)·Q·(Λ + K)/T`` within (2/e)/T (``Q·|Λ|`` and ``(1 − β)·K`` are each at
-    most 1/e, as Λ <= −log(1 − β) and M <= 1), the hard term's ``w_h·(S − [v = y])`` within
-    w_h. The reverse KL's ``Q·(δ + KL)/T`` has no such bound: it keeps a bf16 dz."""
-    bound = 1.0 / temperature + hard_w
-    return 2.0 ** math.floor(math.log2(32768.0 / bound))
+DZ16_MAX_SCALE = 2.0 ** 100  # past it the gradient is too small for fp16 (see _dz16_scale)
+
+
+def _dz_bound(beta: float, temperature: float, hard_w: float) -> float:
+    """A bound on ``|dz|`` for an upstream 1 (forward KL and JSD; the reverse KL's
+    ``Q·(δ + KL)/T`` has none): the forward KL's ``(Q − P)/T`` is within 1/T; the JSD's
+    ``(1 − β)·Q·(Λ − K)/T``, with Λ = log(Q/M) and K = Σ Q·Λ = KL(Q‖M) >= 0, within
+    ``(1 − β)·(min(β, 1/e) + min(−log(1 − β), 1/(e·(1 − β))))/T``: Q·Λ >= Q − M >= −β·P >= −β
+    (log x >= 1 − 1/x) and >= Q·log Q >= −1/e (M <= 1), while Q·Λ and K are at most
+    −log(1 − β) (M >= (1 − β)·Q) and (1 − β)·(−log(1 − β)) <= 1/e. It vanishes with β, as
+    the gradient does; the hard term's ``w_h·(S − [v = y])`` adds w_h."""
+    if beta == 0.0:
+        kl = 1.0
+    else:
+        far = min(-math.log1p(-beta), 1.0 / (math.e * (1.0 - beta)))
+        kl = (1.0 - beta) * (min(beta, 1.0 / math.e) + far)
+    return kl / temperature + hard_w
+
+
+def _dz16_scale(beta: float, temperature: float, hard_w: float) -> float:
+    """fp16 dz's power-of-two scale: the largest with ``S·bound <= 2^15`` (half fp16's range;
+    :func:`_dz_bound`), so that a gradient as small as β·1e-5 (β = 1e-10, say) is still
+    carried in fp16's normal range rather than lost below it."""
+    return 2.0 ** math.floor(math.log2(32768.0 / _dz_bound(beta, temperature, hard_w)))
 
 
 def _fp16_dz(requested, p: jsd_common.Prepared, opts: spec.LinearJSDOptions, grad_mode: int,
-             accum_fp32: bool) -> bool:
+             accum_fp32: bool, need_dw: bool) -> bool:
     """Whether the student's gradient GEMMs take an fp16 dz (``fp16_dz``; see linear_jsd).
     ``True`` is checked whether or not this call needs a gradient."""
     if requested is not None and not isinstance(requested, bool):
@@ -565,10 +586,13 @@ def _fp16_dz(requested, p: jsd_common.Prepared, opts: spec.LinearJSDOptions, gra
         why = "it takes one upstream gradient for every token: reduction 'mean' or 'sum'"
     elif opts.kind == "reverse_kl":
         why = "the reverse KL's (beta=1) logit gradient has no bound that fits fp16's range"
+    elif _dz16_scale(opts.beta, opts.temperature, opts.hard_loss_weight) > DZ16_MAX_SCALE:
+        why = ("the logit gradient is too small for fp16 at this beta / temperature (its "
+               "scale would pass 2^100)")
     elif p.xs.dtype != torch.bfloat16 or p.ws.dtype != torch.bfloat16:
         why = (f"it is for bfloat16 student inputs and weights, got {p.xs.dtype} / "
                f"{p.ws.dtype} (float16 inputs already give an fp16 dz)")
-    elif not accum_fp32:
+    elif not accum_fp32 and need_dw:
         why = "it accumulates dW in fp32: grad_accum_dtype must be torch.float32"
     elif p.xs.is_cuda and not _interpret():
         try:
@@ -576,7 +600,10 @@ def _fp16_dz(requested, p: jsd_common.Prepared, opts: spec.LinearJSDOptions, gra
         except ImportError as e:  # a Triton without Gluon's Hopper API
             why = f"its GEMMs need Triton's Gluon ({e})"
         else:
-            if not mixed_gemm.supported(p.ws, p.xs):
+            # the tensors' addresses are checked again in the op (_fwd_op): Dynamo cannot
+            # trace data_ptr()
+            if not mixed_gemm.supported(p.ws, p.xs,
+                                        check_address=not torch.compiler.is_compiling()):
                 why = ("its GEMMs need a Hopper GPU (compute capability 9.x) and bfloat16 "
                        "student weights and inputs with contiguous, 16-byte aligned rows "
                        "(H a multiple of 8)")
@@ -695,7 +722,7 @@ def linear_jsd(p: jsd_common.Prepared, opts: spec.LinearJSDOptions, *, chunk_siz
     need_dx = torch.is_grad_enabled() and xs.requires_grad
     need_dw = torch.is_grad_enabled() and p.ws.requires_grad
     grad_mode = FULL_GRAD if ((need_dx or need_dw) and opts.reduction != "none") else NO_GRAD
-    use16 = _fp16_dz(fp16_dz, p, opts, grad_mode, grad_accum_dtype == torch.float32)
+    use16 = _fp16_dz(fp16_dz, p, opts, grad_mode, grad_accum_dtype == torch.float32, need_dw)
     chunk, sub = chunk_plan(n, v, xs.element_size(), fp32_logits, fp16_tile_logits,
                             memory_budget, chunk_size, logits_chunk_size, use16)
     y = p.y
@@ -707,5 +734,5 @@ def linear_jsd(p: jsd_common.Prepared, opts: spec.LinearJSDOptions, *, chunk_siz
         LOGITS_TILES if fp16_tile_logits else LOGITS_FP32 if fp32_logits else LOGITS_INPUT,
         grad_accum_dtype == torch.float32, block, segment, num_warps or GPU_WARPS,
         grid, -1 if row_sync is None else int(row_sync), dx_rows,
-        _dz16_scale(opts.temperature, opts.hard_loss_weight) if use16 else 0.0)
+        _dz16_scale(opts.beta, opts.temperature, opts.hard_loss_weight) if use16 else 0.0)
     return loss

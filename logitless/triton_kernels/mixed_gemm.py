@@ -247,20 +247,24 @@ def _layout(block, dtype):
     return gl.NVMMASharedLayout.get_default_for(block, dtype)
 
 
-def _aligned(t: torch.Tensor) -> bool:
-    """A TMA operand: rows contiguous, row stride and base 16-byte aligned."""
-    return (t.dim() == 2 and t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0
-            and t.data_ptr() % 16 == 0)
+def _aligned(t: torch.Tensor, check_address: bool = True) -> bool:
+    """A TMA operand: rows contiguous and apart (no overlapping or broadcast rows), row
+    stride and (``check_address``) base 16-byte aligned."""
+    return (t.dim() == 2 and t.stride(1) == 1 and t.stride(0) >= max(1, t.shape[1])
+            and (t.stride(0) * t.element_size()) % 16 == 0
+            and (not check_address or t.data_ptr() % 16 == 0))
 
 
-def supported(w: torch.Tensor, x: torch.Tensor) -> bool:
+def supported(w: torch.Tensor, x: torch.Tensor, check_address: bool = True) -> bool:
     """Can this module run the student's GEMMs for head ``w [V, H]`` and tokens ``x [N, H]``
-    (a Hopper GPU, bf16, aligned rows)? A host-side check of shapes and properties only."""
+    (a Hopper GPU, bf16, aligned rows)? A host-side check of shapes and properties only
+    (``check_address=False``: not of the data pointers, which a traced graph does not see)."""
     if not (w.is_cuda and x.is_cuda) or w.dtype != torch.bfloat16 or x.dtype != torch.bfloat16:
         return False
     if torch.cuda.get_device_capability(w.device)[0] != 9:
         return False
-    return _aligned(w) and _aligned(x) and w.shape[1] % 8 == 0
+    return (_aligned(w, check_address) and _aligned(x, check_address)
+            and w.shape[1] % 8 == 0)
 
 
 def _programs(m, n, device):
