@@ -1022,16 +1022,19 @@ def test_triton_fp16_tile_logits_keep_lambda_beside_its_cancellation():
     against fp32 logits' (the median of draws like these 1.9x at T = 0.25, 1.5x at T = 0.5;
     at V = 128256 too, see jsd_logit_storage_probe's +lamsplit). Stored relative to the nearer
     end of its range (jsd_rows._lam_encode) their median is fp32 logits' again. Single draws
-    of 16 tokens scatter (up to 1.3x either way), so the test takes the median of five."""
+    of 16 tokens scatter (up to 1.3x either way), so the test takes the median of five.
+    Both with bf16 dz, the calibration's: fp16 dz (the Hopper default) takes fp32 logits'
+    errors to the bf16 floor, and the tiles' own storage error then shows beside them (a
+    median of 1.15-1.2x in one GPU run)."""
     ratios = []
     for draw in range(5):
         data = _data(16, 32, 32, 512, dtype="bfloat16", seed=17 + draw)
         opts = dict(beta=0.5, temperature=0.25)
         ref = _loss_and_grads(*[t.double() if t.is_floating_point() else t for t in data],
                               backend="torch", **opts)
-        fp32 = _loss_and_grads(*data, backend="triton", chunk_size=16, **opts)
+        fp32 = _loss_and_grads(*data, backend="triton", chunk_size=16, fp16_dz=False, **opts)
         tiles = _loss_and_grads(*data, backend="triton", chunk_size=16, fp16_tile_logits=True,
-                                **opts)
+                                fp16_dz=False, **opts)
         ratios.append(max(_rel(a, r) / _rel(b, r) for a, b, r in zip(tiles[1:], fp32[1:],
                                                                       ref[1:])))
     assert sorted(ratios)[2] < 1.15, ratios
