@@ -1024,8 +1024,8 @@ def test_triton_fp16_tile_logits_keep_lambda_beside_its_cancellation():
     end of its range (jsd_rows._lam_encode) their median is fp32 logits' again. Single draws
     of 16 tokens scatter (up to 1.3x either way), so the test takes the median of five.
     Both with bf16 dz, the calibration's: fp16 dz (the Hopper default) takes fp32 logits'
-    errors to the bf16 floor, and the tiles' own storage error then shows beside them (a
-    median of 1.15-1.2x in one GPU run)."""
+    errors to the bf16 floor, and the tiles' own storage error then shows beside them (the
+    median reached this test's 1.15 in one GPU run)."""
     ratios = []
     for draw in range(5):
         data = _data(16, 32, 32, 512, dtype="bfloat16", seed=17 + draw)
