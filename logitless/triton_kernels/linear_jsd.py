@@ -574,19 +574,21 @@ def _dz16_scale(beta: float, temperature: float, hard_w: float) -> float:
 
 
 def _fp16_dz(requested, p: jsd_common.Prepared, opts: spec.LinearJSDOptions, grad_mode: int,
-             accum_fp32: bool, need_dw: bool) -> bool:
-    """Whether the student's gradient GEMMs take an fp16 dz (``fp16_dz``; see linear_jsd).
-    ``True`` is checked whether or not this call needs a gradient."""
+             accum_fp32: bool, need_dw: bool) -> float:
+    """fp16 dz's scale (:func:`_dz16_scale`) where the student's gradient GEMMs take an fp16
+    dz (``fp16_dz``; see linear_jsd), else 0. ``True`` is checked whether or not this call
+    needs a gradient."""
     if requested is not None and not isinstance(requested, bool):
         raise TypeError(f"fp16_dz must be None or a bool, got {requested!r}")
     if requested is False:
-        return False
+        return 0.0
     why = None
     if opts.reduction == "none":
         why = "it takes one upstream gradient for every token: reduction 'mean' or 'sum'"
     elif opts.kind == "reverse_kl":
         why = "the reverse KL's (beta=1) logit gradient has no bound that fits fp16's range"
-    elif _dz16_scale(opts.beta, opts.temperature, opts.hard_loss_weight) > DZ16_MAX_SCALE:
+    elif (scale := _dz16_scale(opts.beta, opts.temperature,
+                               opts.hard_loss_weight)) > DZ16_MAX_SCALE:
         why = ("the logit gradient is too small for fp16 at this beta / temperature (its "
                "scale would pass 2^100)")
     elif p.xs.dtype != torch.bfloat16 or p.ws.dtype != torch.bfloat16:
@@ -610,9 +612,10 @@ def _fp16_dz(requested, p: jsd_common.Prepared, opts: spec.LinearJSDOptions, gra
     if why is not None:
         if requested:
             raise ValueError(f"fp16_dz=True: {why}")
-        return False
+        return 0.0
     # by default only where our GEMMs run (the interpreter's fp32 products are for tests)
-    return grad_mode == FULL_GRAD and (bool(requested) or (p.xs.is_cuda and not _interpret()))
+    on = grad_mode == FULL_GRAD and (bool(requested) or (p.xs.is_cuda and not _interpret()))
+    return scale if on else 0.0
 
 
 def _check_pow2(name, value, lo):
@@ -725,9 +728,10 @@ def linear_jsd(p: jsd_common.Prepared, opts: spec.LinearJSDOptions, *, chunk_siz
     need_dx = torch.is_grad_enabled() and xs.requires_grad
     need_dw = torch.is_grad_enabled() and p.ws.requires_grad
     grad_mode = FULL_GRAD if ((need_dx or need_dw) and opts.reduction != "none") else NO_GRAD
-    use16 = _fp16_dz(fp16_dz, p, opts, grad_mode, grad_accum_dtype == torch.float32, need_dw)
+    dz_scale = _fp16_dz(fp16_dz, p, opts, grad_mode, grad_accum_dtype == torch.float32,
+                        need_dw)
     chunk, sub = chunk_plan(n, v, xs.element_size(), fp32_logits, fp16_tile_logits,
-                            memory_budget, chunk_size, logits_chunk_size, use16)
+                            memory_budget, chunk_size, logits_chunk_size, dz_scale > 0)
     y = p.y
     if y is not None and y.dtype not in (torch.int32, torch.int64):
         y = y.long()
@@ -736,6 +740,5 @@ def linear_jsd(p: jsd_common.Prepared, opts: spec.LinearJSDOptions, *, chunk_siz
         opts.ignore_index, opts.hard_loss_weight, grad_mode, need_dx, need_dw, chunk, sub,
         LOGITS_TILES if fp16_tile_logits else LOGITS_FP32 if fp32_logits else LOGITS_INPUT,
         grad_accum_dtype == torch.float32, block, segment, num_warps or GPU_WARPS,
-        grid, -1 if row_sync is None else int(row_sync), dx_rows,
-        _dz16_scale(opts.beta, opts.temperature, opts.hard_loss_weight) if use16 else 0.0)
+        grid, -1 if row_sync is None else int(row_sync), dx_rows, dz_scale)
     return loss
