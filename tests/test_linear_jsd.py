@@ -912,19 +912,26 @@ def test_triton_fp16_tile_logits_are_as_accurate_as_fp32_logits(beta, temperatur
     reload both heads), with ignored tokens and the hard-label term. Offsets lost or
     misplaced would move them by orders of magnitude; K summed from unrounded Λ while pass
     3 used the fp16 one made T = 0.1 twice as far off (a review). V = 1000: blocks of 32
-    interpreted 32-column tiles (the broadcast offsets, pass 1's maxima from them)."""
+    interpreted 32-column tiles (the broadcast offsets, pass 1's maxima from them). One draw
+    of 30 tokens scatters (at T = 0.1 about 1 seed in 30 missed by up to 12%), so a miss of
+    the ratio alone is re-checked on two fresh draws, the harness's rule (2 of 3 draws)."""
     torch = _torch()
-    data = _data(30, 40, 24, v, dtype="bfloat16", seed=11)
-    opts = dict(beta=beta, temperature=temperature, hard_loss_weight=0.2)
-    ref = _loss_and_grads(*[t.double() if t.is_floating_point() else t for t in data],
-                          backend="torch", **opts)
-    fp32 = _loss_and_grads(*data, backend="triton", chunk_size=24, **opts)
-    tiles = _loss_and_grads(*data, backend="triton", chunk_size=24, fp16_tile_logits=True,
-                            **opts)
-    assert _rel(tiles[0], ref[0]) < 1e-4
-    for a, b, r in zip(tiles[1:], fp32[1:], ref[1:]):
-        assert a.dtype == torch.bfloat16
-        assert _rel(a, r) < 1.05 * _rel(b, r) + 1e-4, (_rel(a, r), _rel(b, r))
+    from harness import ToleranceExceeded, confirmed
+
+    def check(salt):
+        data = _data(30, 40, 24, v, dtype="bfloat16", seed=11 + salt)
+        opts = dict(beta=beta, temperature=temperature, hard_loss_weight=0.2)
+        ref = _loss_and_grads(*[t.double() if t.is_floating_point() else t for t in data],
+                              backend="torch", **opts)
+        fp32 = _loss_and_grads(*data, backend="triton", chunk_size=24, **opts)
+        tiles = _loss_and_grads(*data, backend="triton", chunk_size=24, fp16_tile_logits=True,
+                                **opts)
+        assert _rel(tiles[0], ref[0]) < 1e-4
+        for a, b, r in zip(tiles[1:], fp32[1:], ref[1:]):
+            assert a.dtype == torch.bfloat16
+            if not _rel(a, r) < 1.05 * _rel(b, r) + 1e-4:
+                raise ToleranceExceeded(f"{_rel(a, r)} vs fp32 logits' {_rel(b, r)}")
+    confirmed(check)
 
 
 @pytest.mark.parametrize("beta, temperature, hard", [(0.5, 1.0, 0.0), (0.0, 2.0, 0.3),
